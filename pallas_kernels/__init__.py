@@ -1,0 +1,56 @@
+"""Pallas GPU kernels of mixserve, each beside its plain jnp reference.
+
+Every public op takes `backend=`: "xla" (jnp reference), "pallas" (Triton-
+backed Pallas kernel on an NVIDIA GPU) or "interpret" (the same kernel in the
+Pallas interpreter, for CPU tests); None/"auto" picks "pallas" on GPU, else
+"xla".
+
+Tensor names end in their axes, one capital letter per axis:
+
+  Paged attention (paged_attention_gqa.py, paged_attention_mla.py)
+    B  requests in the decode batch (one query token each)
+    H  query heads
+    K  KV heads (GQA); H = K * G
+    G  query heads sharing one KV head
+    R  query rows of a kernel block: G (GQA) or H (MLA) padded to a power of two >= 16
+    D  head dim
+    P  physical pages in the KV pool
+    S  page size (tokens per page)
+    N  page-table slots per request (logical pages)
+    T  tokens of one block inside a kernel
+    X  split-K (flash-decoding) partials
+    C  MLA latent width = L + rope dims
+    L  MLA kv_lora_rank (value width)
+    V  value width of a softmax partial (D or L)
+
+  INT4 matmuls (int4_matmul.py, moe_int4_matmul.py)
+    M  activation rows (tokens)
+    T  expert-sorted token rows (MoE); in a work list, T indexes tiles
+    K  input features (the contraction)
+    Q  packed int32 rows = K / 8
+    N  output features
+    G  quantization groups = K / group_size
+    E  experts
+"""
+
+from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.int4_matmul import (
+    dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
+    unpack_int4)
+from pallas_kernels.moe_int4_matmul import moe_int4_matmul
+from pallas_kernels.paged_attention_gqa import paged_attention_gqa
+from pallas_kernels.paged_attention_mla import paged_attention_mla
+
+__all__ = [
+    "Backend",
+    "dequantize_int4",
+    "from_compressed_tensors",
+    "int4_matmul",
+    "moe_int4_matmul",
+    "pack_int4",
+    "paged_attention_gqa",
+    "paged_attention_mla",
+    "resolve_backend",
+    "to_compressed_tensors",
+    "unpack_int4",
+]

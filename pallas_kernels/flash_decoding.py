@@ -1,0 +1,205 @@
+"""Split-K ("flash-decoding") pieces shared by the paged attention kernels.
+
+A decode step has one query token per request, so a grid over (request, head)
+alone leaves most GPU SMs idle at small batch. Flash-decoding also splits each
+request's pages into `num_splits` chunks processed by separate grid steps. Each
+step runs an online softmax over its chunk and writes a partial
+(acc, max, sum); `combine_partials` merges the partials exactly afterwards.
+
+Everything here is used inside Triton-lowered kernel bodies, so it sticks to
+what the Pallas Triton lowering supports: power-of-two block shapes, 2-D dots,
+elementwise math and reductions.
+"""
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import mma
+
+# Streams at least this many tokens per inner step, so that every dot has a
+# contraction / output dim >= 16 (the smallest Triton MMA tile) even at page
+# size 8, while a [64, 576] bf16 MLA latent block still fits shared memory
+# twice (software pipelining).
+_BLOCK_TOKENS = 64
+# Two waves of programs over the 132 SMs of an H100/H200.
+_TARGET_PROGRAMS = 2 * 132
+# Triton launch parameters (ignored by the interpreter): 4 warps cover a
+# [16, 64] x [64, 128] MMA; 2 stages overlap the next page gather with math.
+COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+    """How the N page-table slots of a request are cut into grid steps."""
+
+    pages_per_block: int  # pages gathered per inner-loop step (power of two)
+    blocks_per_split: int  # inner-loop steps of one split
+    num_splits: int  # grid extent of the split axis
+
+    @property
+    def pages_per_split(self) -> int:
+        return self.pages_per_block * self.blocks_per_split
+
+
+def plan_splits(num_slots: int, page_size: int, parallel_programs: int) -> SplitPlan:
+    """Picks the split so that parallel_programs * num_splits fills the GPU."""
+    pages_per_block = max(1, _BLOCK_TOKENS // page_size)
+    pages_per_block = min(pages_per_block, pl.next_power_of_2(num_slots))
+    num_blocks = -(-num_slots // pages_per_block)
+    wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
+    num_splits = max(1, min(wanted, num_blocks))
+    blocks_per_split = -(-num_blocks // num_splits)
+    # Re-derive so that no split is entirely past the page table.
+    num_splits = -(-num_blocks // blocks_per_split)
+    return SplitPlan(pages_per_block, blocks_per_split, num_splits)
+
+
+def split_page_table(page_table_BN: jax.Array, plan: SplitPlan) -> jax.Array:
+    """[B, N] -> [B, X, pages_per_split], padded with page 0.
+
+    Padding slots are only ever read inside a block that also holds valid
+    tokens, and are masked there, so any in-range page id works.
+    """
+    b, n = page_table_BN.shape
+    padded = plan.num_splits * plan.pages_per_split
+    table = jnp.pad(page_table_BN.astype(jnp.int32), ((0, 0), (0, padded - n)))
+    return table.reshape(b, plan.num_splits, plan.pages_per_split)
+
+
+def compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:
+    """Operand dtype of the in-kernel dots; accumulation is always float32.
+
+    fp8 (e4m3 and e5m2) and bf16 values are exactly representable in bf16, so
+    casting pages to bf16 is an exact dequantization that keeps tensor-core
+    speed; the per-tensor/per-head scale is applied to the f32 logits and the
+    f32 output instead. Any float32 operand makes the whole dot float32.
+    """
+    if jnp.float32 in (jnp.dtype(q_dtype), jnp.dtype(kv_dtype)):
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.bfloat16)
+
+
+class SoftmaxPartial(NamedTuple):
+    """Online-softmax state for R query rows over the tokens seen so far."""
+
+    acc_RV: jax.Array  # f32: sum_t exp(logit_t - max) * value_t
+    max_R: jax.Array  # f32: running max logit (finite: finfo.min when empty)
+    sum_R: jax.Array  # f32: sum_t exp(logit_t - max)
+
+
+def empty_partial(rows: int, value_dim: int) -> SoftmaxPartial:
+    # A finite "minus infinity" keeps exp(max_a - max_b) NaN-free when a
+    # split saw no tokens at all (empty request or split past its length).
+    return SoftmaxPartial(
+        jnp.zeros((rows, value_dim), jnp.float32),
+        jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def online_softmax_step(
+    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array
+) -> SoftmaxPartial:
+    """Folds one block of T tokens into the running state.
+
+    Invalid tokens (past the request's length) get probability exactly 0 and
+    their values are zeroed too: a stale cache slot may hold NaN/Inf bit
+    patterns (fp8 e4m3fn has a NaN encoding), and 0 * NaN would poison acc.
+    values_TV is in the dot operand dtype; the probabilities are rounded to it
+    for the tensor-core dot (as FlashAttention does) but summed in f32.
+    """
+    logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+    max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
+    rescale_R = jnp.exp(state.max_R - max_R)
+    p_RT = jnp.exp(logits_RT - max_R[:, None])
+    values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
+    acc_RV = state.acc_RV * rescale_R[:, None] + mma.dot_nn(p_RT.astype(values_TV.dtype), values_TV)
+    sum_R = state.sum_R * rescale_R + jnp.sum(p_RT, axis=1)
+    return SoftmaxPartial(acc_RV, max_R, sum_R)
+
+
+def attend_split(
+    slots_ref, length: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
+    rows: int, value_dim: int, logits_and_values: Callable,
+) -> SoftmaxPartial:
+    """Online softmax over the token blocks of one split of one request.
+
+    slots_ref holds this split's page ids; logits_and_values(pages) gathers
+    those pages and returns (logits [R, T] f32, values [T, V]). The loop stops
+    at the request's last page, so blocks past the length cost no HBM traffic.
+    """
+    first_slot = split * plan.pages_per_split
+    used_slots = (length + page_size - 1) // page_size - first_slot
+    num_blocks = jnp.clip(
+        (used_slots + plan.pages_per_block - 1) // plan.pages_per_block, 0, plan.blocks_per_split)
+    block_tokens = plan.pages_per_block * page_size
+
+    def body(block, state):
+        pages = slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
+        logits_RT, values_TV = logits_and_values(pages)
+        first_token = (first_slot + block * plan.pages_per_block) * page_size
+        valid_T = first_token + jnp.arange(block_tokens) < length
+        return online_softmax_step(state, logits_RT, valid_T, values_TV)
+
+    return lax.fori_loop(0, num_blocks, body, empty_partial(rows, value_dim))
+
+
+def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref) -> None:
+    acc_ref[...] = state.acc_RV
+    max_ref[...] = state.max_R
+    sum_ref[...] = state.sum_R
+
+
+def partial_shapes(lead: tuple[int, ...], rows: int, value_dim: int) -> list[jax.ShapeDtypeStruct]:
+    """Output shapes of (acc, max, sum) for grid axes `lead` (split axis last)."""
+    return [
+        jax.ShapeDtypeStruct((*lead, rows, value_dim), jnp.float32),
+        jax.ShapeDtypeStruct((*lead, rows), jnp.float32),
+        jax.ShapeDtypeStruct((*lead, rows), jnp.float32),
+    ]
+
+
+def partial_specs(num_lead: int, rows: int, value_dim: int) -> list[pl.BlockSpec]:
+    """One (acc, max, sum) block per grid step; the grid is exactly `lead`."""
+    lead = (None,) * num_lead
+    return [
+        pl.BlockSpec((*lead, rows, value_dim), lambda *grid_ids: (*grid_ids, 0, 0)),
+        pl.BlockSpec((*lead, rows), lambda *grid_ids: (*grid_ids, 0)),
+        pl.BlockSpec((*lead, rows), lambda *grid_ids: (*grid_ids, 0)),
+    ]
+
+
+def combine_partials(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array) -> jax.Array:
+    """Merges split partials into the softmax output [..., R, V].
+
+    The split axis is the last axis before R (as written by `partial_specs`);
+    any batch axes come before it. A request with no tokens has sum 0 in every
+    split and gets output 0 rather than 0/0.
+    """
+    acc_XRV, max_XR, sum_XR = (jnp.moveaxis(x, n, 0) for x, n in ((acc_XRV, -3), (max_XR, -2), (sum_XR, -2)))
+    max_R = jnp.max(max_XR, axis=0)
+    weight_XR = jnp.exp(max_XR - max_R[None])
+    sum_R = jnp.sum(sum_XR * weight_XR, axis=0)
+    acc_RV = jnp.sum(acc_XRV * weight_XR[..., None], axis=0)
+    return acc_RV / jnp.where(sum_R > 0, sum_R, 1.0)[..., None]
+
+
+def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int, page_size: int) -> None:
+    """Static checks of the page table and lengths shared by both kernels."""
+    if page_table_BN.ndim != 2 or page_table_BN.shape[0] != batch:
+        raise ValueError(f"page_table_BN must be [B={batch}, N], got {page_table_BN.shape}")
+    if not jnp.issubdtype(page_table_BN.dtype, jnp.integer):
+        raise ValueError(f"page_table_BN must be integer, got {page_table_BN.dtype}")
+    if lengths_B.shape != (batch,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
+        raise ValueError(f"lengths_B must be int [B={batch}], got {lengths_B.dtype}{lengths_B.shape}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"page size must be a power of two (Triton block shapes), got {page_size}")
+

@@ -1,0 +1,250 @@
+"""W4A16 matmul: bf16 activations times group-quantized signed INT4 weights.
+
+Packed layout (fixed; other code depends on it):
+  packed_QN int32 [K/8, N], Q = K/8. For k = 8*i + j, weight value[k, n]
+  is stored as the unsigned nibble value + 8 (0..15, so value in [-8, 7]) in
+  bits 4j..4j+3 of packed[i, n]: the low nibble holds the lowest k.
+  scales_GN [K/group_size, N] bf16 or f32:
+      weight[k, n] = value[k, n] * scales[k // group_size, n].
+  This is exactly the transpose of compressed-tensors "pack-quantized"
+  (weight_packed int32 [N, K/8], same nibble order along K; weight_scale
+  [N, K/group]); see from_compressed_tensors / to_compressed_tensors.
+  Expert-batched weights add a leading axis: [E, K/8, N] and [E, K/g, N].
+
+Kernel strategy (Triton-style, no in-kernel interleave): x is permuted once
+outside the kernel into 8 stride-8 planes, x_planes[j, m, i] = x[m, 8i + j]
+(cheap: x is tiny next to the weights). Nibble plane j of a packed block,
+((packed >> 4j) & 15) - 8, is then a dense [BK/8, BN] matrix matching
+x_planes[j], and the block product is the sum of 8 dots [BM, BK/8] x
+[BK/8, BN]. Each packed row i lies in one group, i // (group_size/8), so its
+scale row is gathered with one vectorized load and applied before the bf16
+tensor-core dot; the products accumulate in float32.
+
+Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
+than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
+variant (moe_int4_matmul.py) picks each tile's expert from a work list with a
+dynamic index into the expert axis, which Triton lowers to pointer arithmetic.
+Small M uses split-K over extra grid steps so that a 7168 x 2048 weight is
+streamed by hundreds of programs, not 16.
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import mma
+from pallas_kernels.backend import resolve_backend
+
+PACK = 8  # int4 values per int32
+_NIBBLE_SHIFTS = jnp.arange(PACK, dtype=jnp.uint32) * 4
+_BLOCK_M_CAP = 64
+_BLOCK_N_CAP = 128
+_BLOCK_K_CAP = 256
+_TARGET_PROGRAMS = 2 * 132  # two waves over the SMs of an H100/H200
+_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=3)
+
+
+def pack_int4(values_KN: jax.Array) -> jax.Array:
+    """int values in [-8, 7], [..., K, N] -> int32 [..., K/8, N] (layout above)."""
+    if not jnp.issubdtype(values_KN.dtype, jnp.integer):
+        raise ValueError(f"pack_int4 needs integer values in [-8, 7], got {values_KN.dtype}")
+    *lead, k, n = values_KN.shape
+    if k % PACK:
+        raise ValueError(f"K={k} must be a multiple of {PACK} to pack int4 into int32")
+    nibbles = (values_KN.astype(jnp.int32) + 8).astype(jnp.uint32) & 15
+    nibbles = nibbles.reshape(*lead, k // PACK, PACK, n) << _NIBBLE_SHIFTS[:, None]
+    # Disjoint bit fields: the sum is the bitwise OR.
+    return jax.lax.bitcast_convert_type(jnp.sum(nibbles, axis=-2, dtype=jnp.uint32), jnp.int32)
+
+
+def unpack_int4(packed_QN: jax.Array) -> jax.Array:
+    """int32 [..., K/8, N] -> int8 [..., K, N] with values in [-8, 7]."""
+    *lead, q, n = packed_QN.shape
+    bits = jax.lax.bitcast_convert_type(packed_QN, jnp.uint32)[..., :, None, :]
+    nibbles = (bits >> _NIBBLE_SHIFTS[:, None]) & 15
+    return (nibbles.astype(jnp.int8) - 8).reshape(*lead, q * PACK, n)
+
+
+def dequantize_int4(packed_QN: jax.Array, scales_GN: jax.Array, group_size: int,
+                    dtype=jnp.float32) -> jax.Array:
+    """Real weights [..., K, N] = value * group scale, computed in f32, cast to dtype."""
+    values = unpack_int4(packed_QN).astype(jnp.float32)
+    scales = jnp.repeat(scales_GN.astype(jnp.float32), group_size, axis=-2)
+    return (values * scales).astype(dtype)
+
+
+def from_compressed_tensors(weight_packed_NQ: jax.Array, weight_scale_NG: jax.Array):
+    """compressed-tensors pack-quantized (..., [N, K/8], [N, K/g]) -> (packed_QN, scales_GN)."""
+    return jnp.swapaxes(weight_packed_NQ, -1, -2), jnp.swapaxes(weight_scale_NG, -1, -2)
+
+
+def to_compressed_tensors(packed_QN: jax.Array, scales_GN: jax.Array):
+    """(packed_QN, scales_GN) -> compressed-tensors (weight_packed_NQ, weight_scale_NG)."""
+    return jnp.swapaxes(packed_QN, -1, -2), jnp.swapaxes(scales_GN, -1, -2)
+
+
+def check_int4_operands(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array,
+                        group_size: int) -> None:
+    """ValueError naming the mismatch; packed/scales may carry an expert axis."""
+    if x_MK.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x_MK.shape}")
+    if x_MK.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bf16 or f32, got {x_MK.dtype}")
+    k = x_MK.shape[1]
+    if group_size <= 0 or group_size % PACK:
+        raise ValueError(f"group_size={group_size} must be a positive multiple of {PACK}")
+    if k % group_size:
+        raise ValueError(f"group_size={group_size} does not divide K={k}")
+    if packed_QN.dtype != jnp.int32 or packed_QN.shape[-2] != k // PACK:
+        raise ValueError(f"packed weights must be int32 [..., K/8={k // PACK}, N], got {packed_QN.dtype}{packed_QN.shape}")
+    expected = (*packed_QN.shape[:-2], k // group_size, packed_QN.shape[-1])
+    if scales_GN.shape != expected:
+        raise ValueError(f"scales must be [..., K/group_size, N] = {expected}, got {scales_GN.shape}")
+
+
+def int4_matmul(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, *,
+                group_size: int, backend: str | None = None) -> jax.Array:
+    """y = x @ dequantize(packed, scales), f32 accumulation, returned in x's dtype."""
+    backend = resolve_backend(backend)
+    if packed_QN.ndim != 2:
+        raise ValueError(f"packed weights must be [K/8, N], got {packed_QN.shape}")
+    check_int4_operands(x_MK, packed_QN, scales_GN, group_size)
+    if backend == "xla":
+        return _reference(x_MK, packed_QN, scales_GN, group_size=group_size)
+    return _dense_kernel(x_MK, packed_QN, scales_GN, group_size=group_size,
+                         interpret=backend == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _reference(x_MK, packed_QN, scales_GN, *, group_size: int):
+    w_KN = dequantize_int4(packed_QN, scales_GN, group_size)
+    y_MN = jnp.dot(x_MK.astype(jnp.float32), w_KN, precision=jax.lax.Precision.HIGHEST)
+    return y_MN.astype(x_MK.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret"))
+def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: bool):
+    m = x_MK.shape[0]
+    block_m = tile_rows(m)
+    num_tiles = -(-m // block_m)
+    tiling = plan_tiling(block_m, packed_QN.shape[-1], x_MK.shape[1], num_tiles)
+    starts_T = jnp.arange(num_tiles, dtype=jnp.int32) * tiling.block_m
+    schedule = TileSchedule(
+        expert_T=jnp.zeros((num_tiles,), jnp.int32),
+        start_T=starts_T,
+        rows_T=jnp.minimum(m - starts_T, tiling.block_m),
+    )
+    x_MK = jnp.pad(x_MK, ((0, num_tiles * tiling.block_m - m), (0, 0)))
+    y_TMN = int4_tiles(x_MK, packed_QN[None], scales_GN[None], schedule, tiling,
+                       group_size=group_size, interpret=interpret)
+    return y_TMN.reshape(-1, y_TMN.shape[-1])[:m].astype(x_MK.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tiling:
+    block_m: int  # rows of x per tile
+    block_n: int  # output columns per program
+    block_k: int  # input features per inner step (block_k / 8 packed rows)
+    num_splits: int  # split-K programs per (tile, column block)
+
+    def blocks_per_split(self, k: int) -> int:
+        return k // self.block_k // self.num_splits
+
+
+class TileSchedule(NamedTuple):
+    """Work list: tile t multiplies x rows [start, start + block_m) by expert's weights.
+
+    rows_T == 0 marks an unused tile: its programs skip the weight stream and
+    write zeros.
+    """
+
+    expert_T: jax.Array  # int32
+    start_T: jax.Array  # int32
+    rows_T: jax.Array  # int32
+
+
+def tile_rows(rows: int) -> int:
+    """Rows per tile for tiles that hold about `rows` rows."""
+    return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
+
+
+def plan_tiling(block_m: int, n: int, k: int, num_tiles: int) -> Int4Tiling:
+    """Block sizes, and split-K wide enough to give the GPU ~2 waves of programs."""
+    block_n = mma.pow2_divisor(n, _BLOCK_N_CAP)
+    block_k = mma.pow2_divisor(k, _BLOCK_K_CAP)
+    programs = num_tiles * (n // block_n)
+    k_blocks = k // block_k
+    wanted = -(-_TARGET_PROGRAMS // programs)
+    num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
+    return Int4Tiling(block_m, block_n, block_k, num_splits)
+
+
+def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
+                 tiling: Int4Tiling, group_size: int, blocks_per_split: int):
+    """One (tile, column block, split) program.
+
+    Refs: expert/start/rows [1]; x_planes [8, M, K/8]; packed [E, K/8, BN];
+    scales [E, K/g, BN]; out [BM, BN] f32 partial sum over this split's K.
+    """
+    expert = expert_ref[0]
+    start = start_ref[0]
+    packed_rows = tiling.block_k // PACK
+    packed_rows_per_group = group_size // PACK
+    first_block = pl.program_id(2) * blocks_per_split
+    # An unused tile streams no weights (the decode case: most experts idle).
+    num_blocks = jnp.where(rows_ref[0] > 0, blocks_per_split, 0)
+
+    def body(block, acc_MN):
+        first_row = (first_block + block) * packed_rows
+        packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
+        groups_Q = (first_row + jnp.arange(packed_rows)) // packed_rows_per_group
+        scale_QN = scales_ref[expert, groups_Q, :].astype(jnp.float32)
+        for j in range(PACK):
+            x_MQ = x_ref[j, pl.ds(start, tiling.block_m), pl.ds(first_row, packed_rows)]
+            values_QN = ((packed_QN >> (4 * j)) & 15) - 8
+            w_QN = (values_QN.astype(jnp.float32) * scale_QN).astype(x_MQ.dtype)
+            acc_MN += mma.dot_nn(x_MQ, w_QN)
+        return acc_MN
+
+    out_ref[...] = jax.lax.fori_loop(
+        0, num_blocks, body, jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
+
+
+def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
+               schedule: TileSchedule, tiling: Int4Tiling, *, group_size: int,
+               interpret: bool) -> jax.Array:
+    """Runs the work list; returns f32 [tiles, block_m, N] (split-K summed).
+
+    x rows [start, start + block_m) of every tile must exist in x_MK (callers
+    pad); rows past a tile's `rows` are computed but belong to no output.
+    """
+    m, k = x_MK.shape
+    num_experts, _, n = packed_EQN.shape
+    num_tiles = schedule.start_T.shape[0]
+    # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
+    x_planes_8MQ = x_MK.reshape(m, k // PACK, PACK).transpose(2, 0, 1)
+    scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
+    partial_XTMN = pl.pallas_call(
+        functools.partial(_int4_kernel, tiling=tiling, group_size=group_size,
+                          blocks_per_split=tiling.blocks_per_split(k)),
+        grid=(num_tiles, n // tiling.block_n, tiling.num_splits),
+        in_specs=[
+            scalar_spec,
+            scalar_spec,
+            scalar_spec,
+            pl.BlockSpec(x_planes_8MQ.shape, lambda t, c, s: (0, 0, 0)),
+            pl.BlockSpec((num_experts, k // PACK, tiling.block_n), lambda t, c, s: (0, 0, c)),
+            pl.BlockSpec((num_experts, k // group_size, tiling.block_n), lambda t, c, s: (0, 0, c)),
+        ],
+        out_specs=pl.BlockSpec((None, None, tiling.block_m, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.block_m, n), jnp.float32),
+        compiler_params=_COMPILER_PARAMS,
+        interpret=interpret,
+        name="int4_matmul",
+    )(schedule.expert_T, schedule.start_T, schedule.rows_T, x_planes_8MQ, packed_EQN, scales_EGN)
+    return jnp.sum(partial_XTMN, axis=0)

@@ -1,0 +1,39 @@
+"""Tile-shape rules and float32-accumulating dots shared by all kernels.
+
+Triton (the backend of `jax.experimental.pallas.triton`) needs every loaded
+block to have a power-of-two number of elements, and its MMA instructions need
+tiles of at least 16 rows and a contraction of at least 16.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+MIN_DOT_ROWS = 16
+
+
+def padded_rows(rows: int, cap: int | None = None) -> int:
+    """Rows of a dot operand block: a power of two, at least one MMA tile."""
+    block = max(MIN_DOT_ROWS, pl.next_power_of_2(rows))
+    return block if cap is None else min(block, cap)
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap that divides n."""
+    block = 1
+    while block * 2 <= cap and n % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def dot_nt(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
+    """a @ b.T with float32 accumulation (IEEE, not TF32, for f32 operands)."""
+    return lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dot_nn(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
+    """a @ b with float32 accumulation (IEEE, not TF32, for f32 operands)."""
+    return lax.dot_general(a_MK, b_KN, (((1,), (0,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

@@ -1,0 +1,172 @@
+"""Paged grouped-query decode attention with an FP8/BF16 KV cache.
+
+One decode token per request attends to that request's pages of a paged KV
+cache. All G query heads sharing a KV head are one kernel block, so each K/V
+page is read from HBM once per step, not G times.
+
+Why Triton-backed Pallas: the kernel is a gather (pages picked through the
+page table) followed by small dots. Triton lowers `ref[page_ids]` to per-row
+pointer arithmetic, so a block of pages scattered anywhere in the pool is one
+vectorized load with no copy and no scalar-prefetch machinery, and its dots
+accept the [16, T] x [T, D] shapes of decode. The same body runs in the Pallas
+interpreter on CPU for tests.
+
+Shapes (see the glossary in pallas_kernels/__init__.py):
+  q_BHD            [B, H, D]   bf16 or f32, H = K * G
+  k/v_pages_KPSD   [K, P, S, D] bf16, f32, float8_e4m3fn or float8_e5m2
+  page_table_BN    [B, N] int32 physical page of each logical page slot
+  lengths_B        [B] int32 valid tokens per request (0 allowed)
+  k_scale, v_scale f32 scalar or [K]: real value = stored value * scale
+  out_BHD          [B, H, D] in q's dtype
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import flash_decoding as fd
+from pallas_kernels import mma
+from pallas_kernels.backend import resolve_backend
+
+
+def paged_attention_gqa(
+    q_BHD: jax.Array,
+    k_pages_KPSD: jax.Array,
+    v_pages_KPSD: jax.Array,
+    page_table_BN: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    k_scale,
+    v_scale,
+    softmax_scale: float,
+    backend: str | None = None,
+) -> jax.Array:
+    """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens."""
+    backend = resolve_backend(backend)
+    _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B)
+    num_kv_heads = k_pages_KPSD.shape[0]
+    k_scale_K = _per_head(k_scale, num_kv_heads, "k_scale")
+    v_scale_K = _per_head(v_scale, num_kv_heads, "v_scale")
+    softmax_scale = jnp.float32(softmax_scale)
+    if backend == "xla":
+        return _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+                          k_scale_K, v_scale_K, softmax_scale)
+    return _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+                   k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret")
+
+
+def _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B) -> None:
+    if q_BHD.ndim != 3 or k_pages_KPSD.ndim != 4:
+        raise ValueError(f"expected q [B, H, D] and pages [K, P, S, D], got {q_BHD.shape}, {k_pages_KPSD.shape}")
+    if k_pages_KPSD.shape != v_pages_KPSD.shape or k_pages_KPSD.dtype != v_pages_KPSD.dtype:
+        raise ValueError(f"k/v pages differ: {k_pages_KPSD.dtype}{k_pages_KPSD.shape} vs {v_pages_KPSD.dtype}{v_pages_KPSD.shape}")
+    if k_pages_KPSD.dtype not in fd.KV_DTYPES:
+        raise ValueError(f"unsupported KV dtype {k_pages_KPSD.dtype}; expected one of {fd.KV_DTYPES}")
+    if q_BHD.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bf16 or f32, got {q_BHD.dtype}")
+    b, h, d = q_BHD.shape
+    kvh, _, page_size, kd = k_pages_KPSD.shape
+    if kd != d or h % kvh:
+        raise ValueError(f"q [B, H={h}, D={d}] does not fit pages [K={kvh}, P, S, D={kd}]: need H % K == 0 and equal D")
+    fd.check_paging(page_table_BN, lengths_B, b, page_size)
+
+
+def _per_head(scale, num_kv_heads: int, name: str) -> jax.Array:
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.ndim == 0:
+        return jnp.broadcast_to(scale, (num_kv_heads,))
+    if scale.shape != (num_kv_heads,):
+        raise ValueError(f"{name} must be a scalar or [K={num_kv_heads}], got {scale.shape}")
+    return scale
+
+
+@jax.jit
+def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+               k_scale_K, v_scale_K, softmax_scale):
+    """Gather the pages, dequantize to f32, masked softmax: the spec, in jnp."""
+    b, h, d = q_BHD.shape
+    kvh, _, page_size, _ = k_pages_KPSD.shape
+    n = page_table_BN.shape[1]
+
+    def dequantized_BKTD(pages_KPSD, scale_K):
+        gathered_KBNSD = pages_KPSD[:, page_table_BN].astype(jnp.float32)
+        values_BKTD = gathered_KBNSD.transpose(1, 0, 2, 3, 4).reshape(b, kvh, n * page_size, d)
+        return values_BKTD * scale_K[None, :, None, None]
+
+    valid_BT = jnp.arange(n * page_size)[None, :] < lengths_B[:, None]
+    k_BKTD = dequantized_BKTD(k_pages_KPSD, k_scale_K)
+    # Slots past the length may hold stale NaN/Inf bits: zero them, since
+    # probability 0 times NaN is still NaN.
+    v_BKTD = jnp.where(valid_BT[:, None, :, None], dequantized_BKTD(v_pages_KPSD, v_scale_K), 0.0)
+    q_BKGD = q_BHD.astype(jnp.float32).reshape(b, kvh, h // kvh, d)
+    logits_BKGT = jnp.einsum("bkgd,bktd->bkgt", q_BKGD, k_BKTD,
+                             precision=jax.lax.Precision.HIGHEST) * softmax_scale
+    logits_BKGT = jnp.where(valid_BT[:, None, None, :], logits_BKGT, -jnp.inf)
+    # An empty request has all logits -inf; its output is defined as zeros.
+    max_BKG = jnp.max(logits_BKGT, axis=-1, keepdims=True)
+    p_BKGT = jnp.exp(logits_BKGT - jnp.where(jnp.isfinite(max_BKG), max_BKG, 0.0))
+    sum_BKG = jnp.sum(p_BKGT, axis=-1, keepdims=True)
+    out_BKGD = jnp.einsum("bkgt,bktd->bkgd", p_BKGT / jnp.where(sum_BKG > 0, sum_BKG, 1.0), v_BKTD,
+                          precision=jax.lax.Precision.HIGHEST)
+    return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)
+
+
+def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int):
+    """One (request, KV head, split) grid step.
+
+    Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
+    split's page ids [pages_per_split], length [1], logit scale [1];
+    outputs acc [R, D], max [R], sum [R].
+    """
+    q_RD = q_ref[...]
+    rows, head_dim = q_RD.shape
+    logit_scale = logit_scale_ref[0]
+    block_tokens = plan.pages_per_block * page_size
+
+    def logits_and_values(pages):
+        # Exact dequantization (fp8/bf16 -> bf16, or -> f32); the scales are
+        # applied to the f32 logits here and to the combined f32 output.
+        k_TD = k_pages_ref[pages].reshape(block_tokens, head_dim).astype(q_RD.dtype)
+        v_TD = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(q_RD.dtype)
+        return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
+
+    state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
+                            rows, head_dim, logits_and_values)
+    fd.store_partial(state, acc_ref, max_ref, sum_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+            k_scale_K, v_scale_K, softmax_scale, *, interpret: bool):
+    b, h, d = q_BHD.shape
+    kvh, _, page_size, _ = k_pages_KPSD.shape
+    g = h // kvh
+    rows = mma.padded_rows(g)
+    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh)
+    dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype)
+    q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(dtype), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    slots_BXN = fd.split_page_table(page_table_BN, plan)
+    logit_scale_K = k_scale_K * softmax_scale
+    pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
+    partials = pl.pallas_call(
+        functools.partial(_gqa_kernel, plan=plan, page_size=page_size),
+        grid=(b, kvh, plan.num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, None, plan.pages_per_split), lambda bi, ki, xi: (bi, xi, 0)),
+            pl.BlockSpec((1,), lambda bi, ki, xi: (bi,)),
+            pl.BlockSpec((1,), lambda bi, ki, xi: (ki,)),
+        ],
+        out_specs=fd.partial_specs(3, rows, d),
+        out_shape=fd.partial_shapes((b, kvh, plan.num_splits), rows, d),
+        compiler_params=fd.COMPILER_PARAMS,
+        interpret=interpret,
+        name="paged_attention_gqa",
+    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B.astype(jnp.int32), logit_scale_K)
+    out_BKGD = fd.combine_partials(*partials)[:, :, :g] * v_scale_K[None, :, None, None]
+    return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)

@@ -1,0 +1,159 @@
+"""Absorbed multi-head latent attention (MLA) decode over a paged latent cache.
+
+This is the FlashMLA decode shape used by DeepSeek-V3-style models (Kimi K2,
+GLM-5): with the up-projections absorbed into the query and the output, every
+token is cached as ONE latent vector of width C = L + R shared by all heads
+(L = kv_lora_rank, e.g. 512; R = decoupled RoPE dims, e.g. 64). Keys are the
+whole C-vector and values are its first L entries, so each latent is read once
+per step and serves both products for all H heads of the request.
+
+Why Triton-backed Pallas: like the GQA kernel, a block of pages is gathered
+through the page table with one vectorized pointer load, and all H heads form
+the M side of the dots ([16, C] x [C, T], then [16, T] x [T, L]). Triton
+blocks must be powers of two and C = 576 is not, so the kernel reads the
+latent as two column views, [.., :L] and [.., L:], and adds their logits.
+
+Shapes (see the glossary in pallas_kernels/__init__.py):
+  q_BHC             [B, H, C]  bf16 or f32
+  latent_pages_PSC  [P, S, C]  bf16, f32, float8_e4m3fn or float8_e5m2
+  page_table_BN     [B, N] int32, lengths_B [B] int32 (0 allowed)
+  scale             f32 scalar: real latent = stored latent * scale
+  out_BHL           [B, H, L] in q's dtype
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import flash_decoding as fd
+from pallas_kernels import mma
+from pallas_kernels.backend import resolve_backend
+
+
+def paged_attention_mla(
+    q_BHC: jax.Array,
+    latent_pages_PSC: jax.Array,
+    page_table_BN: jax.Array,
+    lengths_B: jax.Array,
+    *,
+    kv_lora_rank: int,
+    scale,
+    softmax_scale: float,
+    backend: str | None = None,
+) -> jax.Array:
+    """softmax(q latent^T * softmax_scale) latent[:, :L] per request."""
+    backend = resolve_backend(backend)
+    _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.ndim != 0:
+        raise ValueError(f"MLA latent scale must be a per-tensor scalar, got shape {scale.shape}")
+    softmax_scale = jnp.float32(softmax_scale)
+    if backend == "xla":
+        return _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
+                          kv_lora_rank=kv_lora_rank)
+    return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
+                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret")
+
+
+def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:
+    if q_BHC.ndim != 3 or latent_pages_PSC.ndim != 3:
+        raise ValueError(f"expected q [B, H, C] and latent pages [P, S, C], got {q_BHC.shape}, {latent_pages_PSC.shape}")
+    if latent_pages_PSC.dtype not in fd.KV_DTYPES:
+        raise ValueError(f"unsupported latent dtype {latent_pages_PSC.dtype}; expected one of {fd.KV_DTYPES}")
+    if q_BHC.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bf16 or f32, got {q_BHC.dtype}")
+    b, _, c = q_BHC.shape
+    _, page_size, latent_c = latent_pages_PSC.shape
+    if latent_c != c:
+        raise ValueError(f"q width C={c} differs from latent width {latent_c}")
+    if not 0 < kv_lora_rank <= c:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={c}]")
+    fd.check_paging(page_table_BN, lengths_B, b, page_size)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank",))
+def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
+               kv_lora_rank: int):
+    """Gather the latents, dequantize to f32, masked softmax: the spec, in jnp."""
+    b, _, c = q_BHC.shape
+    n = page_table_BN.shape[1]
+    page_size = latent_pages_PSC.shape[1]
+    valid_BT = jnp.arange(n * page_size)[None, :] < lengths_B[:, None]
+    latent_BTC = latent_pages_PSC[page_table_BN].astype(jnp.float32).reshape(b, n * page_size, c) * scale
+    # Slots past the length may hold stale NaN/Inf bits; 0 * NaN is NaN.
+    latent_BTC = jnp.where(valid_BT[:, :, None], latent_BTC, 0.0)
+    logits_BHT = jnp.einsum("bhc,btc->bht", q_BHC.astype(jnp.float32), latent_BTC,
+                            precision=jax.lax.Precision.HIGHEST) * softmax_scale
+    logits_BHT = jnp.where(valid_BT[:, None, :], logits_BHT, -jnp.inf)
+    # An empty request has all logits -inf; its output is defined as zeros.
+    max_BH = jnp.max(logits_BHT, axis=-1, keepdims=True)
+    p_BHT = jnp.exp(logits_BHT - jnp.where(jnp.isfinite(max_BH), max_BH, 0.0))
+    sum_BH = jnp.sum(p_BHT, axis=-1, keepdims=True)
+    out_BHL = jnp.einsum("bht,btl->bhl", p_BHT / jnp.where(sum_BH > 0, sum_BH, 1.0),
+                         latent_BTC[..., :kv_lora_rank], precision=jax.lax.Precision.HIGHEST)
+    return out_BHL.astype(q_BHC.dtype)
+
+
+def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int):
+    """One (request, split) grid step.
+
+    Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
+    ids [pages_per_split], length [1], logit scale [1]; outputs acc [R, L],
+    max [R], sum [R].
+    """
+    rows, width = q_ref.shape
+    rope_dim = width - kv_lora_rank
+    block_tokens = plan.pages_per_block * page_size
+    logit_scale = logit_scale_ref[0]
+    # Two power-of-two column views of the non-power-of-two latent width.
+    q_RL = q_ref[:, pl.ds(0, kv_lora_rank)]
+    q_RR = q_ref[:, pl.ds(kv_lora_rank, rope_dim)] if rope_dim else None
+
+    def columns(pages, start: int, size: int):
+        block = latent_ref[pages, :, pl.ds(start, size)]
+        return block.reshape(block_tokens, size).astype(q_RL.dtype)  # exact dequantization
+
+    def logits_and_values(pages):
+        latent_TL = columns(pages, 0, kv_lora_rank)
+        logits_RT = mma.dot_nt(q_RL, latent_TL)
+        if rope_dim:
+            logits_RT += mma.dot_nt(q_RR, columns(pages, kv_lora_rank, rope_dim))
+        return logits_RT * logit_scale, latent_TL
+
+    state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
+                            rows, kv_lora_rank, logits_and_values)
+    fd.store_partial(state, acc_ref, max_ref, sum_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret"))
+def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
+            kv_lora_rank: int, interpret: bool):
+    b, h, c = q_BHC.shape
+    page_size = latent_pages_PSC.shape[1]
+    rows = mma.padded_rows(h)
+    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b)
+    dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype)
+    q_BRC = jnp.pad(q_BHC.astype(dtype), ((0, 0), (0, rows - h), (0, 0)))
+    slots_BXN = fd.split_page_table(page_table_BN, plan)
+    logit_scale = (scale * softmax_scale).reshape(1)
+    partials = pl.pallas_call(
+        functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank),
+        grid=(b, plan.num_splits),
+        in_specs=[
+            pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),
+            pl.BlockSpec(latent_pages_PSC.shape, lambda bi, xi: (0, 0, 0)),
+            pl.BlockSpec((None, None, plan.pages_per_split), lambda bi, xi: (bi, xi, 0)),
+            pl.BlockSpec((1,), lambda bi, xi: (bi,)),
+            pl.BlockSpec((1,), lambda bi, xi: (0,)),
+        ],
+        out_specs=fd.partial_specs(2, rows, kv_lora_rank),
+        out_shape=fd.partial_shapes((b, plan.num_splits), rows, kv_lora_rank),
+        compiler_params=fd.COMPILER_PARAMS,
+        interpret=interpret,
+        name="paged_attention_mla",
+    )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B.astype(jnp.int32), logit_scale)
+    out_BRL = fd.combine_partials(*partials) * scale
+    return out_BRL[:, :h].astype(q_BHC.dtype)

@@ -1,0 +1,368 @@
+"""Paged decode attention (GQA and absorbed MLA): interpret-mode kernels vs jnp
+references vs a float64 numpy computation of the same function.
+
+Every test draws fresh inputs from a seed taken from os.urandom; the seed is in
+every assertion message, so `_rng(seed)` reproduces a failure.
+
+Poisoning. The Pallas interpreter fills kernel outputs with NaN before the
+kernel runs (checked by test_interpreter_poisons_outputs), so a split partial
+the kernel forgets to write turns the combined output into NaN and fails.
+Cache slots past a request's length, and pages no request owns, are filled
+with NaN too, so any read of a masked token that leaks into the result fails.
+
+Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-9, e4m3 2^-4):
+* reference vs float64, f32 q: every step is an f32 op on O(1) values with
+  sums over <= a few hundred terms, so |err| <= 1e-5 * max|v| (about 100 u_f32
+  of accumulated rounding).
+* kernel vs reference on the SAME cache values:
+  - f32 q: both accumulate in f32, only the order differs: 1e-5 * max|v|.
+  - bf16 q: the kernel feeds the probabilities p to the PV tensor-core dot in
+    bf16 (as FlashAttention does); K/V in bf16 are exact copies of the bf16 or
+    fp8 cache values. |sum_i (bf16(p_i) - p_i) v_i| <= u_bf16 sum_i p_i |v_i|
+    <= u_bf16 max|v|. Both outputs are then rounded to bf16 (<= u_bf16 |out|
+    each, |out| <= max|v|), so |kernel - ref| <= 3 u_bf16 max|v|.
+* FP8 vs BF16 on the same unquantized values: see test_fp8_within_e4m3_bound.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention_gqa, paged_attention_mla
+from pallas_kernels.backend import resolve_backend
+
+U_BF16 = 2.0**-9
+U_E4M3 = 2.0**-4
+E4M3_MAX = 448.0
+# Half the spacing of e4m3 subnormals (2^-9): absolute rounding error floor.
+E4M3_SUBNORMAL_ERR = 2.0**-10
+F32_TOL = 1e-5
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+class PagedCache:
+    """Random paged layout: distinct pages per request, NaN in every unused slot."""
+
+    def __init__(self, rng, lengths, num_slots: int, page_size: int, extra_pages: int = 3):
+        self.lengths = np.asarray(lengths, np.int32)
+        batch = len(lengths)
+        used = [-(-int(n) // page_size) for n in lengths]
+        self.num_pages = sum(used) + extra_pages
+        order = rng.permutation(self.num_pages)
+        # Slots past a request's last page point at arbitrary in-range pages.
+        self.page_table = rng.integers(0, self.num_pages, (batch, num_slots)).astype(np.int32)
+        valid = np.zeros((self.num_pages, page_size), bool)
+        nxt = 0
+        for b, n in enumerate(used):
+            self.page_table[b, :n] = order[nxt:nxt + n]
+            for j in range(n):
+                filled = min(page_size, int(lengths[b]) - j * page_size)
+                valid[order[nxt + j], :filled] = True
+            nxt += n
+        self.valid_PS = valid
+        self.page_size = page_size
+
+    def poison(self, pages_PSX: np.ndarray) -> np.ndarray:
+        """NaN in every slot no request may read (broadcast over page axes P, S)."""
+        out = np.array(pages_PSX, np.float32)
+        out[~self.valid_PS] = np.nan
+        return out
+
+    def tokens(self, b: int, pages_PSX: np.ndarray) -> np.ndarray:
+        """The request's valid tokens in order, [length, ...], float64."""
+        flat = np.asarray(pages_PSX, np.float64)[self.page_table[b]]
+        flat = flat.reshape(-1, *pages_PSX.shape[2:])
+        return flat[: self.lengths[b]]
+
+
+def _softmax_attend(q_HC, k_TC, v_TV, softmax_scale) -> np.ndarray:
+    """float64 attention for one request; zeros when there are no tokens."""
+    if k_TC.shape[0] == 0:
+        return np.zeros((q_HC.shape[0], v_TV.shape[1]))
+    logits = q_HC @ k_TC.T * softmax_scale
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v_TV
+
+
+def _gqa_float64(q_BHD, k_KPSD, v_KPSD, cache: PagedCache, k_scale_K, v_scale_K, softmax_scale):
+    q = np.asarray(q_BHD, np.float64)
+    b, h, d = q.shape
+    kvh = k_KPSD.shape[0]
+    g = h // kvh
+    out = np.zeros((b, h, d))
+    for bi in range(b):
+        for ki in range(kvh):
+            k = cache.tokens(bi, np.asarray(k_KPSD[ki], np.float64)) * k_scale_K[ki]
+            v = cache.tokens(bi, np.asarray(v_KPSD[ki], np.float64)) * v_scale_K[ki]
+            out[bi, ki * g:(ki + 1) * g] = _softmax_attend(q[bi, ki * g:(ki + 1) * g], k, v, softmax_scale)
+    return out
+
+
+def _mla_float64(q_BHC, latent_PSC, cache: PagedCache, kv_lora_rank, scale, softmax_scale):
+    q = np.asarray(q_BHC, np.float64)
+    out = np.zeros((*q.shape[:2], kv_lora_rank))
+    for bi in range(q.shape[0]):
+        lat = cache.tokens(bi, np.asarray(latent_PSC, np.float64)) * scale
+        out[bi] = _softmax_attend(q[bi], lat, lat[:, :kv_lora_rank], softmax_scale)
+    return out
+
+
+def _as_np(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _gqa_inputs(rng, *, batch, kv_heads, group, head_dim, page_size, num_slots, lengths,
+                kv_dtype, q_dtype, per_head):
+    cache = PagedCache(rng, lengths, num_slots, page_size)
+    q = rng.standard_normal((batch, kv_heads * group, head_dim))
+    pages = [cache.poison(rng.standard_normal((kv_heads, cache.num_pages, page_size, head_dim)).transpose(1, 2, 0, 3))
+             .transpose(2, 0, 1, 3) for _ in range(2)]
+    k_scale = rng.uniform(0.5, 2.0, kv_heads) if per_head else np.float32(rng.uniform(0.5, 2.0))
+    v_scale = rng.uniform(0.5, 2.0, kv_heads) if per_head else np.float32(rng.uniform(0.5, 2.0))
+    return dict(
+        q_BHD=jnp.asarray(q, q_dtype),
+        k_pages_KPSD=jnp.asarray(pages[0], kv_dtype),
+        v_pages_KPSD=jnp.asarray(pages[1], kv_dtype),
+        page_table_BN=jnp.asarray(cache.page_table),
+        lengths_B=jnp.asarray(cache.lengths),
+        k_scale=jnp.asarray(k_scale, jnp.float32),
+        v_scale=jnp.asarray(v_scale, jnp.float32),
+        softmax_scale=head_dim**-0.5,
+    ), cache
+
+
+def _gqa_expected(args, cache):
+    kvh = args["k_pages_KPSD"].shape[0]
+    per_head = lambda s: np.broadcast_to(np.asarray(s, np.float64), (kvh,))
+    return _gqa_float64(_as_np(args["q_BHD"]), _as_np(args["k_pages_KPSD"]), _as_np(args["v_pages_KPSD"]),
+                        cache, per_head(args["k_scale"]), per_head(args["v_scale"]), args["softmax_scale"])
+
+
+def _max_abs_v(args) -> float:
+    v = _as_np(args["v_pages_KPSD"]) * np.asarray(args["v_scale"], np.float64).reshape(-1, 1, 1, 1)
+    return float(np.nanmax(np.abs(v)))
+
+
+def _check_close(actual, expected, tol, seed, what):
+    actual = _as_np(actual)
+    assert np.all(np.isfinite(actual)), f"{what}: non-finite output (unwritten or leaked NaN), seed={seed}"
+    err = float(np.max(np.abs(actual - expected)))
+    assert err <= tol, f"{what}: max |err| {err:.3g} > bound {tol:.3g}, seed={seed}"
+
+
+# (kv_heads, group, head_dim, page_size, num_slots, lengths): ragged lengths with
+# 0, 1, exact page ends and mid-page ends, several split-K chunks.
+GQA_SHAPES = [
+    (1, 12, 64, 8, 9, (0, 1, 37, 72)),
+    (2, 4, 32, 16, 6, (17, 96, 0)),
+    (2, 1, 128, 32, 3, (33, 64, 5)),
+]
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES)
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_gqa_reference_matches_float64(shape, kv_dtype):
+    seed = _seed()
+    kvh, g, d, s, n, lengths = shape
+    args, cache = _gqa_inputs(_rng(seed), batch=len(lengths), kv_heads=kvh, group=g, head_dim=d,
+                              page_size=s, num_slots=n, lengths=lengths, kv_dtype=kv_dtype,
+                              q_dtype=jnp.float32, per_head=True)
+    out = paged_attention_gqa(**args, backend="xla")
+    _check_close(out, _gqa_expected(args, cache), F32_TOL * _max_abs_v(args), seed, "gqa reference")
+
+
+@pytest.mark.parametrize(
+    "shape, kv_dtype, q_dtype, per_head",
+    [
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False),
+        (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True),
+        (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True),
+        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False),
+        (GQA_SHAPES[2], jnp.float32, jnp.float32, False),
+    ],
+)
+def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head):
+    seed = _seed()
+    kvh, g, d, s, n, lengths = shape
+    args, cache = _gqa_inputs(_rng(seed), batch=len(lengths), kv_heads=kvh, group=g, head_dim=d,
+                              page_size=s, num_slots=n, lengths=lengths, kv_dtype=kv_dtype,
+                              q_dtype=q_dtype, per_head=per_head)
+    got = paged_attention_gqa(**args, backend="interpret")
+    assert got.shape == args["q_BHD"].shape and got.dtype == q_dtype
+    ref = _as_np(paged_attention_gqa(**args, backend="xla"))
+    tol = (F32_TOL if q_dtype == jnp.float32 else 3 * U_BF16) * _max_abs_v(args)
+    _check_close(got, ref, tol, seed, "gqa kernel vs reference")
+    empty = np.asarray(cache.lengths) == 0
+    assert np.all(_as_np(got)[empty] == 0), f"empty requests must give zeros, seed={seed}"
+
+
+def _e4m3_quantize(values: np.ndarray, axis_amax) -> tuple[np.ndarray, np.ndarray]:
+    """Per-head scale = amax / 448 (no saturation); returns (fp8 values, scale)."""
+    scale = axis_amax / E4M3_MAX
+    return values / scale.reshape(-1, *([1] * (values.ndim - 1))), scale
+
+
+def _fp8_output_bound(q_HC, k_TC, v_TV, k_scale, v_scale, softmax_scale) -> np.ndarray:
+    """Worst-case |attn(fp8 K/V) - attn(K/V)| per output element, float64.
+
+    Rounding to e4m3 (3 mantissa bits) gives k~ = k + dk with
+    |dk| <= u|k| + a, u = 2^-4 and a = 2^-10 * scale (subnormal floor); same for v.
+    Logits: |ds_i| = softmax_scale |q . dk_i| <= softmax_scale sum_c |q_c| (u|k_ic| + a) =: e_i <= e.
+    Softmax: p~_i / p_i = exp(ds_i) / sum_j p_j exp(ds_j) lies in [exp(-2e), exp(2e)],
+    so |p~_i - p_i| <= (exp(2e) - 1) p_i.
+    Output: o~ - o = sum_i p~_i dv_i + sum_i (p~_i - p_i) v_i, hence
+    |o~ - o| <= max_i |dv_i| + (exp(2e) - 1) sum_i p_i |v_i|   (elementwise in V)
+             <= max_i (u|v_i| + a_v) + (exp(2e) - 1) max_i |v_i|.
+    """
+    if k_TC.shape[0] == 0:
+        return np.zeros((q_HC.shape[0], v_TV.shape[1]))
+    eps_H = softmax_scale * np.max(np.abs(q_HC) @ (U_E4M3 * np.abs(k_TC) + E4M3_SUBNORMAL_ERR * k_scale).T, axis=1)
+    vmax_V = np.max(np.abs(v_TV), axis=0)
+    return (U_E4M3 * vmax_V + E4M3_SUBNORMAL_ERR * v_scale)[None, :] + np.expm1(2 * eps_H)[:, None] * vmax_V[None, :]
+
+
+def test_fp8_within_e4m3_bound():
+    """FP8 e4m3 (per-head scales) vs BF16 attention on the same unquantized values.
+
+    Both run the interpret-mode kernel with f32 queries (so kernel rounding is
+    ~1e-6, see the module docstring) and the difference must stay within
+    _fp8_output_bound (derived there) plus that f32 slack. Queries have std 1/8
+    so the worst-case logit term exp(2e) - 1 stays small enough (e ~ 0.03) for
+    the bound to say something; with unit-variance q and k, e ~ 0.2 and the
+    worst case (all rounding errors aligned) exceeds max|v|, although the
+    actual error, a random walk, stays far smaller.
+    """
+    seed = _seed()
+    rng = _rng(seed)
+    kvh, g, d, s, n, lengths = 2, 8, 64, 16, 5, (0, 1, 40, 80)
+    cache = PagedCache(rng, lengths, n, s)
+    shape = (kvh, cache.num_pages, s, d)
+    # The unquantized cache: bf16 values (what a BF16 KV cache would store).
+    k_true = _as_np(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+    v_true = _as_np(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+    k_fp8, k_scale = _e4m3_quantize(k_true, np.abs(k_true).max(axis=(1, 2, 3)))
+    v_fp8, v_scale = _e4m3_quantize(v_true, np.abs(v_true).max(axis=(1, 2, 3)))
+    poison = lambda x: cache.poison(x.transpose(1, 2, 0, 3)).transpose(2, 0, 1, 3)
+    q = rng.standard_normal((len(lengths), kvh * g, d)) / 8
+    common = dict(q_BHD=jnp.asarray(q, jnp.float32), page_table_BN=jnp.asarray(cache.page_table),
+                  lengths_B=jnp.asarray(cache.lengths), softmax_scale=d**-0.5, backend="interpret")
+    out_bf16 = _as_np(paged_attention_gqa(
+        k_pages_KPSD=jnp.asarray(poison(k_true), jnp.bfloat16), v_pages_KPSD=jnp.asarray(poison(v_true), jnp.bfloat16),
+        k_scale=1.0, v_scale=1.0, **common))
+    out_fp8 = _as_np(paged_attention_gqa(
+        k_pages_KPSD=jnp.asarray(poison(k_fp8), jnp.float8_e4m3fn), v_pages_KPSD=jnp.asarray(poison(v_fp8), jnp.float8_e4m3fn),
+        k_scale=jnp.asarray(k_scale, jnp.float32), v_scale=jnp.asarray(v_scale, jnp.float32), **common))
+    assert np.all(np.isfinite(out_fp8)) and np.all(np.isfinite(out_bf16)), f"seed={seed}"
+    slack = F32_TOL * np.abs(v_true).max()
+    for b in range(len(lengths)):
+        for ki in range(kvh):
+            rows = slice(ki * g, (ki + 1) * g)
+            bound = _fp8_output_bound(q[b, rows], cache.tokens(b, k_true[ki]), cache.tokens(b, v_true[ki]),
+                                      k_scale[ki], v_scale[ki], d**-0.5) + slack
+            err = np.abs(out_fp8[b, rows] - out_bf16[b, rows])
+            assert np.all(err <= bound), (
+                f"request {b} head {ki}: fp8 error {err.max():.3g} exceeds e4m3 bound "
+                f"(min margin {np.min(bound - err):.3g}), seed={seed}")
+            if lengths[b] > 1:
+                assert bound.max() < 0.5 * np.abs(v_true).max(), f"bound is vacuous, seed={seed}"
+
+
+# (heads, latent width C, kv_lora_rank L, page_size, num_slots, lengths)
+MLA_SHAPES = [
+    (8, 576, 512, 16, 4, (0, 1, 50)),
+    (5, 48, 32, 8, 7, (56, 3)),
+    (16, 96, 64, 32, 3, (70, 33, 0, 64)),
+]
+
+
+def _mla_inputs(rng, *, heads, width, rank, page_size, num_slots, lengths, kv_dtype, q_dtype):
+    cache = PagedCache(rng, lengths, num_slots, page_size)
+    latent = cache.poison(rng.standard_normal((cache.num_pages, page_size, width)))
+    return dict(
+        q_BHC=jnp.asarray(rng.standard_normal((len(lengths), heads, width)), q_dtype),
+        latent_pages_PSC=jnp.asarray(latent, kv_dtype),
+        page_table_BN=jnp.asarray(cache.page_table),
+        lengths_B=jnp.asarray(cache.lengths),
+        kv_lora_rank=rank,
+        scale=jnp.float32(rng.uniform(0.5, 2.0)),
+        softmax_scale=width**-0.5,
+    ), cache
+
+
+def _mla_max_abs_v(args) -> float:
+    latent = _as_np(args["latent_pages_PSC"])[..., : args["kv_lora_rank"]]
+    return float(np.nanmax(np.abs(latent))) * float(args["scale"])
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+def test_mla_reference_matches_float64(shape):
+    seed = _seed()
+    h, c, rank, s, n, lengths = shape
+    args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
+                              lengths=lengths, kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32)
+    expected = _mla_float64(_as_np(args["q_BHC"]), _as_np(args["latent_pages_PSC"]), cache, rank,
+                            float(args["scale"]), args["softmax_scale"])
+    _check_close(paged_attention_mla(**args, backend="xla"), expected, F32_TOL * _mla_max_abs_v(args),
+                 seed, "mla reference")
+
+
+@pytest.mark.parametrize(
+    "shape, kv_dtype, q_dtype",
+    [
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16),
+        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32),
+        (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16),
+        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32),
+    ],
+)
+def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype):
+    seed = _seed()
+    h, c, rank, s, n, lengths = shape
+    args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
+                              lengths=lengths, kv_dtype=kv_dtype, q_dtype=q_dtype)
+    got = paged_attention_mla(**args, backend="interpret")
+    assert got.shape == (len(lengths), h, rank) and got.dtype == q_dtype
+    ref = _as_np(paged_attention_mla(**args, backend="xla"))
+    tol = (F32_TOL if q_dtype == jnp.float32 else 3 * U_BF16) * _mla_max_abs_v(args)
+    _check_close(got, ref, tol, seed, "mla kernel vs reference")
+    assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
+
+
+def test_interpreter_poisons_outputs():
+    """The NaN-poisoning the kernel tests rely on: unwritten outputs read NaN."""
+    from jax.experimental import pallas as pl
+
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    out = pl.pallas_call(writes_nothing, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+                         interpret=True)(jnp.ones((8,), jnp.float32))
+    assert np.all(np.isnan(np.asarray(out)))
+
+
+def test_backend_resolution_and_errors():
+    assert resolve_backend("xla") == "xla"
+    assert resolve_backend(None) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert resolve_backend("auto") == resolve_backend(None)
+    args, _ = _gqa_inputs(_rng(0), batch=1, kv_heads=1, group=2, head_dim=8, page_size=8, num_slots=1,
+                          lengths=(3,), kv_dtype=jnp.bfloat16, q_dtype=jnp.float32, per_head=False)
+    with pytest.raises(ValueError, match="unknown backend"):
+        paged_attention_gqa(**args, backend="cuda")
+    with pytest.raises(ValueError, match="H % K"):
+        paged_attention_gqa(**{**args, "q_BHD": args["q_BHD"][:, :, :4]}, backend="xla")
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention_gqa(**{**args, "k_scale": jnp.ones((3,))}, backend="xla")
+    with pytest.raises(ValueError, match="lengths_B"):
+        paged_attention_gqa(**{**args, "lengths_B": jnp.zeros((2,), jnp.int32)}, backend="xla")
