@@ -1,0 +1,304 @@
+"""Load an HF-format checkpoint directory into mixserve parameters, streaming tensor by tensor.
+
+Naming: our parameter paths mirror the HF keys (`layers_3/self_attn/q_a_proj/kernel` is
+`model.layers.3.self_attn.q_a_proj.weight`, transposed to [in, out]); routed experts are stored
+on disk per expert (`mlp.experts.7.gate_proj.weight`) and stacked here into [E, in, out].
+
+On-disk formats of a linear weight ("unit"), told apart by which tensors exist:
+  dense      `weight`
+  fp8_block  `weight` (float8_e4m3fn) + `weight_scale_inv` (float32, 128x128 blocks)
+  int4       `weight_packed` (int32 [out, in/8]) + `weight_scale` [out, in/group] + `weight_shape`
+Routed experts and the other linear layers each get one format (a WeightPlan); if a checkpoint
+mixes formats inside one of these, that part is dequantized to the model dtype on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors
+from models.config import ModelConfig
+from models.transformer import Transformer
+from models.weights import BF16, FP8_BLOCK, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+
+QUANT_PARTS = {"weight_scale_inv": "fp8_block", "weight_packed": "int4", "weight_scale": "int4", "weight_shape": "int4"}
+# Tensors that real checkpoints carry but the text model does not use.
+SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
+LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed", "scales_GN": "weight_scale"}
+
+
+def read_config(directory: str) -> tuple[ModelConfig, dict]:
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{directory}: no config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    return ModelConfig.from_hf(raw), quant
+
+
+def _text_prefix(infos: dict[str, TensorInfo]) -> str:
+    """K2.5/K2.6 prefix the text model's weights with `language_model.`."""
+    return "language_model." if any(name.startswith("language_model.") for name in infos) else ""
+
+
+def _unit_of(name: str) -> tuple[str, str]:
+    """'model.layers.0.mlp.gate_proj.weight_scale_inv' -> ('model.layers.0.mlp.gate_proj', 'weight_scale_inv')."""
+    base, _, part = name.rpartition(".")
+    return base, part
+
+
+def _is_expert(unit: str) -> bool:
+    return ".mlp.experts." in unit
+
+
+def _mtp_or_beyond(unit: str, cfg: ModelConfig) -> bool:
+    m = re.match(r"model\.layers\.(\d+)\.", unit)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
+def _unit_format(parts: set[str], group_size: int | None) -> WeightFormat:
+    if "weight_packed" in parts:
+        return WeightFormat("int4", group_size)
+    if "weight_scale_inv" in parts:
+        return WeightFormat("fp8_block")
+    return BF16
+
+
+def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> WeightPlan:
+    """The formats stored on disk, per category (routed experts / other linear layers)."""
+    prefix = _text_prefix(infos)
+    units: dict[str, set[str]] = {}
+    for name in infos:
+        base, part = _unit_of(name.removeprefix(prefix))
+        if part in QUANT_PARTS or part == "weight":
+            units.setdefault(base, set()).add(part)
+    found = {"experts": set(), "linear": set()}
+    for unit, parts in units.items():
+        if _mtp_or_beyond(unit, cfg) or not (parts & {"weight_scale_inv", "weight_packed"}) and not _quantizable(unit):
+            continue
+        group = None
+        if "weight_packed" in parts:
+            scale = infos[prefix + unit + ".weight_scale"] if prefix + unit + ".weight_scale" in infos else None
+            packed = infos[prefix + unit + ".weight_packed"]
+            if scale is None:
+                raise CheckpointError(f"{prefix}{unit}.weight_scale is missing (needed with weight_packed)")
+            in_dim = packed.shape[1] * 8
+            if in_dim % scale.shape[1]:
+                raise CheckpointError(f"{prefix}{unit}.weight_scale shape {scale.shape} does not divide input dim {in_dim}")
+            group = in_dim // scale.shape[1]
+        found["experts" if _is_expert(unit) else "linear"].add(_unit_format(parts, group))
+    _check_group_size(found, quant)
+    pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
+    return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
+
+
+def _quantizable(unit: str) -> bool:
+    """Linear layers a WeightPlan covers (not the router, norms, embeddings, lm_head, weights_proj)."""
+    leaf = unit.rsplit(".", 1)[-1]
+    return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
+
+
+def _check_group_size(found: dict, quant: dict) -> None:
+    groups = quant.get("config_groups") or {}
+    declared = {g.get("weights", {}).get("group_size") for g in groups.values()} - {None}
+    for fmts in found.values():
+        for fmt in fmts:
+            if fmt.kind == "int4" and declared and fmt.group_size not in declared:
+                raise CheckpointError(
+                    f"int4 tensors use group size {fmt.group_size} but quantization_config declares {sorted(declared)}"
+                )
+
+
+@dataclass
+class _Leaf:
+    """One parameter leaf being assembled (stacked experts fill one slice per expert)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    transpose: bool  # HF stores [out, in]; we keep [in, out]
+    stacked: bool  # routed experts: one HF unit per expert
+    buffer: np.ndarray | None = None
+    filled: int = 0
+
+
+@dataclass
+class _Unit:
+    """One HF weight unit (e.g. model.layers.3.mlp.experts.5.up_proj): the leaves it fills, by part."""
+
+    leaves: dict[str, int]  # HF part -> leaf index
+    expert: int | None
+    target: str  # "dense" | "fp8_block" | "int4" | "plain" (norm scale, bias, embedding, ...)
+
+
+def _path_str(path) -> tuple[str, ...]:
+    return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+
+
+def _leaf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
+    """Our leaf path -> (HF unit with '{e}' for the expert index, HF part, transpose)."""
+    if path == ("lm_head",):
+        return "lm_head", "weight", True
+    names = list(path)
+    part, transpose = "weight", True
+    if names[-1] in LEAF_TO_PART:  # a field of a quantized weight
+        part = LEAF_TO_PART[names.pop()]
+    last = names[-1]
+    if last == "kernel":
+        names.pop()
+    elif last in ("scale", "embedding", "bias", "e_score_correction_bias"):
+        names.pop()
+        part = {"scale": "weight", "embedding": "weight"}.get(last, last)
+        transpose = False
+    dotted = ["model"] + [n.replace("layers_", "layers.") for n in names]
+    if "experts" in dotted:
+        at = dotted.index("experts") + 1
+        dotted.insert(at, "{e}")
+    return ".".join(dotted), part, transpose
+
+
+def _stored_kind(parts) -> str:
+    if "weight_packed" in parts:
+        return "int4"
+    return "fp8_block" if "weight_scale_inv" in parts else "dense"
+
+
+def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True):
+    """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype)."""
+    infos = index_tensors(directory)
+    prefix = _text_prefix(infos)
+    abstract = jax.eval_shape(
+        lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    )["params"]
+    abstract = jax.tree.map(lambda x: x.value, abstract, is_leaf=lambda x: hasattr(x, "names"))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    leaves: list[_Leaf] = []
+    templates: dict[str, dict[str, int]] = {}
+    for i, (path, sds) in enumerate(flat):
+        unit, part, transpose = _leaf_source(_path_str(path))
+        leaves.append(_Leaf(sds.shape, np.dtype(sds.dtype), transpose, "{e}" in unit))
+        templates.setdefault(unit, {})[part] = i
+    units: dict[str, _Unit] = {}
+    for template, parts in templates.items():
+        is_matmul = "weight" in parts and leaves[parts["weight"]].transpose or "weight_packed" in parts
+        kind = _stored_kind(parts) if is_matmul else "plain"
+        for e in range(cfg.n_routed_experts) if "{e}" in template else [None]:
+            units[prefix + template.replace("{e}", str(e))] = _Unit(parts, e, kind)
+
+    on_disk: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in infos.items():
+        if SKIPPED.search(name) or _mtp_or_beyond(name.removeprefix(prefix), cfg):
+            continue
+        unit, part = _unit_of(name)
+        on_disk.setdefault(unit, {})[part] = info
+    _check(units, on_disk, leaves)
+
+    done: list = [None] * len(leaves)
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    bar = tqdm(total=len(infos), desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="tensor", disable=not progress)
+    for name, array in iter_tensors(infos):
+        bar.update()
+        unit, part = _unit_of(name)
+        if unit not in units or part == "weight_shape":
+            continue
+        got = pending.setdefault(unit, {})
+        got[part] = array
+        if set(got) >= set(on_disk[unit]) - {"weight_shape"}:  # all parts of the unit are in
+            _fill(units[unit], _convert(unit, pending.pop(unit), units[unit]), leaves, done)
+    bar.close()
+    return jax.tree_util.tree_unflatten(treedef, done)
+
+
+def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], leaves: list[_Leaf]) -> None:
+    """All missing, unexpected and mis-shaped tensors are reported before any data is read."""
+    missing, wrong = [], []
+    for name, unit in units.items():
+        stored = on_disk.get(name)
+        if stored is None or (unit.target != "plain" and "weight" not in stored and "weight_packed" not in stored):
+            part, i = next(iter(unit.leaves.items()))
+            missing.append(f"{name}.{part} (expected shape {_disk_shape(leaves[i], part, unit.target)})")
+            continue
+        if unit.target == "plain":
+            for part, i in unit.leaves.items():
+                expected = _disk_shape(leaves[i], part, "plain")
+                if part not in stored:
+                    missing.append(f"{name}.{part} (expected shape {expected})")
+                elif tuple(stored[part].shape) != expected:
+                    wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
+            continue
+        kind = _stored_kind(stored)
+        if kind != unit.target and unit.target != "dense":
+            wrong.append(f"{name} is stored as {kind} but the plan wants {unit.target}")
+        if kind == "int4" and "weight_scale" not in stored:
+            missing.append(f"{name}.weight_scale (needed with weight_packed)")
+        if kind == unit.target:
+            for part, i in unit.leaves.items():
+                expected = _disk_shape(leaves[i], part, kind)
+                if tuple(stored[part].shape) != expected:
+                    wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
+        else:  # quantized on disk, dense in the plan: check the logical shape
+            for part, i in unit.leaves.items():
+                expected = _disk_shape(leaves[i], part, "dense")
+                found = _logical_shape(stored) if part == "weight" else tuple(stored[part].shape)
+                if found != expected:
+                    wrong.append(f"tensor {name}.{part} has logical shape {found}, expected {expected}")
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint: " + "; ".join(missing[:8]))
+    unexpected = sorted(f"{unit}.{part}" for unit, parts in on_disk.items() if unit not in units for part in parts)
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in the checkpoint: {unexpected[:8]}")
+    if wrong:
+        raise CheckpointError("; ".join(wrong[:8]))
+
+
+def _logical_shape(stored: dict[str, TensorInfo]) -> tuple[int, ...]:
+    if "weight_packed" in stored:
+        out, q = stored["weight_packed"].shape
+        return (out, q * 8)
+    return tuple(stored["weight"].shape)
+
+
+def _disk_shape(leaf: _Leaf, part: str, kind: str) -> tuple[int, ...]:
+    shape = leaf.shape[1:] if leaf.stacked else leaf.shape
+    return tuple(reversed(shape)) if leaf.transpose else tuple(shape)
+
+
+def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str, np.ndarray]:
+    """HF parts -> our parts (still HF orientation); dequantizes when the plan keeps the unit dense."""
+    if target.target == "dense" and _stored_kind(parts) != "dense":
+        if "weight_packed" in parts:
+            out, q = parts["weight_packed"].shape
+            scale = parts["weight_scale"]
+            if (q * 8) % scale.shape[1]:
+                raise CheckpointError(f"{unit}.weight_scale shape {scale.shape} does not divide input dim {q * 8}")
+            w = Int4Weight(jnp.asarray(parts["weight_packed"]).T, jnp.asarray(scale).T, q * 8 // scale.shape[1])
+        else:
+            w = Fp8BlockWeight(jnp.asarray(parts["weight"]).T, jnp.asarray(parts["weight_scale_inv"]).T)
+        rest = {k: v for k, v in parts.items() if k not in QUANT_PARTS}
+        return {**rest, "weight": np.asarray(w.dequantize(jnp.float32)).T}
+    return parts
+
+
+def _fill(unit: _Unit, parts: dict[str, np.ndarray], leaves: list[_Leaf], done: list) -> None:
+    for part, i in unit.leaves.items():
+        leaf = leaves[i]
+        value = np.asarray(parts[part])
+        value = (value.T if leaf.transpose else value).astype(leaf.dtype)
+        if not leaf.stacked:
+            done[i] = jnp.asarray(value)
+            continue
+        if leaf.buffer is None:
+            leaf.buffer = np.empty(leaf.shape, leaf.dtype)
+        leaf.buffer[unit.expert] = value
+        leaf.filled += 1
+        if leaf.filled == leaf.shape[0]:
+            done[i], leaf.buffer = jnp.asarray(leaf.buffer), None

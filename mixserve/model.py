@@ -1,0 +1,115 @@
+"""`mixserve.load` and the `Model` handle: config + params + tokenizer + a jitted forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mixserve.checkpoint import detect_plan, load_params, read_config
+from mixserve.safetensors_io import index_tensors
+from mixserve.tokenizer import Tokenizer, load_tokenizer
+from models.config import ModelConfig
+from models.presets import FULL_PRESETS, get_preset
+from models.transformer import Transformer
+from models.weights import WeightPlan
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+def _dtype(name) -> Any:
+    if isinstance(name, str):
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+        return DTYPES[name]
+    return jnp.dtype(name).type
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model. `params` is a plain pytree of arrays (and quantized-weight dataclasses);
+    `param_axes` holds the logical axis names of every leaf, for sharding rules."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Tokenizer | None = None
+    plan: WeightPlan = WeightPlan()
+    dtype: Any = jnp.bfloat16
+    backend: str = "xla"
+    source: str = ""
+
+    @property
+    def module(self) -> Transformer:
+        return Transformer(self.config, self.plan, self.dtype, self.backend)
+
+    @functools.cached_property
+    def _logits_fn(self):
+        return jax.jit(lambda params, ids: self.module.apply({"params": params}, ids))
+
+    def logits(self, input_ids) -> jax.Array:
+        """int32 [B, T] -> float32 [B, T, vocab]: a full causal forward without any cache."""
+        ids = jnp.asarray(input_ids, jnp.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, time], got shape {ids.shape}")
+        return self._logits_fn(self.params, ids)
+
+    @functools.cached_property
+    def param_axes(self):
+        boxed = jax.eval_shape(lambda: self.module.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+        return nn.get_partition_spec(boxed)
+
+
+def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int):
+    variables = jax.jit(lambda key: Transformer(config, plan, dtype).init(key, jnp.zeros((1, 1), jnp.int32)))(
+        jax.random.key(seed)
+    )
+    return nn.unbox(variables["params"])
+
+
+def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPlan | None = None,
+         backend: str = "xla", progress: bool = True) -> Model:
+    """A directory loads an HF checkpoint (BF16, FP8 block or INT4 compressed-tensors);
+    a preset name builds randomly initialised weights (tiny presets only)."""
+    dt = _dtype(dtype)
+    if os.path.isdir(path_or_preset):
+        config, quant = read_config(path_or_preset)
+        stored = detect_plan(config, index_tensors(path_or_preset), quant)
+        plan = stored if plan is None else plan
+        if plan != stored:
+            raise ValueError(
+                f"checkpoint stores ({stored}); load it as stored and convert with mixserve.quantize instead of ({plan})"
+            )
+        params = load_params(path_or_preset, config, plan, dt, progress=progress)
+        return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset)
+    if path_or_preset in FULL_PRESETS:
+        raise ValueError(
+            f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
+            "Use count_params/weight_bytes with it, or load a checkpoint directory."
+        )
+    config = get_preset(path_or_preset)
+    plan = plan or WeightPlan()
+    return Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)
+
+
+def count_params(preset_or_config: str | ModelConfig) -> dict[str, int]:
+    """{"total", "active"} computed abstractly (jax.eval_shape): no memory is allocated.
+
+    Convention: embeddings and lm_head count in both; MTP (next-token-prediction) layers are not
+    counted (they are not part of the forward). Active = total minus the routed experts a token
+    does not use (all but num_experts_per_tok per MoE layer).
+    """
+    cfg = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    shapes = jax.eval_shape(lambda: Transformer(cfg, WeightPlan(), jnp.bfloat16).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    total = routed = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes["params"]))[0]:
+        n = int(leaf.size)
+        total += n
+        if any(getattr(k, "key", None) == "experts" for k in path):
+            routed += n
+    inactive = routed * (cfg.n_routed_experts - cfg.num_experts_per_tok) // max(cfg.n_routed_experts, 1)
+    return {"total": total, "active": total - inactive}

@@ -1,0 +1,71 @@
+"""Text <-> token ids for a checkpoint directory: `tokenizer.json` (GLM, via the `tokenizers`
+library) or Kimi's `tiktoken.model` (via `tiktoken`, with specials from tokenizer_config.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        import tokenizers
+
+        self._tok = tokenizers.Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+# Kimi's pre-tokenizer split: CJK runs, words with optional contractions, digit groups of 1-3,
+# punctuation runs, whitespace (as in Moonshot's tokenization_kimi.py).
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+
+class TiktokenTokenizer:
+    def __init__(self, model_path: str, config_path: str | None):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(model_path)
+        specials: dict[str, int] = {}
+        if config_path and os.path.exists(config_path):
+            with open(config_path) as f:
+                decoder = json.load(f).get("added_tokens_decoder", {})
+            specials = {entry["content"]: int(i) for i, entry in decoder.items()}
+        self._enc = tiktoken.Encoding(
+            name=os.path.basename(os.path.dirname(model_path)) or "kimi",
+            pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+def load_tokenizer(directory: str) -> Tokenizer | None:
+    if os.path.exists(path := os.path.join(directory, "tokenizer.json")):
+        return HFTokenizer(path)
+    if os.path.exists(path := os.path.join(directory, "tiktoken.model")):
+        return TiktokenTokenizer(path, os.path.join(directory, "tokenizer_config.json"))
+    return None

@@ -1,0 +1,103 @@
+"""Mixture of experts: the sigmoid group-limited router of DeepSeek-V3 / GLM, routed experts, shared experts."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.layers import Dtype, GatedMLP, boxed_weight_init
+from models.weights import BF16, WeightFormat, expert_matmul
+
+
+def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Pick experts per token -> (weights_TK float32, experts_TK int32).
+
+    s = sigmoid(logits); the correction bias is added only for choosing. Each of n_group groups
+    scores the sum of its top-2 choices; the best topk_group groups stay; top-k over what is left.
+    Weights are s at the chosen experts, optionally normalised, times routed_scaling_factor.
+    """
+    num_tokens, num_experts = logits_TE.shape
+    scores = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
+    choice = scores + bias_E.astype(jnp.float32)
+    if cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        kept_groups = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        group_mask = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], kept_groups].set(True)
+        expert_mask = jnp.repeat(group_mask, num_experts // cfg.n_group, axis=1)
+        choice = jnp.where(expert_mask, choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class Router(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_TD):
+        # The router stays in float32 whatever the model dtype (as transformers keeps it).
+        kernel = self.param(
+            "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "experts")),
+            (x_TD.shape[-1], self.cfg.n_routed_experts), jnp.float32,
+        )
+        bias = self.param(
+            "e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+            (self.cfg.n_routed_experts,), jnp.float32,
+        )
+        logits = jnp.dot(x_TD.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
+        return route(logits, bias, self.cfg)
+
+
+class RoutedExperts(nn.Module):
+    """Stacked expert weights gate/up [E, D, F], down [E, F, D]; tokens sorted by expert, then grouped matmuls."""
+
+    cfg: ModelConfig
+    fmt: WeightFormat = BF16
+    dtype: Dtype = jnp.bfloat16
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, x_TD, weights_TK, experts_TK):
+        cfg = self.cfg
+        num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, x_TD.shape[-1]
+        init = lambda axes: boxed_weight_init(self.fmt, axes, self.dtype)
+        gate = self.param("gate_proj", init(("experts", "embed", "moe_mlp")), (num_experts, hidden, inter))
+        up = self.param("up_proj", init(("experts", "embed", "moe_mlp")), (num_experts, hidden, inter))
+        down = self.param("down_proj", init(("experts", "moe_mlp", "embed")), (num_experts, inter, hidden))
+
+        num_tokens, k = experts_TK.shape
+        flat_experts = experts_TK.reshape(-1)
+        order = jnp.argsort(flat_experts)  # rows grouped by expert
+        token_of_row = order // k
+        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+        x_sorted = x_TD.astype(self.dtype)[token_of_row]
+        mm = lambda a, w: expert_matmul(a, w, group_sizes, backend=self.backend)
+        h = nn.silu(mm(x_sorted, gate)) * mm(x_sorted, up)
+        y_sorted = mm(h, down).astype(jnp.float32) * weights_TK.reshape(-1)[order][:, None]
+        y = jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of_row].add(y_sorted)
+        return y.astype(x_TD.dtype)
+
+
+class MoE(nn.Module):
+    cfg: ModelConfig
+    experts_fmt: WeightFormat = BF16
+    linear_fmt: WeightFormat = BF16
+    dtype: Dtype = jnp.bfloat16
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        weights, experts = Router(cfg, name="gate")(x_TD)
+        routed = RoutedExperts(cfg, self.experts_fmt, self.dtype, self.backend, name="experts")(x_TD, weights, experts)
+        out = routed.reshape(x_BTD.shape)
+        if cfg.n_shared_experts:
+            shared = GatedMLP(cfg.moe_intermediate_size * cfg.n_shared_experts, self.linear_fmt, self.dtype, self.backend, name="shared_experts")
+            out = out + shared(x_BTD)
+        return out
