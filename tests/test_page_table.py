@@ -1,0 +1,265 @@
+"""Tests for mixserve.page_table: model-checked properties over random op sequences, plus the
+edge cases of each operation, `describe` and the checkify strict mode."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import checkify
+
+from mixserve import page_table as pt
+
+# One small shape for the whole module, so every jitted op compiles exactly once.
+P, B, N = 10, 4, 6
+TRACES = collections.Counter()
+
+
+def _jit_counted(fn):
+    def traced(*args):
+        TRACES[fn.__name__] += 1  # runs only while tracing
+        return fn(*args)
+
+    return jax.jit(traced)
+
+
+allocate = _jit_counted(pt.allocate)
+share = _jit_counted(pt.share)
+release = _jit_counted(pt.release)
+verify = _jit_counted(pt.verify)
+ALL_ACTIVE_B = np.ones(B, bool)
+
+
+def fresh():
+    return pt.init_page_table(P, B, N)
+
+
+def host(table):
+    return jax.device_get(table)
+
+
+def assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(host(a)), jax.tree.leaves(host(b)), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def slot_pages(table, slot):
+    t = host(table)
+    return t.pages_BN[slot, : t.num_pages_B[slot]].tolist()
+
+
+def corrupt(table, slot, index, **fields):
+    """Table with slot's index-th mapping changed, e.g. corrupt(t, 0, 1, pages_BN=P)."""
+    return table.replace(
+        **{name: getattr(table, name).at[slot, index].set(v) for name, v in fields.items()}
+    )
+
+
+class Model:
+    """Reference model: which pages each slot holds, and which live pages were shared."""
+
+    def __init__(self):
+        self.pages = [[] for _ in range(B)]
+        self.shared = set()  # pages shared during their current allocation
+
+    def live(self):
+        return {p for ps in self.pages for p in ps}
+
+    def release(self, slot):
+        self.pages[slot] = []
+        self.shared &= self.live()
+
+
+slots = st.integers(0, B - 1)
+allocate_op = st.tuples(st.just("allocate"), slots, st.integers(-1, N + 1))
+share_op = st.tuples(st.just("share"), slots, slots, st.integers(0, N))
+release_op = st.tuples(st.just("release"), slots)
+# allocate listed twice: drawn more often, so sequences also run the pool dry.
+op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op)
+
+
+def apply_and_check(table, model, op):
+    """Apply `op` to table and model; check what the op itself promises. Returns the new table."""
+    before = host(table)
+    kind, slot, *args = op
+    if kind == "allocate":
+        (n,) = args
+        table, ok = allocate(table, np.int32(slot), np.int32(n))
+        held = len(model.pages[slot])
+        expect_ok = 0 <= n <= P - len(model.live()) and held + n <= N
+        assert bool(ok) == expect_ok
+        if not ok:
+            assert_same(table, before)  # all or nothing
+            return table
+        new = slot_pages(table, slot)[held:]
+        assert len(new) == n and len(set(new)) == n
+        assert not set(new) & model.live(), "allocate handed out a live page"
+        expected_tags = before.next_tag + np.arange(n, dtype=np.uint32)
+        np.testing.assert_array_equal(host(table).tag_P[new], expected_tags)
+        assert host(table).next_tag == before.next_tag + n
+        model.pages[slot] += new
+    elif kind == "share":
+        src, k = args
+        k = min(k, len(model.pages[src]))
+        table, ok = share(table, np.int32(slot), before.pages_BN[src], np.int32(k))
+        assert bool(ok) == (len(model.pages[slot]) + k <= N)
+        if not ok:
+            assert_same(table, before)
+            return table
+        shared = model.pages[src][:k]
+        model.pages[slot] += shared
+        model.shared |= set(shared)
+        # Sharing records the page's current tag and never changes tags.
+        np.testing.assert_array_equal(host(table).tag_P, before.tag_P)
+        held = len(model.pages[slot])
+        got_tags = host(table).expected_tag_BN[slot, held - k : held]
+        np.testing.assert_array_equal(got_tags, before.tag_P[shared])
+    else:
+        table = release(table, np.int32(slot))
+        model.release(slot)
+        np.testing.assert_array_equal(host(table).tag_P, before.tag_P)  # tags stay until reuse
+    return table
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op_strategy, max_size=25))
+def test_random_op_sequences_keep_invariants(ops):
+    table, model = fresh(), Model()
+    for op in ops:
+        before = host(table)
+        table = apply_and_check(table, model, op)
+        t = host(table)
+        pt.assert_consistent(table)  # ref counts, free stack, free + live == P
+        assert [slot_pages(table, b) for b in range(B)] == model.pages
+        mappings_P = np.bincount(t.pages_BN[np.arange(N) < t.num_pages_B[:, None]], minlength=P)
+        assert set(np.flatnonzero(mappings_P > 1)) <= model.shared, "page in two slots unshared"
+        assert np.all(t.tag_P >= before.tag_P) and t.next_tag >= before.next_tag
+        assert bool(jnp.all(verify(table, ALL_ACTIVE_B).ok_B))
+        assert jax.tree.map(lambda x: x.dtype, t) == jax.tree.map(lambda x: x.dtype, before)
+    # Slots and sizes are traced, so no example triggered a recompile.
+    assert all(count <= 1 for count in TRACES.values()), TRACES
+
+
+def test_init_is_all_free_and_consistent():
+    table = fresh()
+    pt.assert_consistent(table)
+    assert int(pt.num_free(table)) == P and int(pt.pages_in_use(table)) == 0
+    assert int(table.next_tag) == 1 and not np.any(host(table).tag_P)
+    assert bool(jnp.all(verify(table, ALL_ACTIVE_B).ok_B))
+
+
+def test_allocate_stamps_consecutive_tags_and_counts_pages():
+    table, ok = allocate(fresh(), np.int32(0), np.int32(3))
+    table, ok2 = allocate(table, np.int32(1), np.int32(2))
+    assert ok and ok2
+    assert slot_pages(table, 0) == [0, 1, 2] and slot_pages(table, 1) == [3, 4]
+    np.testing.assert_array_equal(host(table).expected_tag_BN[1, :2], [4, 5])
+    assert int(pt.num_free(table)) == P - 5 and int(pt.pages_in_use(table)) == 5
+
+
+@pytest.mark.parametrize("n", [N - 1, -1])
+def test_allocate_rejects_slot_overflow_and_negative_sizes_without_side_effects(n):
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    after, ok = allocate(table, np.int32(0), np.int32(n))
+    assert not ok
+    assert_same(after, table)
+
+
+def test_allocate_rejects_when_pool_is_short():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(N))
+    left = P - N
+    assert int(pt.num_free(table)) == left and left + 1 <= N
+    after, ok = allocate(table, np.int32(1), np.int32(left + 1))
+    assert not ok
+    assert_same(after, table)
+    _, ok = allocate(table, np.int32(1), np.int32(left))
+    assert ok
+
+
+def test_share_refuses_dead_or_out_of_range_pages_and_overflow():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    table, _ = allocate(table, np.int32(1), np.int32(N))
+    # A free page, ids out of range, more pages than given.
+    for page_ids, n in [([0, 9], 2), ([0, P], 2), ([0, -1], 2), ([0, 1], N + 1)]:
+        page_ids_K = np.array(page_ids + [0] * (N - 2), np.int32)
+        after, ok = share(table, np.int32(2), page_ids_K, np.int32(n))
+        assert not ok, (page_ids, n)
+        assert_same(after, table)
+    full, ok = share(table, np.int32(1), host(table).pages_BN[0], np.int32(1))
+    assert not ok
+    assert_same(full, table)
+
+
+def test_shared_page_is_freed_only_when_last_reference_drops():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    table, ok = share(table, np.int32(1), host(table).pages_BN[0], np.int32(1))
+    assert ok and host(table).ref_count_P[0] == 2
+    table = release(table, np.int32(0))
+    pt.assert_consistent(table)
+    assert host(table).ref_count_P[0] == 1 and int(pt.num_free(table)) == P - 1
+    table = release(table, np.int32(1))
+    pt.assert_consistent(table)
+    assert int(pt.num_free(table)) == P
+
+
+def test_reallocated_page_gets_a_new_tag_and_the_old_mapping_fails():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(1))
+    assert slot_pages(table, 0) == [0] and host(table).tag_P[0] == 1
+    table, _ = allocate(release(table, np.int32(0)), np.int32(1), np.int32(1))
+    assert slot_pages(table, 1) == [0] and host(table).tag_P[0] == 2
+    # Slot 0 keeps its old mapping by mistake: the page is live again, but in a new life.
+    table = corrupt(table, 0, 0, pages_BN=0, expected_tag_BN=1)
+    table = table.replace(num_pages_B=table.num_pages_B.at[0].set(1))
+    report = verify(table, ALL_ACTIVE_B)
+    assert host(report.ok_B).tolist() == [False, True, True, True]
+    assert pt.describe(report, 0) == (
+        "page 0 (logical 0): expected tag 1, found tag 2 "
+        "(page was reallocated or the mapping is corrupt)"
+    )
+    assert pt.describe(report, 1) == "ok"
+
+
+def test_verify_reports_first_bad_page_and_ignores_inactive_slots():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(4))
+    table, _ = allocate(table, np.int32(1), np.int32(2))
+    table = corrupt(corrupt(table, 0, 3, pages_BN=P), 0, 1, expected_tag_BN=99)
+    table = corrupt(table, 1, 0, pages_BN=-5)
+    report = host(verify(table, np.array([True, False, True, True])))
+    assert report.ok_B.tolist() == [False, True, True, True]
+    assert report.bad_index_B.tolist() == [1, -1, -1, -1]
+    assert report.kind_B[0] == pt.Violation.TAG_MISMATCH
+    assert (report.expected_tag_B[0], report.found_tag_B[0]) == (99, 2)
+    report = verify(table, ALL_ACTIVE_B)
+    assert pt.describe(report, 1) == (
+        "page -5 (logical 0): expected tag 5, found no tag (page id out of range)"
+    )
+
+
+def test_verify_flags_mapping_to_freed_page():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    table = table.replace(ref_count_P=table.ref_count_P.at[1].set(0))
+    report = verify(table, ALL_ACTIVE_B)
+    assert int(report.kind_B[0]) == pt.Violation.FREED
+    assert pt.describe(report, 0) == (
+        "page 1 (logical 1): expected tag 2, found tag 2 (page was freed)"
+    )
+
+
+def test_checkify_strict_mode_turns_a_bad_mapping_into_an_error():
+    def strict_step(table, active_B):
+        pt.checked(pt.verify(table, active_B))
+
+    strict = checkify.checkify(jax.jit(strict_step))
+    table, _ = allocate(fresh(), np.int32(2), np.int32(3))
+    err, _ = strict(table, ALL_ACTIVE_B)
+    err.throw()  # clean table: no error
+    bad = corrupt(table, 2, 1, expected_tag_BN=7)
+    err, _ = strict(bad, ALL_ACTIVE_B)
+    expected = "slot 2 page 1 .*expected tag 7, found tag 2"
+    with pytest.raises(checkify.JaxRuntimeError, match=expected):
+        err.throw()
+    err, _ = strict(bad, np.array([True, True, False, True]))  # the bad slot is inactive
+    err.throw()
