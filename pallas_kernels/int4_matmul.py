@@ -130,6 +130,8 @@ def _reference(x_MK, packed_QN, scales_GN, *, group_size: int):
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret"))
 def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: bool):
     m = x_MK.shape[0]
+    if m == 0:
+        return jnp.zeros((0, packed_QN.shape[-1]), x_MK.dtype)
     block_m = tile_rows(m)
     num_tiles = -(-m // block_m)
     tiling = plan_tiling(block_m, packed_QN.shape[-1], x_MK.shape[1], num_tiles)

@@ -63,7 +63,8 @@ class _RowOwner(NamedTuple):
     assigned_T: jax.Array  # False past sum(group_sizes)
 
 
-def _schedule(group_sizes_E: jax.Array, num_rows: int, block_m: int, num_tiles: int):
+def expert_tile_schedule(group_sizes_E: jax.Array, num_rows: int, block_m: int, num_tiles: int):
+    """Work list of row tiles (only experts with rows get tiles) and each row's owner tile."""
     sizes_E = group_sizes_E.astype(jnp.int32)
     num_experts = sizes_E.shape[0]
     tiles_E = (sizes_E + block_m - 1) // block_m
@@ -101,7 +102,7 @@ def _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int, int
     block_m = tile_rows(-(-t // num_experts))  # rows of an average expert
     num_tiles = -(-t // block_m) + min(num_experts, t)
     tiling = plan_tiling(block_m, n, k, num_tiles)
-    schedule, owner = _schedule(group_sizes_E, t, block_m, num_tiles)
+    schedule, owner = expert_tile_schedule(group_sizes_E, t, block_m, num_tiles)
     x_padded = jnp.pad(x_TK, ((0, block_m), (0, 0)))  # a tile may start at any row < T
     y_tiles = int4_tiles(x_padded, packed_EQN, scales_EGN, schedule, tiling,
                          group_size=group_size, interpret=interpret)

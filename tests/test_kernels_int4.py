@@ -1,0 +1,245 @@
+"""INT4 W4A16 matmuls (dense and MoE-grouped): packing, compressed-tensors
+conversion, interpret-mode kernels vs jnp references vs float64 numpy.
+
+Fresh inputs every run; the seed (from os.urandom) is in every assertion
+message. The Pallas interpreter NaN-fills kernel outputs before the kernel
+runs (see test_kernels_attention.test_interpreter_poisons_outputs), so an
+output tile the kernel never writes fails the finiteness check; for the MoE
+kernel, idle experts' scales are NaN as well, so streaming or mixing in an
+empty expert's weights fails too.
+
+Bounds. With W = dequantized weights and A = |x| @ |W| (elementwise
+magnitudes, computed in float64):
+* f32 x: the kernel's dots are IEEE f32 and the weights value*scale are exact
+  in f32 (a 4-bit integer times a bf16/f32 scale), so only accumulation
+  rounding remains: |kernel - ref| <= 1e-5 * A (K <= 512 terms, ~2^-24 each,
+  with a wide margin). The same bound holds for the reference vs float64.
+* bf16 x: the kernel rounds each scaled weight to bf16 before the
+  tensor-core dot (relative u = 2^-9), accumulates in f32, and both results
+  are rounded to bf16 (relative u each). So |kernel - ref| <= u*A + u*(|k| + |r|)
+  <= 3u * A, elementwise (against float64 directly, as in the MoE test, only
+  the weight and the output rounding remain: <= 2u * A). The brief's criterion,
+  relative error below 1e-2 (max |kernel - ref| / max |ref|), is checked too.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
+    to_compressed_tensors, unpack_int4)
+from pallas_kernels.int4_matmul import tile_rows
+from pallas_kernels.moe_int4_matmul import expert_tile_schedule
+
+U_BF16 = 2.0**-9
+F32_TOL = 1e-5
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _values(rng, shape) -> np.ndarray:
+    return rng.integers(-8, 8, shape).astype(np.int8)
+
+
+def _scales(rng, shape, dtype) -> jax.Array:
+    # Positive and negative scales, away from zero, bf16-representable.
+    mag = rng.uniform(0.25, 2.0, shape) * 0.05
+    return jnp.asarray(mag * rng.choice([-1.0, 1.0], shape), dtype)
+
+
+def _spec_pack(values_KN: np.ndarray) -> np.ndarray:
+    """The layout, literally: weight[k] = 8i + j sits at bits 4j.. of packed[i], stored as value + 8."""
+    k, n = values_KN.shape
+    packed = np.zeros((k // 8, n), np.uint32)
+    for kk in range(k):
+        packed[kk // 8] |= (values_KN[kk].astype(np.int64) + 8).astype(np.uint32) << np.uint32(4 * (kk % 8))
+    return packed.view(np.int32)
+
+
+def _compressed_tensors_pack(w_NK: np.ndarray) -> np.ndarray:
+    """compressed-tensors pack_to_int32 (packed_dim=1), restated: each row of
+    W [N, K] is cut into runs of 8 along K; run i becomes one int32 with
+    element j of the run, shifted to unsigned (+8), in bits 4j..4j+3."""
+    n, k = w_NK.shape
+    runs = (w_NK.astype(np.int64) + 8).reshape(n, k // 8, 8)
+    return (runs << (4 * np.arange(8))).sum(axis=-1).astype(np.uint32).view(np.int32)
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _dequant_f64(values_KN: np.ndarray, scales_GN, group_size: int) -> np.ndarray:
+    return values_KN.astype(np.float64) * np.repeat(_f64(scales_GN), group_size, axis=-2)
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (64, 96), (3, 256, 40)])
+def test_pack_unpack_round_trip_and_layout(shape):
+    seed = _seed()
+    values = _values(np.random.default_rng(seed), shape)
+    packed = pack_int4(jnp.asarray(values))
+    assert packed.dtype == jnp.int32 and packed.shape == (*shape[:-2], shape[-2] // 8, shape[-1])
+    np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), values, err_msg=f"seed={seed}")
+    flat_values = values.reshape(-1, *shape[-2:])
+    flat_packed = np.asarray(packed).reshape(-1, *packed.shape[-2:])
+    for v, p in zip(flat_values, flat_packed):
+        np.testing.assert_array_equal(p, _spec_pack(v), err_msg=f"layout differs from spec, seed={seed}")
+
+
+def test_compressed_tensors_round_trip():
+    """compressed-tensors stores weight_packed [N, K/8] packed along K with the same nibble order."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    k, n, g = 256, 48, 32
+    values_KN = _values(rng, (k, n))
+    weight_packed_NQ = jnp.asarray(_compressed_tensors_pack(values_KN.T))
+    weight_scale_NG = _scales(rng, (n, k // g), jnp.bfloat16)
+    packed_QN, scales_GN = from_compressed_tensors(weight_packed_NQ, weight_scale_NG)
+    np.testing.assert_array_equal(np.asarray(packed_QN), np.asarray(pack_int4(jnp.asarray(values_KN))),
+                                  err_msg=f"seed={seed}")
+    back_packed, back_scale = to_compressed_tensors(packed_QN, scales_GN)
+    np.testing.assert_array_equal(np.asarray(back_packed), np.asarray(weight_packed_NQ), err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(np.asarray(back_scale).view(np.uint16), np.asarray(weight_scale_NG).view(np.uint16))
+    # Expert-batched arrays convert the same way.
+    stacked = from_compressed_tensors(weight_packed_NQ[None].repeat(2, 0), weight_scale_NG[None].repeat(2, 0))
+    assert stacked[0].shape == (2, k // 8, n) and stacked[1].shape == (2, k // g, n)
+
+
+def test_dequantize_matches_float64():
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    values = _values(rng, (2, 128, 24))
+    scales = _scales(rng, (2, 4, 24), jnp.bfloat16)
+    got = dequantize_int4(pack_int4(jnp.asarray(values)), scales, 32, jnp.float32)
+    np.testing.assert_array_equal(_f64(got), _dequant_f64(values, scales, 32), err_msg=f"seed={seed}")
+
+
+def _check(got, ref, magnitude, rel_bound, seed, what):
+    got = _f64(got)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output (unwritten tile?), seed={seed}"
+    err = np.abs(got - ref)
+    worst = float(np.max(err - rel_bound * magnitude))
+    assert worst <= 0, f"{what}: error exceeds {rel_bound:.3g} * (|x| @ |W|) by {worst:.3g}, seed={seed}"
+
+
+# (M, K, N, group_size); M spans decode (1) to prefill (256).
+DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 128, 16, 128)]
+
+
+@pytest.mark.parametrize("shape", DENSE_SHAPES)
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_int4_matmul_kernel_matches_reference(shape, x_dtype):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    m, k, n, g = shape
+    values = _values(rng, (k, n))
+    scales = _scales(rng, (k // g, n), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+    packed = pack_int4(jnp.asarray(values))
+    w = _dequant_f64(values, scales, g)
+    magnitude = np.abs(_f64(x)) @ np.abs(w)
+
+    ref = int4_matmul(x, packed, scales, group_size=g, backend="xla")
+    if x_dtype == jnp.float32:
+        _check(ref, _f64(x) @ w, magnitude, F32_TOL, seed, "reference vs float64")
+    got = int4_matmul(x, packed, scales, group_size=g, backend="interpret")
+    assert got.shape == (m, n) and got.dtype == x_dtype
+    _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else 3 * U_BF16, seed, "kernel vs reference")
+    rel = np.max(np.abs(_f64(got) - _f64(ref))) / np.max(np.abs(_f64(ref)))
+    assert rel < 1e-2, f"relative error {rel:.3g}, seed={seed}"
+
+
+def test_int4_matmul_rejects_bad_inputs():
+    x = jnp.ones((2, 64), jnp.bfloat16)
+    packed = pack_int4(jnp.zeros((64, 16), jnp.int8))
+    scales = jnp.ones((2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="does not divide K"):
+        int4_matmul(x, packed, jnp.ones((1, 16)), group_size=48, backend="xla")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        int4_matmul(x, packed, jnp.ones((5, 16)), group_size=12, backend="xla")
+    with pytest.raises(ValueError, match="K/8=4"):
+        int4_matmul(x[:, :32], packed, scales, group_size=32, backend="xla")
+    with pytest.raises(ValueError, match="scales"):
+        int4_matmul(x, packed, scales[:, :8], group_size=32, backend="xla")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_int4(jnp.zeros((12, 4), jnp.int8))
+    with pytest.raises(ValueError, match="unknown backend"):
+        int4_matmul(x, packed, scales, group_size=32, backend="triton")
+    with pytest.raises(ValueError, match="group_sizes_E"):
+        moe_int4_matmul(x, packed[None], scales[None], jnp.array([1, 1], jnp.int32), group_size=32, backend="xla")
+
+
+def _moe_case(rng, group_sizes, k, n, g, x_dtype):
+    e = len(group_sizes)
+    t = int(sum(group_sizes))
+    values = _values(rng, (e, k, n))
+    scales = _scales(rng, (e, k // g, n), jnp.bfloat16)
+    # The kernel gets NaN scales for idle experts: their weights must never be
+    # used. (Not the reference: XLA's CPU ragged_dot multiplies every expert
+    # densely and masks afterwards, so NaNs there would leak.)
+    idle = np.asarray(group_sizes) == 0
+    poisoned = jnp.where(jnp.asarray(idle)[:, None, None], jnp.nan, scales).astype(jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((t, k)), x_dtype)
+    return x, values, scales, poisoned
+
+
+def _moe_float64(x, values, scales, group_sizes, g):
+    x = _f64(x)
+    out = np.zeros((x.shape[0], values.shape[-1]))
+    mag = np.zeros_like(out)
+    row = 0
+    for e, size in enumerate(group_sizes):
+        if size:
+            w = _dequant_f64(values[e], scales[e], g)
+            out[row:row + size] = x[row:row + size] @ w
+            mag[row:row + size] = np.abs(x[row:row + size]) @ np.abs(w)
+        row += size
+    return out, mag
+
+
+MOE_CASES = [
+    # decode: few tokens, many experts, most empty (first and last too)
+    ((0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0), 256, 32, 32),
+    # prefill: ragged groups, one bigger than a tile, an empty one in the middle
+    ((37, 0, 5, 70, 1), 128, 48, 128),
+    # a single token
+    ((0, 0, 1), 128, 16, 32),
+]
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_moe_int4_kernel_matches_reference(case, x_dtype):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    group_sizes, k, n, g = case
+    x, values, scales, poisoned = _moe_case(rng, group_sizes, k, n, g, x_dtype)
+    expected, magnitude = _moe_float64(x, values, scales, group_sizes, g)
+    packed, sizes = pack_int4(jnp.asarray(values)), jnp.asarray(group_sizes, jnp.int32)
+    if x_dtype == jnp.float32:
+        ref = moe_int4_matmul(x, packed, scales, sizes, group_size=g, backend="xla")
+        _check(ref, expected, magnitude, F32_TOL, seed, "reference vs float64")
+    got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend="interpret")
+    assert got.shape == (x.shape[0], n) and got.dtype == x_dtype
+    _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else 3 * U_BF16, seed, "kernel vs float64")
+
+
+def test_moe_schedule_skips_empty_experts():
+    """Only experts with tokens get tiles, so idle experts' weights are never streamed."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 3, 64) * (rng.random(64) < 0.2)  # ~80% of experts idle
+    t = int(sizes.sum())
+    block_m = tile_rows(-(-t // 64))
+    num_tiles = -(-t // block_m) + min(64, t)
+    schedule, owner = expert_tile_schedule(jnp.asarray(sizes, jnp.int32), t, block_m, num_tiles)
+    used = np.asarray(schedule.rows_T) > 0
+    assert sorted(np.asarray(schedule.expert_T)[used]) == sorted(np.flatnonzero(sizes)), f"seed={seed}"
+    assert int(np.asarray(schedule.rows_T).sum()) == t, f"seed={seed}"
+    assert np.all(np.asarray(owner.assigned_T)), f"seed={seed}"
