@@ -27,3 +27,18 @@ def resolve_backend(backend: str | None) -> str:
             f"unknown backend {backend!r}; expected one of {BACKENDS} or 'auto'/None"
         )
     return backend
+
+
+def lower_for_cuda(fn, *arg_specs: jax.ShapeDtypeStruct) -> str:
+    """MLIR text of `fn` lowered for an NVIDIA GPU, on any host (no GPU needed).
+
+    This runs the Pallas -> Triton IR lowering of every kernel inside `fn` (the
+    step that rejects non-power-of-two blocks, unsupported dtypes and ops), so
+    CPU-only CI catches kernels that could not run on GPU. It does not run
+    Triton's own compiler to PTX, which needs the CUDA jaxlib plugin.
+    """
+    from jax import export  # Only this helper needs it.
+
+    triton_call = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(*arg_specs)
+    return exported.mlir_module()

@@ -24,6 +24,7 @@ Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-9, e4m3 2^-4):
 * FP8 vs BF16 on the same unquantized values: see test_fp8_within_e4m3_bound.
 """
 
+import functools
 import os
 
 import jax
@@ -33,7 +34,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import lower_for_cuda, resolve_backend
 
 U_BF16 = 2.0**-9
 U_E4M3 = 2.0**-4
@@ -338,6 +339,23 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype):
     tol = (F32_TOL if q_dtype == jnp.float32 else 3 * U_BF16) * _mla_max_abs_v(args)
     _check_close(got, ref, tol, seed, "mla kernel vs reference")
     assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32])
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
+    """Pallas -> Triton IR lowering for CUDA (runs on CPU): GLM-4.6 GQA per GPU
+    (12 q heads, 1 KV head of 128) and Kimi K2 MLA per GPU (8 heads, C = 576)."""
+    spec = jax.ShapeDtypeStruct
+    gqa = functools.partial(paged_attention_gqa, k_scale=jnp.ones((1,)), v_scale=1.0, softmax_scale=0.1,
+                            backend="pallas")
+    text = lower_for_cuda(gqa, spec((4, 12, 128), q_dtype), spec((1, 512, 16, 128), kv_dtype),
+                          spec((1, 512, 16, 128), kv_dtype), spec((4, 128), jnp.int32), spec((4,), jnp.int32))
+    assert text.count("xla.gpu.triton") == 1
+    mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1, backend="pallas")
+    text = lower_for_cuda(mla, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
+                          spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+    assert text.count("xla.gpu.triton") == 1
 
 
 def test_interpreter_poisons_outputs():

@@ -22,6 +22,7 @@ magnitudes, computed in float64):
   relative error below 1e-2 (max |kernel - ref| / max |ref|), is checked too.
 """
 
+import functools
 import os
 
 import jax
@@ -32,6 +33,7 @@ import pytest
 from pallas_kernels import (
     dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
     to_compressed_tensors, unpack_int4)
+from pallas_kernels.backend import lower_for_cuda
 from pallas_kernels.int4_matmul import tile_rows
 from pallas_kernels.moe_int4_matmul import expert_tile_schedule
 
@@ -243,3 +245,19 @@ def test_moe_schedule_skips_empty_experts():
     assert sorted(np.asarray(schedule.expert_T)[used]) == sorted(np.flatnonzero(sizes)), f"seed={seed}"
     assert int(np.asarray(schedule.rows_T).sum()) == t, f"seed={seed}"
     assert np.all(np.asarray(owner.assigned_T)), f"seed={seed}"
+
+
+@pytest.mark.parametrize("m", [1, 64, 256])
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_at_gpu_shapes(m, x_dtype):
+    """Pallas -> Triton IR lowering for CUDA (runs on CPU): the Kimi K2 expert
+    matmul 7168 x 2048, group 32, dense and over 48 experts."""
+    spec = jax.ShapeDtypeStruct
+    k, n, g, e = 7168, 2048, 32, 48
+    dense = functools.partial(int4_matmul, group_size=g, backend="pallas")
+    text = lower_for_cuda(dense, spec((m, k), x_dtype), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))
+    assert text.count("xla.gpu.triton") == 1
+    moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
+    text = lower_for_cuda(moe, spec((m, k), x_dtype), spec((e, k // 8, n), jnp.int32),
+                          spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))
+    assert text.count("xla.gpu.triton") == 1
