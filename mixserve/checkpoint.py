@@ -92,9 +92,12 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
             if scale is None:
                 raise CheckpointError(f"{prefix}{unit}.weight_scale is missing (needed with weight_packed)")
             in_dim = packed.shape[1] * 8
-            if in_dim % scale.shape[1]:
-                raise CheckpointError(f"{prefix}{unit}.weight_scale shape {scale.shape} does not divide input dim {in_dim}")
             group = in_dim // scale.shape[1]
+            if in_dim % scale.shape[1] or group % 8:
+                raise CheckpointError(
+                    f"{prefix}{unit}.weight_packed {packed.shape} and {prefix}{unit}.weight_scale {scale.shape} disagree: "
+                    f"input dim {in_dim} is not a multiple-of-8 group size times {scale.shape[1]} groups"
+                )
         found["experts" if _is_expert(unit) else "linear"].add(_unit_format(parts, group))
     _check_group_size(found, quant)
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16

@@ -108,3 +108,22 @@ def iter_tensors(infos: dict[str, TensorInfo]) -> Iterator[tuple[str, np.ndarray
     """Tensors in file order, so reads stream through each shard once."""
     for name, info in sorted(infos.items(), key=lambda kv: (kv[1].file, kv[1].start)):
         yield name, load_tensor(info)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Write tensors (any dtype in DTYPES, bfloat16/float8 included) as one safetensors file."""
+    names = {np.dtype(v): k for k, v in DTYPES.items()}
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        dtype = np.dtype(array.dtype)
+        if dtype not in names:
+            raise CheckpointError(f"cannot write tensor {name} of dtype {dtype} to safetensors")
+        header[name] = {"dtype": names[dtype], "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
