@@ -22,10 +22,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import mma
 
-# Streams at least this many tokens per inner step, so that every dot has a
-# contraction / output dim >= 16 (the smallest Triton MMA tile) even at page
-# size 8, while a [64, 576] bf16 MLA latent block still fits shared memory
-# twice (software pipelining).
+# Tokens per inner step (unless a page is larger): every dot then has a token
+# dim >= 16 (the smallest Triton MMA tile) even at page size 8, and it is the
+# block FlashMLA uses. Untuned: see experiments/gpu_kernels.py.
 _BLOCK_TOKENS = 64
 # Two waves of programs over the 132 SMs of an H100/H200.
 _TARGET_PROGRAMS = 2 * 132
@@ -51,8 +50,9 @@ class SplitPlan:
 
 def plan_splits(num_slots: int, page_size: int, parallel_programs: int) -> SplitPlan:
     """Picks the split so that parallel_programs * num_splits fills the GPU."""
+    # Not capped by num_slots: a short table is padded instead, keeping the
+    # token block >= 16 for the MMA.
     pages_per_block = max(1, _BLOCK_TOKENS // page_size)
-    pages_per_block = min(pages_per_block, pl.next_power_of_2(num_slots))
     num_blocks = -(-num_slots // pages_per_block)
     wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
     num_splits = max(1, min(wanted, num_blocks))
@@ -62,16 +62,19 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int) -> Split
     return SplitPlan(pages_per_block, blocks_per_split, num_splits)
 
 
-def split_page_table(page_table_BN: jax.Array, plan: SplitPlan) -> jax.Array:
-    """[B, N] -> [B, X, pages_per_split], padded with page 0.
+def split_page_table(page_table_BN: jax.Array, lengths_B: jax.Array, page_size: int,
+                     plan: SplitPlan) -> tuple[jax.Array, jax.Array]:
+    """Kernel inputs: page table [B, X, pages_per_split] and lengths [B].
 
-    Padding slots are only ever read inside a block that also holds valid
-    tokens, and are masked there, so any in-range page id works.
+    The table is padded with page 0: padding slots are only read inside a
+    block that also holds valid tokens, and masked there. Lengths are clamped
+    to the table's N * S tokens, so padding never counts as valid.
     """
     b, n = page_table_BN.shape
     padded = plan.num_splits * plan.pages_per_split
     table = jnp.pad(page_table_BN.astype(jnp.int32), ((0, 0), (0, padded - n)))
-    return table.reshape(b, plan.num_splits, plan.pages_per_split)
+    lengths_B = jnp.clip(lengths_B.astype(jnp.int32), 0, n * page_size)
+    return table.reshape(b, plan.num_splits, plan.pages_per_split), lengths_B
 
 
 def compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:

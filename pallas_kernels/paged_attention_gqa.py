@@ -148,7 +148,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh)
     dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype)
     q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(dtype), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    slots_BXN = fd.split_page_table(page_table_BN, plan)
+    slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
@@ -167,6 +167,6 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         compiler_params=fd.COMPILER_PARAMS,
         interpret=interpret,
         name="paged_attention_gqa",
-    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B.astype(jnp.int32), logit_scale_K)
+    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)
     out_BKGD = fd.combine_partials(*partials)[:, :, :g] * v_scale_K[None, :, None, None]
     return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)

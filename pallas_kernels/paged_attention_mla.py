@@ -137,7 +137,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b)
     dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype)
     q_BRC = jnp.pad(q_BHC.astype(dtype), ((0, 0), (0, rows - h), (0, 0)))
-    slots_BXN = fd.split_page_table(page_table_BN, plan)
+    slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
         functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank),
@@ -154,6 +154,6 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         compiler_params=fd.COMPILER_PARAMS,
         interpret=interpret,
         name="paged_attention_mla",
-    )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B.astype(jnp.int32), logit_scale)
+    )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B, logit_scale)
     out_BRL = fd.combine_partials(*partials) * scale
     return out_BRL[:, :h].astype(q_BHC.dtype)

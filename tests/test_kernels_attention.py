@@ -168,6 +168,7 @@ GQA_SHAPES = [
     (1, 12, 64, 8, 9, (0, 1, 37, 72)),
     (2, 4, 32, 16, 6, (17, 96, 0)),
     (2, 1, 128, 32, 3, (33, 64, 5)),
+    (1, 2, 16, 8, 1, (5, 8)),  # a one-page table, shorter than one kernel block
 ]
 
 
@@ -192,6 +193,7 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False),
+        (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True),
     ],
 )
 def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head):
