@@ -134,22 +134,26 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
         return jnp.zeros((0, packed_QN.shape[-1]), x_MK.dtype)
     block_m = tile_rows(m)
     num_tiles = -(-m // block_m)
-    tiling = plan_tiling(block_m, packed_QN.shape[-1], x_MK.shape[1], num_tiles)
-    starts_T = jnp.arange(num_tiles, dtype=jnp.int32) * tiling.block_m
+    # Padding rows of x are zero, so their output rows are zero and a tile
+    # may store only the first next_pow2(m) rows (see _int4_kernel).
+    out_rows = min(block_m, pl.next_power_of_2(m))
+    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles)
+    starts_T = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     schedule = TileSchedule(
         expert_T=jnp.zeros((num_tiles,), jnp.int32),
         start_T=starts_T,
-        rows_T=jnp.minimum(m - starts_T, tiling.block_m),
+        rows_T=jnp.minimum(m - starts_T, block_m),
     )
-    x_MK = jnp.pad(x_MK, ((0, num_tiles * tiling.block_m - m), (0, 0)))
-    y_TMN = int4_tiles(x_MK, packed_QN[None], scales_GN[None], schedule, tiling,
+    x_padded = jnp.pad(x_MK, ((0, num_tiles * block_m - m), (0, 0)))
+    y_TMN = int4_tiles(x_padded, packed_QN[None], scales_GN[None], schedule, tiling,
                        group_size=group_size, interpret=interpret)
     return y_TMN.reshape(-1, y_TMN.shape[-1])[:m].astype(x_MK.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Tiling:
-    block_m: int  # rows of x per tile
+    block_m: int  # rows of x per tile (MMA rows: >= 16)
+    out_rows: int  # rows stored per tile; < block_m only when the rest are zero
     block_n: int  # output columns per program
     block_k: int  # input features per inner step (block_k / 8 packed rows)
     num_splits: int  # split-K programs per (tile, column block)
@@ -175,7 +179,7 @@ def tile_rows(rows: int) -> int:
     return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
 
 
-def plan_tiling(block_m: int, n: int, k: int, num_tiles: int) -> Int4Tiling:
+def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int) -> Int4Tiling:
     """Block sizes, and split-K wide enough to give the GPU ~2 waves of programs."""
     block_n = mma.pow2_divisor(n, _BLOCK_N_CAP)
     block_k = mma.pow2_divisor(k, _BLOCK_K_CAP)
@@ -183,7 +187,7 @@ def plan_tiling(block_m: int, n: int, k: int, num_tiles: int) -> Int4Tiling:
     k_blocks = k // block_k
     wanted = -(-_TARGET_PROGRAMS // programs)
     num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
-    return Int4Tiling(block_m, block_n, block_k, num_splits)
+    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits)
 
 
 def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
@@ -213,14 +217,19 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
             acc_MN += mma.dot_nn(x_MQ, w_QN)
         return acc_MN
 
-    out_ref[...] = jax.lax.fori_loop(
-        0, num_blocks, body, jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
+    acc_MN = jax.lax.fori_loop(0, num_blocks, body, jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
+    if tiling.out_rows < tiling.block_m:
+        # Rows >= out_rows are exactly zero (zero-padded x): folding them onto
+        # the first out_rows is exact, and at M = 1 it cuts the split-K partial
+        # traffic 16x (Triton has no static value slice, but has reshape+sum).
+        acc_MN = acc_MN.reshape(-1, tiling.out_rows, tiling.block_n).sum(axis=0)
+    out_ref[...] = acc_MN
 
 
 def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
                schedule: TileSchedule, tiling: Int4Tiling, *, group_size: int,
                interpret: bool) -> jax.Array:
-    """Runs the work list; returns f32 [tiles, block_m, N] (split-K summed).
+    """Runs the work list; returns f32 [tiles, out_rows, N] (split-K summed).
 
     x rows [start, start + block_m) of every tile must exist in x_MK (callers
     pad); rows past a tile's `rows` are computed but belong to no output.
@@ -243,8 +252,8 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
             pl.BlockSpec((num_experts, k // PACK, tiling.block_n), lambda t, c, s: (0, 0, c)),
             pl.BlockSpec((num_experts, k // group_size, tiling.block_n), lambda t, c, s: (0, 0, c)),
         ],
-        out_specs=pl.BlockSpec((None, None, tiling.block_m, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
-        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.block_m, n), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), jnp.float32),
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="int4_matmul",
