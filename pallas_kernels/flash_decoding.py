@@ -28,6 +28,8 @@ from pallas_kernels import mma
 _BLOCK_TOKENS = 64
 # Two waves of programs over the 132 SMs of an H100/H200.
 _TARGET_PROGRAMS = 2 * 132
+# A split streams at least this many times the bytes of the partial it writes.
+_PARTIAL_SHARE = 8
 # Triton launch parameters (ignored by the interpreter): 4 warps cover a
 # [16, 64] x [64, 128] MMA; 2 stages overlap the next page gather with math.
 COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
@@ -48,14 +50,25 @@ class SplitPlan:
         return self.pages_per_block * self.blocks_per_split
 
 
-def plan_splits(num_slots: int, page_size: int, parallel_programs: int) -> SplitPlan:
-    """Picks the split so that parallel_programs * num_splits fills the GPU."""
+def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
+                kv_bytes_per_token: int, partial_bytes: int, num_splits: int | None = None) -> SplitPlan:
+    """Picks the split so that parallel_programs * num_splits fills the GPU.
+
+    Each split also writes a partial of partial_bytes (read again by the
+    combine), so a split must stream at least _PARTIAL_SHARE times that much
+    KV cache, or small batches would spend their bandwidth on partials.
+    An explicit num_splits (tuning, tests) overrides the heuristic.
+    """
     # Not capped by num_slots: a short table is padded instead, keeping the
     # token block >= 16 for the MMA.
     pages_per_block = max(1, _BLOCK_TOKENS // page_size)
     num_blocks = -(-num_slots // pages_per_block)
-    wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
-    num_splits = max(1, min(wanted, num_blocks))
+    block_bytes = pages_per_block * page_size * kv_bytes_per_token
+    min_blocks_per_split = -(-_PARTIAL_SHARE * partial_bytes // block_bytes)
+    if num_splits is None:
+        wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
+        num_splits = min(wanted, num_blocks // min_blocks_per_split)
+    num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = -(-num_blocks // num_splits)
     # Re-derive so that no split is entirely past the page table.
     num_splits = -(-num_blocks // blocks_per_split)

@@ -42,8 +42,12 @@ def paged_attention_gqa(
     v_scale,
     softmax_scale: float,
     backend: str | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
-    """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens."""
+    """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens.
+
+    num_splits overrides the split-K heuristic of the kernel (tuning, tests).
+    """
     backend = resolve_backend(backend)
     _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B)
     num_kv_heads = k_pages_KPSD.shape[0]
@@ -54,7 +58,8 @@ def paged_attention_gqa(
         return _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
                           k_scale_K, v_scale_K, softmax_scale)
     return _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
-                   k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret")
+                   k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret",
+                   num_splits=num_splits)
 
 
 def _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B) -> None:
@@ -138,14 +143,16 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_splits"))
 def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
-            k_scale_K, v_scale_K, softmax_scale, *, interpret: bool):
+            k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, num_splits: int | None):
     b, h, d = q_BHD.shape
     kvh, _, page_size, _ = k_pages_KPSD.shape
     g = h // kvh
     rows = mma.padded_rows(g)
-    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh)
+    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh,
+                          kv_bytes_per_token=2 * d * k_pages_KPSD.dtype.itemsize,
+                          partial_bytes=rows * (d + 2) * 4, num_splits=num_splits)
     dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype)
     q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(dtype), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)

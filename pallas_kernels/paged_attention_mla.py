@@ -42,8 +42,12 @@ def paged_attention_mla(
     scale,
     softmax_scale: float,
     backend: str | None = None,
+    num_splits: int | None = None,
 ) -> jax.Array:
-    """softmax(q latent^T * softmax_scale) latent[:, :L] per request."""
+    """softmax(q latent^T * softmax_scale) latent[:, :L] per request.
+
+    num_splits overrides the split-K heuristic of the kernel (tuning, tests).
+    """
     backend = resolve_backend(backend)
     _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
     scale = jnp.asarray(scale, jnp.float32)
@@ -54,7 +58,7 @@ def paged_attention_mla(
         return _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
                           kv_lora_rank=kv_lora_rank)
     return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret")
+                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", num_splits=num_splits)
 
 
 def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:
@@ -128,13 +132,15 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "num_splits"))
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
-            kv_lora_rank: int, interpret: bool):
+            kv_lora_rank: int, interpret: bool, num_splits: int | None):
     b, h, c = q_BHC.shape
     page_size = latent_pages_PSC.shape[1]
     rows = mma.padded_rows(h)
-    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b)
+    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
+                          kv_bytes_per_token=c * latent_pages_PSC.dtype.itemsize,
+                          partial_bytes=rows * (kv_lora_rank + 2) * 4, num_splits=num_splits)
     dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype)
     q_BRC = jnp.pad(q_BHC.astype(dtype), ((0, 0), (0, rows - h), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)

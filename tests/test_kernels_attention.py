@@ -165,9 +165,9 @@ def _check_close(actual, expected, tol, seed, what):
 # (kv_heads, group, head_dim, page_size, num_slots, lengths): ragged lengths with
 # 0, 1, exact page ends and mid-page ends, several split-K chunks.
 GQA_SHAPES = [
-    (1, 12, 64, 8, 9, (0, 1, 37, 72)),
-    (2, 4, 32, 16, 6, (17, 96, 0)),
-    (2, 1, 128, 32, 3, (33, 64, 5)),
+    (1, 12, 64, 8, 40, (0, 1, 37, 300)),
+    (2, 4, 32, 16, 20, (17, 320, 0)),
+    (2, 1, 128, 32, 8, (33, 250, 5)),
     (1, 2, 16, 8, 1, (5, 8)),  # a one-page table, shorter than one kernel block
 ]
 
@@ -184,25 +184,27 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
     _check_close(out, _gqa_expected(args, cache), F32_TOL * _max_abs_v(args), seed, "gqa reference")
 
 
+# num_splits None = the kernel's heuristic (one split at these tiny sizes);
+# explicit values make split boundaries fall inside and past the requests.
 @pytest.mark.parametrize(
-    "shape, kv_dtype, q_dtype, per_head",
+    "shape, kv_dtype, q_dtype, per_head, num_splits",
     [
-        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False),
-        (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True),
-        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True),
-        (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True),
-        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False),
-        (GQA_SHAPES[2], jnp.float32, jnp.float32, False),
-        (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True),
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, 2),
+        (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True, None),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, None),
+        (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, 3),
+        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, 3),
+        (GQA_SHAPES[2], jnp.float32, jnp.float32, False, 2),
+        (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, 4),
     ],
 )
-def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head):
+def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, num_splits):
     seed = _seed()
     kvh, g, d, s, n, lengths = shape
     args, cache = _gqa_inputs(_rng(seed), batch=len(lengths), kv_heads=kvh, group=g, head_dim=d,
                               page_size=s, num_slots=n, lengths=lengths, kv_dtype=kv_dtype,
                               q_dtype=q_dtype, per_head=per_head)
-    got = paged_attention_gqa(**args, backend="interpret")
+    got = paged_attention_gqa(**args, backend="interpret", num_splits=num_splits)
     assert got.shape == args["q_BHD"].shape and got.dtype == q_dtype
     ref = _as_np(paged_attention_gqa(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else 3 * U_BF16) * _max_abs_v(args)
@@ -284,9 +286,9 @@ def test_fp8_within_e4m3_bound():
 
 # (heads, latent width C, kv_lora_rank L, page_size, num_slots, lengths)
 MLA_SHAPES = [
-    (8, 576, 512, 16, 4, (0, 1, 50)),
+    (8, 576, 512, 16, 12, (0, 1, 150)),
     (5, 48, 32, 8, 7, (56, 3)),
-    (16, 96, 64, 32, 3, (70, 33, 0, 64)),
+    (16, 96, 64, 32, 10, (70, 300, 0, 64)),
 ]
 
 
@@ -322,20 +324,20 @@ def test_mla_reference_matches_float64(shape):
 
 
 @pytest.mark.parametrize(
-    "shape, kv_dtype, q_dtype",
+    "shape, kv_dtype, q_dtype, num_splits",
     [
-        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16),
-        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32),
-        (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16),
-        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32),
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, 2),
+        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, None),
+        (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, 1),
+        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, 3),
     ],
 )
-def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype):
+def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, num_splits):
     seed = _seed()
     h, c, rank, s, n, lengths = shape
     args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
                               lengths=lengths, kv_dtype=kv_dtype, q_dtype=q_dtype)
-    got = paged_attention_mla(**args, backend="interpret")
+    got = paged_attention_mla(**args, backend="interpret", num_splits=num_splits)
     assert got.shape == (len(lengths), h, rank) and got.dtype == q_dtype
     ref = _as_np(paged_attention_mla(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else 3 * U_BF16) * _mla_max_abs_v(args)
@@ -358,6 +360,23 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     text = lower_for_cuda(mla, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
     assert text.count("xla.gpu.triton") == 1
+
+
+def test_split_heuristic_at_gpu_shapes():
+    """Many programs at batch 1, few splits at batch 64, and every split streams
+    at least 8x the bytes of the partial it writes."""
+    from pallas_kernels.flash_decoding import plan_splits
+
+    gqa = dict(kv_bytes_per_token=2 * 128, partial_bytes=16 * 130 * 4)  # fp8 K + V, D = 128
+    mla = dict(kv_bytes_per_token=576, partial_bytes=16 * 514 * 4)  # fp8 latent, L = 512
+    cases = [(32768, 16, 1, gqa), (32768, 16, 64, gqa), (4096, 64, 1, mla), (32768, 64, 1, mla)]
+    plans = {}
+    for context, page, batch, sizes in cases:
+        plan = plans[context, batch, page] = plan_splits(context // page, page, batch, **sizes)
+        streamed = plan.pages_per_split * page * sizes["kv_bytes_per_token"]
+        assert streamed >= 8 * sizes["partial_bytes"], plan
+    assert plans[32768, 1, 16].num_splits >= 64
+    assert plans[32768, 64, 16].num_splits <= 8
 
 
 def test_interpreter_poisons_outputs():
