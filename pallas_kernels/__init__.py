@@ -25,7 +25,8 @@ Tensor names end in their axes, one capital letter per axis:
 
   INT4 matmuls (int4_matmul.py, moe_int4_matmul.py)
     M  activation rows (tokens)
-    T  expert-sorted token rows (MoE); in a work list, T indexes tiles
+    T  expert-sorted token rows (MoE)
+    W  work-list tiles (row tiles of one expert each)
     K  input features (the contraction)
     Q  packed int32 rows = K / 8
     N  output features

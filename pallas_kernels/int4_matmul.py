@@ -138,16 +138,16 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
     # may store only the first next_pow2(m) rows (see _int4_kernel).
     out_rows = min(block_m, pl.next_power_of_2(m))
     tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles)
-    starts_T = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+    starts_W = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     schedule = TileSchedule(
-        expert_T=jnp.zeros((num_tiles,), jnp.int32),
-        start_T=starts_T,
-        rows_T=jnp.minimum(m - starts_T, block_m),
+        expert_W=jnp.zeros((num_tiles,), jnp.int32),
+        start_W=starts_W,
+        rows_W=jnp.minimum(m - starts_W, block_m),
     )
     x_padded = jnp.pad(x_MK, ((0, num_tiles * block_m - m), (0, 0)))
-    y_TMN = int4_tiles(x_padded, packed_QN[None], scales_GN[None], schedule, tiling,
+    y_WMN = int4_tiles(x_padded, packed_QN[None], scales_GN[None], schedule, tiling,
                        group_size=group_size, interpret=interpret)
-    return y_TMN.reshape(-1, y_TMN.shape[-1])[:m].astype(x_MK.dtype)
+    return y_WMN.reshape(-1, y_WMN.shape[-1])[:m].astype(x_MK.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +165,13 @@ class Int4Tiling:
 class TileSchedule(NamedTuple):
     """Work list: tile t multiplies x rows [start, start + block_m) by expert's weights.
 
-    rows_T == 0 marks an unused tile: its programs skip the weight stream and
+    rows_W == 0 marks an unused tile: its programs skip the weight stream and
     write zeros.
     """
 
-    expert_T: jax.Array  # int32
-    start_T: jax.Array  # int32
-    rows_T: jax.Array  # int32
+    expert_W: jax.Array  # int32
+    start_W: jax.Array  # int32
+    rows_W: jax.Array  # int32
 
 
 def tile_rows(rows: int) -> int:
@@ -236,7 +236,7 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
     """
     m, k = x_MK.shape
     num_experts, _, n = packed_EQN.shape
-    num_tiles = schedule.start_T.shape[0]
+    num_tiles = schedule.start_W.shape[0]
     # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
     x_planes_8MQ = x_MK.reshape(m, k // PACK, PACK).transpose(2, 0, 1)
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
@@ -257,5 +257,5 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="int4_matmul",
-    )(schedule.expert_T, schedule.start_T, schedule.rows_T, x_planes_8MQ, packed_EQN, scales_EGN)
+    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_planes_8MQ, packed_EQN, scales_EGN)
     return jnp.sum(partial_XTMN, axis=0)

@@ -56,11 +56,11 @@ def _reference(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int):
 
 
 class _RowOwner(NamedTuple):
-    """Where row t of y lives in the kernel output [tiles, BM, N]."""
+    """Where row t of y lives in the kernel output [W, BM, N]."""
 
-    tile_T: jax.Array
-    offset_T: jax.Array
-    assigned_T: jax.Array  # False past sum(group_sizes)
+    tile_T: jax.Array  # int32 index into the work list
+    offset_T: jax.Array  # int32 row within that tile
+    assigned_T: jax.Array  # bool: False past sum(group_sizes)
 
 
 def expert_tile_schedule(group_sizes_E: jax.Array, num_rows: int, block_m: int, num_tiles: int):
@@ -73,15 +73,17 @@ def expert_tile_schedule(group_sizes_E: jax.Array, num_rows: int, block_m: int, 
     row_end_E = jnp.cumsum(sizes_E)
     row_begin_E = row_end_E - sizes_E
 
-    tile_T = jnp.arange(num_tiles, dtype=jnp.int32)
-    owner_T = jnp.searchsorted(tile_end_E, tile_T, side="right")  # == E when unused
-    used_T = owner_T < num_experts
-    expert_T = jnp.minimum(owner_T, num_experts - 1).astype(jnp.int32)
-    first_row_T = (tile_T - tile_begin_E[expert_T]) * block_m
+    tile_W = jnp.arange(num_tiles, dtype=jnp.int32)
+    owner_W = jnp.searchsorted(tile_end_E, tile_W, side="right")  # == E when unused
+    used_W = owner_W < num_experts
+    expert_W = jnp.minimum(owner_W, num_experts - 1).astype(jnp.int32)
+    first_row_W = (tile_W - tile_begin_E[expert_W]) * block_m
     schedule = TileSchedule(
-        expert_T=expert_T,
-        start_T=jnp.where(used_T, row_begin_E[expert_T] + first_row_T, 0),
-        rows_T=jnp.where(used_T, jnp.clip(sizes_E[expert_T] - first_row_T, 0, block_m), 0),
+        expert_W=expert_W,
+        # Clamped so that a tile never reads past x's block_m rows of padding,
+        # even when group sizes add up to more than T.
+        start_W=jnp.where(used_W, jnp.minimum(row_begin_E[expert_W] + first_row_W, num_rows), 0),
+        rows_W=jnp.where(used_W, jnp.clip(sizes_E[expert_W] - first_row_W, 0, block_m), 0),
     )
 
     row_T = jnp.arange(num_rows, dtype=jnp.int32)

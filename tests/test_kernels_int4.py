@@ -241,9 +241,9 @@ def test_moe_schedule_skips_empty_experts():
     block_m = tile_rows(-(-t // 64))
     num_tiles = -(-t // block_m) + min(64, t)
     schedule, owner = expert_tile_schedule(jnp.asarray(sizes, jnp.int32), t, block_m, num_tiles)
-    used = np.asarray(schedule.rows_T) > 0
-    assert sorted(np.asarray(schedule.expert_T)[used]) == sorted(np.flatnonzero(sizes)), f"seed={seed}"
-    assert int(np.asarray(schedule.rows_T).sum()) == t, f"seed={seed}"
+    used = np.asarray(schedule.rows_W) > 0
+    assert sorted(np.asarray(schedule.expert_W)[used]) == sorted(np.flatnonzero(sizes)), f"seed={seed}"
+    assert int(np.asarray(schedule.rows_W).sum()) == t, f"seed={seed}"
     assert np.all(np.asarray(owner.assigned_T)), f"seed={seed}"
 
 
