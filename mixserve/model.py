@@ -97,19 +97,26 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
 
 
 def count_params(preset_or_config: str | ModelConfig) -> dict[str, int]:
-    """{"total", "active"} computed abstractly (jax.eval_shape): no memory is allocated.
+    """{"total", "active", "embedding"} computed abstractly (jax.eval_shape): no memory is allocated.
 
-    Convention: embeddings and lm_head count in both; MTP (next-token-prediction) layers are not
-    counted (they are not part of the forward). Active = total minus the routed experts a token
-    does not use (all but num_experts_per_tok per MoE layer).
+    Convention: embeddings and lm_head count in both "total" and "active"; MTP (next-token-prediction)
+    layers are not counted (they are not part of the forward). Active = total minus the routed
+    experts a token does not use (all but num_experts_per_tok per MoE layer).
+
+    "embedding" is the parameter count of embed_tokens plus lm_head (once when the two are tied),
+    reported separately because model cards disagree on whether "active" includes it: Moonshot's
+    Kimi K2 card (1T / 32B) counts it, so compare with "active"; Z.ai's GLM cards (GLM-4.5 355B/32B,
+    GLM-4.5-Air 106B/12B, GLM-5 744B/40B) do not, so compare with active - embedding.
     """
     cfg = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     shapes = jax.eval_shape(lambda: Transformer(cfg, WeightPlan(), jnp.bfloat16).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-    total = routed = 0
+    total = routed = embedding = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes["params"]))[0]:
         n = int(leaf.size)
         total += n
         if any(getattr(k, "key", None) == "experts" for k in path):
             routed += n
+        if getattr(path[0], "key", None) in ("embed_tokens", "lm_head"):
+            embedding += n
     inactive = routed * (cfg.n_routed_experts - cfg.num_experts_per_tok) // max(cfg.n_routed_experts, 1)
-    return {"total": total, "active": total - inactive}
+    return {"total": total, "active": total - inactive, "embedding": embedding}

@@ -1,0 +1,107 @@
+"""mixserve.load(dir).tokenizer: GLM's `tokenizer.json` (tokenizers) and Kimi's `tiktoken.model`
+(tiktoken, specials from tokenizer_config.json), built tiny here next to a tiny saved model."""
+
+import base64
+import json
+import shutil
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+import hf_reference as ref
+import mixserve
+from mixserve.tokenizer import HFTokenizer, TiktokenTokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Mixture-of-experts models route each token to 8 of 384 experts.",
+    "  leading spaces, tabs\tand\nnew lines\r\n",
+    "你好，世界！混合专家模型。",
+    "naïve café — emoji 🙂 and digits 1234567",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny saved checkpoint, no tokenizer files."""
+    path = tmp_path_factory.mktemp("model")
+    ref.save(ref.build("glm4-plain"), path)
+    return path
+
+
+def checkpoint_with(model_dir, tmp_path, **files):
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    for name, content in files.items():
+        (tmp_path / name.replace("__", ".")).write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(tmp_path)
+
+
+def byte_level_bpe_json() -> str:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(TEXTS[:3] * 5, trainer)
+    return tok.to_str()
+
+
+def test_no_tokenizer_files_gives_none(model_dir):
+    assert mixserve.load(str(model_dir), dtype="float32", progress=False).tokenizer is None
+
+
+def test_tokenizer_json_round_trips(model_dir, tmp_path):
+    path = checkpoint_with(model_dir, tmp_path, tokenizer__json=byte_level_bpe_json())
+    tok = mixserve.load(path, dtype="float32", progress=False).tokenizer
+    assert isinstance(tok, HFTokenizer)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    # trained merges are used: a training sentence takes fewer tokens than bytes
+    assert len(tok.encode(TEXTS[0])) < len(TEXTS[0].encode()) * 3 // 4
+
+
+# --- Kimi: tiktoken.model = lines of "base64(token bytes) rank" -------------------------------------
+MERGES = [b"he", b"ll", b"llo", b"hello", b"12", b"\xe4\xbd", b"\xe4\xbd\xa0"]  # 256.., "你" = e4 bd a0
+ID = {tok: 256 + i for i, tok in enumerate(MERGES)}
+SPECIALS = {"300": {"content": "<|im_end|>", "special": True}, "301": {"content": "<|im_user|>", "special": True}}
+
+
+def tiktoken_files() -> dict:
+    ranks = [bytes([b]) for b in range(256)] + MERGES
+    model = "".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(ranks))
+    return {"tiktoken__model": model, "tokenizer_config__json": json.dumps({"added_tokens_decoder": SPECIALS})}
+
+
+@pytest.fixture(scope="module")
+def kimi_tok(model_dir, tmp_path_factory):
+    path = checkpoint_with(model_dir, tmp_path_factory.mktemp("kimi"), **tiktoken_files())
+    tok = mixserve.load(path, dtype="float32", progress=False).tokenizer
+    assert isinstance(tok, TiktokenTokenizer)
+    return tok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tiktoken_round_trips(kimi_tok, text):
+    assert kimi_tok.decode(kimi_tok.encode(text)) == text
+
+
+def test_tiktoken_merges_and_cjk(kimi_tok):
+    assert kimi_tok.encode("hello") == [ID[b"hello"]]
+    assert kimi_tok.encode("你好") == [ID[b"\xe4\xbd\xa0"], *"好".encode()]
+
+
+def test_tiktoken_uses_kimi_split_pattern(kimi_tok):
+    # \p{N}{1,3}: "1212" splits as "121" + "2", so the "12" merge applies once, then 1 and 2 alone
+    assert kimi_tok.encode("1212") == [ID[b"12"], ord("1"), ord("2")]
+    # (the merge itself applies to a 2-digit group; without the split "1212" would be [12, 12])
+    assert kimi_tok.encode("12") == [ID[b"12"]]
+
+
+def test_tiktoken_special_tokens(kimi_tok):
+    assert kimi_tok.encode("<|im_end|>") == [300]
+    ids = kimi_tok.encode("hello<|im_user|>你<|im_end|>")
+    assert ids == [ID[b"hello"], 301, ID[b"\xe4\xbd\xa0"], 300]
+    assert kimi_tok.decode(ids) == "hello<|im_user|>你<|im_end|>"
