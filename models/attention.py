@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope
-from models.weights import BF16, WeightFormat
+from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, boxed_weight_init
+from models.weights import BF16, WeightFormat, dequantize, matmul
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 
@@ -80,10 +80,32 @@ class MLAAttention(nn.Module):
         if self.runs_indexer:
             index_mask = DSAIndexer(cfg, self.fmt, self.dtype, self.backend, name="indexer")(x_BTD, q_resid, cos, sin, kv)
 
-        kv_b = Linear(H * (N + V), ("kv_lora", "heads"), name="kv_b_proj", **lin)
+        kv_b = LatentUpProjection(L, H * (N + V), name="kv_b_proj", **lin)
         out_BTHV = kv.attend_mla(q_nope, q_pe, c_kv, k_pe, kv_b, scale=cfg.softmax_scale, index_mask=index_mask)
         out = Linear(cfg.hidden_size, ("heads", "embed"), cfg.attention_bias, name="o_proj", **lin)(out_BTHV.reshape(B, T, H * V))
         return out, index_mask
+
+
+class LatentUpProjection(nn.Module):
+    """kv_b_proj: latent c_kv [L] -> per-head (k_nope, v). Besides applying it (prefill, the
+    'naive' form), decode absorbs its weight into q and the output (`dense_kernel`)."""
+
+    in_features: int
+    features: int
+    fmt: WeightFormat = BF16
+    dtype: Dtype = jnp.bfloat16
+    backend: str = "xla"
+
+    def setup(self):
+        self.kernel = self.param(
+            "kernel", boxed_weight_init(self.fmt, ("kv_lora", "heads"), self.dtype), (self.in_features, self.features)
+        )
+
+    def __call__(self, c_kv):
+        return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend)
+
+    def dense_kernel(self):
+        return dequantize(self.kernel, self.dtype)
 
 
 class DSAIndexer(nn.Module):

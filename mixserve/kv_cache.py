@@ -1,0 +1,233 @@
+"""Paged KV pools (BF16 or FP8) and the attention the models run over them.
+
+Layouts, per layer (P pages of S tokens):
+  GQA (GLM-4.x)  k_KPSD, v_KPSD      [KVH, P, S, head_dim]
+  MLA (Kimi, GLM-5) latent_PSC       [P, S, kv_lora_rank + qk_rope_head_dim]  (c_kv then roped k_pe)
+  DSA indexer keys (GLM-5) index_PSD [P, S, index_head_dim], kept in the model dtype
+FP8 pools quantize on write: stored = saturate(value / scale), real = stored * scale, with a
+per-tensor scale (1.0 by default, or calibrated) or per-KV-head scales (GQA). e4m3fn has no
+infinity, so the saturating clamp is what keeps an outlier from becoming NaN.
+
+`PagedKV` implements the model-facing interface of models/kv.py for one engine step: each layer
+writes this step's fresh keys/values into its pages, then attends. Decode (one token per row)
+reads everything from the pages, through the pluggable attention backend (XLA reference or the
+Pallas kernels). Prefill chunks attend in the model dtype over the fresh keys and read only
+earlier chunks from the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from models.config import ModelConfig
+from models.kv import expand_mla, index_scores, masked_attention, top_k_mask
+from models.weights import saturating_cast
+
+KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
+STORAGE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def storage_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
+    if kv_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_dtype not in STORAGE:
+        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected auto, {', '.join(STORAGE)}")
+    return jnp.dtype(STORAGE[kv_dtype])
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    """KV bytes per token over all layers (DSA indexer keys counted in the model dtype, 2 bytes)."""
+    item = jnp.dtype(dtype).itemsize
+    if cfg.attention_kind == "gqa":
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
+    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    if cfg.family == "glm_moe_dsa":
+        per_layer += cfg.index_head_dim * 2
+    return cfg.num_layers * per_layer
+
+
+def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype=jnp.bfloat16) -> list[dict]:
+    """Zeroed pools, one dict per layer."""
+    pools = []
+    for layer in range(cfg.num_layers):
+        if cfg.attention_kind == "gqa":
+            shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+            pools.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
+        else:
+            pool = {"latent": jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)}
+            if cfg.family == "glm_moe_dsa" and cfg.indexer_types[layer] == "full":
+                pool["index"] = jnp.zeros((num_pages, page_size, cfg.index_head_dim), index_dtype)
+            pools.append(pool)
+    return pools
+
+
+def quantize_for_pool(x, dtype, scale):
+    """value -> stored: divide by the scale, then saturate into FP8's finite range."""
+    if not is_fp8(dtype):
+        return x.astype(dtype)
+    return saturating_cast(x.astype(jnp.float32) / scale, dtype)
+
+
+def dequantize_from_pool(x, scale, dtype):
+    if not is_fp8(x.dtype):
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """Where this step's tokens go. Row b holds tokens at positions start_B[b] + t for t < count_B[b]."""
+
+    pages_BN: jax.Array  # int32 physical page per logical page
+    start_B: jax.Array  # int32 position of the row's first token in this step (= tokens already cached)
+    count_B: jax.Array  # int32 tokens of this step that are real (0 for an idle slot)
+
+
+@dataclasses.dataclass
+class PagedKV:
+    """One engine step's view of all layers' pools. `new_pools[i]` receives layer i's updated pool."""
+
+    pools: list[dict]
+    step: StepInputs
+    page_size: int
+    k_scale: jax.Array  # [] or [KVH] (GQA); the MLA latent uses k_scale's mean as its single scale
+    v_scale: jax.Array
+    backend: str = "xla"
+    new_pools: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.new_pools = list(self.pools)
+
+    def layer(self, i: int) -> "LayerKV":
+        return LayerKV(self, i)
+
+
+@dataclasses.dataclass
+class LayerKV:
+    kv: PagedKV
+    i: int
+
+    # ---- writing ------------------------------------------------------------------------------
+    def _slots(self, T: int):
+        """Flat (page, offset) of each fresh token; padding tokens point past the pool (dropped)."""
+        step, S = self.kv.step, self.kv.page_size
+        pos_BT = step.start_B[:, None] + jnp.arange(T)[None, :]
+        page_BT = jnp.take_along_axis(step.pages_BN, jnp.minimum(pos_BT // S, step.pages_BN.shape[1] - 1), axis=1)
+        num_pages = self.kv.pools[self.i][next(iter(self.kv.pools[self.i]))].shape[-3]
+        real = jnp.arange(T)[None, :] < step.count_B[:, None]
+        return jnp.where(real, page_BT, num_pages), pos_BT % S
+
+    def _write(self, name: str, fresh, scale, head_axis: bool):
+        pool = self.kv.new_pools[self.i][name]
+        page, off = self._slots(fresh.shape[1])
+        stored = quantize_for_pool(fresh, pool.dtype, scale[:, None] if scale.ndim else scale)
+        if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
+            pool = pool.at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
+        else:
+            pool = pool.at[page, off].set(stored, mode="drop")
+        self.kv.new_pools[self.i] = {**self.kv.new_pools[self.i], name: pool}
+        return pool
+
+    # ---- reading ------------------------------------------------------------------------------
+    def _context_mask(self, T: int, decode: bool):
+        """[B, T, N*S]: which cached positions each query sees."""
+        step = self.kv.step
+        ctx = jnp.arange(step.pages_BN.shape[1] * self.kv.page_size)[None, None, :]
+        q_pos = step.start_B[:, None, None] + jnp.arange(T)[None, :, None]
+        limit = q_pos + 1 if decode else jnp.broadcast_to(step.start_B[:, None, None], q_pos.shape)  # prefill: earlier chunks
+        return ctx < limit
+
+    def _fresh_mask(self, T: int):
+        step = self.kv.step
+        causal = jnp.tril(jnp.ones((T, T), bool))[None]
+        return causal & (jnp.arange(T)[None, None, :] < step.count_B[:, None, None])
+
+    def _gather(self, pool, head_axis: bool):
+        """Pages of every row in logical order: [B, N*S, ...] (GQA: [B, N*S, KVH, D])."""
+        pages = self.kv.step.pages_BN
+        B, N = pages.shape
+        if head_axis:
+            g = pool[:, pages]  # [KVH, B, N, S, D]
+            return jnp.moveaxis(g, 0, -2).reshape(B, N * pool.shape[2], pool.shape[0], pool.shape[-1])
+        return pool[pages].reshape(B, N * pool.shape[1], *pool.shape[2:])
+
+    # ---- the model-facing interface ------------------------------------------------------------
+    def attend_gqa(self, q_BTHD, k_BTKD, v_BTKD, *, scale):
+        kv = self.kv
+        T = q_BTHD.shape[1]
+        k_pool = self._write("k", k_BTKD, kv.k_scale, head_axis=True)
+        v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)
+        if T == 1 and kv.backend != "xla":
+            lengths = kv.step.start_B + kv.step.count_B
+            out = pallas_kernels.paged_attention_gqa(
+                q_BTHD[:, 0], k_pool, v_pool, kv.step.pages_BN, lengths,
+                k_scale=kv.k_scale, v_scale=kv.v_scale, softmax_scale=scale, backend=kv.backend,
+            )
+            return out[:, None]
+        decode = T == 1
+        dt = q_BTHD.dtype
+        head_scale = lambda s: s[:, None] if s.ndim else s  # [KVH] broadcasts over head_dim
+        k_ctx = dequantize_from_pool(self._gather(k_pool, True), head_scale(kv.k_scale), dt)
+        v_ctx = dequantize_from_pool(self._gather(v_pool, True), head_scale(kv.v_scale), dt)
+        if decode:
+            return masked_attention(q_BTHD, k_ctx, v_ctx, self._context_mask(T, True), scale)
+        keys = jnp.concatenate([k_ctx, k_BTKD.astype(dt)], axis=1)
+        values = jnp.concatenate([v_ctx, v_BTKD.astype(dt)], axis=1)
+        mask = jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
+        return masked_attention(q_BTHD, keys, values, mask, scale)
+
+    def attend_mla(self, q_nope, q_pe, c_kv, k_pe, kv_b, *, scale, index_mask=None):
+        kv = self.kv
+        B, T, H, N = q_nope.shape
+        L = c_kv.shape[-1]
+        latent_scale = jnp.mean(kv.k_scale)
+        pool = self._write("latent", jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), latent_scale, False)
+        dt = q_nope.dtype
+        if T == 1:  # absorbed decode: queries move into latent space; values stay latent until W_UV
+            w = kv_b.dense_kernel().reshape(L, H, -1)
+            w_uk, w_uv = w[..., :N], w[..., N:]
+            q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
+            q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
+            if index_mask is None and kv.backend != "xla":
+                lengths = kv.step.start_B + kv.step.count_B
+                out_lat = pallas_kernels.paged_attention_mla(
+                    q, pool, kv.step.pages_BN, lengths, kv_lora_rank=L, scale=latent_scale,
+                    softmax_scale=scale, backend=kv.backend,
+                )
+            else:
+                latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)  # [B, N*S, C]
+                mask = self._context_mask(1, True) if index_mask is None else index_mask
+                out_lat = masked_attention(q[:, None], latent[:, :, None, :], latent[:, :, None, :L], mask, scale)[:, 0]
+            out = jnp.einsum("bhl,lhv->bhv", out_lat.astype(dt), w_uv.astype(dt), preferred_element_type=jnp.float32)
+            return out.astype(dt)[:, None]
+        latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)
+        c_all = jnp.concatenate([latent[..., :L], c_kv.astype(dt)], axis=1)
+        pe_all = jnp.concatenate([latent[..., L:], k_pe.astype(dt)], axis=1)
+        q, k, v = expand_mla(q_nope, q_pe, c_all, pe_all, kv_b)
+        mask = self._prefill_mask(T) if index_mask is None else index_mask
+        return masked_attention(q, k, v, mask, scale)
+
+    def _prefill_mask(self, T: int):
+        return jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
+
+    def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
+        """DSA over the cache: the index keys live in their own pool; same masks as attention."""
+        T = q_BTHD.shape[1]
+        pool = self._write("index", k_BTD, jnp.float32(1.0), False)
+        k_ctx = self._gather(pool, False).astype(jnp.float32)
+        if T == 1:
+            keys, valid = k_ctx, self._context_mask(1, True)
+        else:
+            keys = jnp.concatenate([k_ctx, k_BTD], axis=1)
+            valid = self._prefill_mask(T)
+        return top_k_mask(index_scores(q_BTHD, keys, w_BTH, scale), valid, top_k)
