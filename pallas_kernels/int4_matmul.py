@@ -25,7 +25,10 @@ than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
 variant (moe_int4_matmul.py) picks each tile's expert from a work list with a
 dynamic index into the expert axis, which Triton lowers to pointer arithmetic.
 Small M uses split-K over extra grid steps so that a 7168 x 2048 weight is
-streamed by hundreds of programs, not 16.
+streamed by hundreds of programs, not 16. (Mosaic GPU has a Hopper
+mixed-type matmul, but it is built around 64-row warpgroup tiles and TMA
+layouts; for M = 1..64 decode the Triton path is simpler and as fast in
+principle, since the op is bound by streaming the weights.)
 """
 
 import dataclasses

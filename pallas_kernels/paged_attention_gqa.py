@@ -4,12 +4,22 @@ One decode token per request attends to that request's pages of a paged KV
 cache. All G query heads sharing a KV head are one kernel block, so each K/V
 page is read from HBM once per step, not G times.
 
-Why Triton-backed Pallas: the kernel is a gather (pages picked through the
-page table) followed by small dots. Triton lowers `ref[page_ids]` to per-row
-pointer arithmetic, so a block of pages scattered anywhere in the pool is one
-vectorized load with no copy and no scalar-prefetch machinery, and its dots
-accept the [16, T] x [T, D] shapes of decode. The same body runs in the Pallas
-interpreter on CPU for tests.
+Why Triton-backed Pallas (jax.experimental.pallas.triton) rather than Mosaic
+GPU: the kernel is a gather (pages picked through the page table) followed by
+small dots. Triton lowers `ref[page_ids]` to per-row pointer arithmetic, so a
+block of pages scattered anywhere in the pool is one vectorized load with no
+copy and no scalar-prefetch machinery (which Triton-Pallas lacks anyway), and
+its dots accept the [16, T] x [T, D] shapes of decode. Mosaic GPU would need
+explicit TMA/async-copy pipelining per page and warpgroup-sized (64-row)
+tiles, a poor fit for 12-16 query rows. The same body runs in the Pallas
+interpreter on CPU for tests, and `backend.lower_for_cuda` checks on CPU that
+it lowers to Triton IR.
+
+Numerics: pages are cast to the dot dtype (exact for fp8/bf16 -> bf16), the
+scales are applied in f32 (k_scale * softmax_scale to the logits, v_scale to
+the combined output), all sums are f32, and the softmax is online. The one
+rounding beyond the reference is the probabilities fed to the PV dot in bf16
+(bf16 queries only), as in FlashAttention.
 
 Shapes (see the glossary in pallas_kernels/__init__.py):
   q_BHD            [B, H, D]   bf16 or f32, H = K * G

@@ -11,7 +11,10 @@ Why Triton-backed Pallas: like the GQA kernel, a block of pages is gathered
 through the page table with one vectorized pointer load, and all H heads form
 the M side of the dots ([16, C] x [C, T], then [16, T] x [T, L]). Triton
 blocks must be powers of two and C = 576 is not, so the kernel reads the
-latent as two column views, [.., :L] and [.., L:], and adds their logits.
+latent as two column views, [.., :L] and [.., L:], and adds their logits
+(so L and R must each be powers of two on GPU: 512 and 64 are). Numerics and
+split-K are as in paged_attention_gqa.py; the one scale multiplies the logits
+(with softmax_scale) and the combined output.
 
 Shapes (see the glossary in pallas_kernels/__init__.py):
   q_BHC             [B, H, C]  bf16 or f32

@@ -17,8 +17,9 @@ magnitudes, computed in float64):
 * bf16 x: the kernel rounds each scaled weight to bf16 before the
   tensor-core dot (relative u = 2^-9), accumulates in f32, and both results
   are rounded to bf16 (relative u each). So |kernel - ref| <= u*A + u*(|k| + |r|)
-  <= 3u * A, elementwise (against float64 directly, as in the MoE test, only
-  the weight and the output rounding remain: <= 2u * A). The brief's criterion,
+  <= 3u * A, elementwise, plus 1e-5 * A for second-order and accumulation
+  terms (against float64 directly, as in the MoE test, only the weight and
+  the output rounding remain: <= 2u * A). The brief's criterion,
   relative error below 1e-2 (max |kernel - ref| / max |ref|), is checked too.
 """
 
@@ -39,6 +40,9 @@ from pallas_kernels.moe_int4_matmul import expert_tile_schedule
 
 U_BF16 = 2.0**-9
 F32_TOL = 1e-5
+# 3 bf16 roundings (derived in the module docstring) plus the f32 slack for
+# second-order terms and accumulation order.
+BF16_TOL = 3 * U_BF16 + F32_TOL
 
 
 def _seed() -> int:
@@ -152,7 +156,7 @@ def test_int4_matmul_kernel_matches_reference(shape, x_dtype):
         _check(ref, _f64(x) @ w, magnitude, F32_TOL, seed, "reference vs float64")
     got = int4_matmul(x, packed, scales, group_size=g, backend="interpret")
     assert got.shape == (m, n) and got.dtype == x_dtype
-    _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else 3 * U_BF16, seed, "kernel vs reference")
+    _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs reference")
     rel = np.max(np.abs(_f64(got) - _f64(ref))) / np.max(np.abs(_f64(ref)))
     assert rel < 1e-2, f"relative error {rel:.3g}, seed={seed}"
 
@@ -229,7 +233,7 @@ def test_moe_int4_kernel_matches_reference(case, x_dtype):
         _check(ref, expected, magnitude, F32_TOL, seed, "reference vs float64")
     got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend="interpret")
     assert got.shape == (x.shape[0], n) and got.dtype == x_dtype
-    _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else 3 * U_BF16, seed, "kernel vs float64")
+    _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs float64")
 
 
 def test_moe_schedule_skips_empty_experts():
