@@ -208,14 +208,18 @@ def combine_partials(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array) -
     return acc_RV / jnp.where(sum_R > 0, sum_R, 1.0)[..., None]
 
 
-def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int, page_size: int) -> None:
-    """Static checks of the page table and lengths shared by both kernels."""
+def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int) -> None:
+    """Static checks of the page table and lengths shared by both ops."""
     if page_table_BN.ndim != 2 or page_table_BN.shape[0] != batch:
         raise ValueError(f"page_table_BN must be [B={batch}, N], got {page_table_BN.shape}")
     if not jnp.issubdtype(page_table_BN.dtype, jnp.integer):
         raise ValueError(f"page_table_BN must be integer, got {page_table_BN.dtype}")
     if lengths_B.shape != (batch,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
         raise ValueError(f"lengths_B must be int [B={batch}], got {lengths_B.dtype}{lengths_B.shape}")
+
+
+def check_kernel_page_size(page_size: int) -> None:
+    """The kernels (not the references) load whole pages: Triton needs 2^n."""
     if page_size & (page_size - 1):
-        raise ValueError(f"page size must be a power of two (Triton block shapes), got {page_size}")
+        raise ValueError(f"the Pallas kernels need a power-of-two page size (Triton blocks), got {page_size}")
 

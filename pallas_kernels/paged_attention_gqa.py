@@ -67,6 +67,7 @@ def paged_attention_gqa(
     if backend == "xla":
         return _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
                           k_scale_K, v_scale_K, softmax_scale)
+    fd.check_kernel_page_size(k_pages_KPSD.shape[2])
     return _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
                    k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret",
                    num_splits=num_splits)
@@ -82,10 +83,10 @@ def _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B) -
     if q_BHD.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"q must be bf16 or f32, got {q_BHD.dtype}")
     b, h, d = q_BHD.shape
-    kvh, _, page_size, kd = k_pages_KPSD.shape
+    kvh, _, _, kd = k_pages_KPSD.shape
     if kd != d or h % kvh:
         raise ValueError(f"q [B, H={h}, D={d}] does not fit pages [K={kvh}, P, S, D={kd}]: need H % K == 0 and equal D")
-    fd.check_paging(page_table_BN, lengths_B, b, page_size)
+    fd.check_paging(page_table_BN, lengths_B, b)
 
 
 def _per_head(scale, num_kv_heads: int, name: str) -> jax.Array:

@@ -60,6 +60,7 @@ def paged_attention_mla(
     if backend == "xla":
         return _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
                           kv_lora_rank=kv_lora_rank)
+    fd.check_kernel_page_size(latent_pages_PSC.shape[1])
     return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
                    kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", num_splits=num_splits)
 
@@ -72,12 +73,12 @@ def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_ran
     if q_BHC.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"q must be bf16 or f32, got {q_BHC.dtype}")
     b, _, c = q_BHC.shape
-    _, page_size, latent_c = latent_pages_PSC.shape
+    latent_c = latent_pages_PSC.shape[2]
     if latent_c != c:
         raise ValueError(f"q width C={c} differs from latent width {latent_c}")
     if not 0 < kv_lora_rank <= c:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={c}]")
-    fd.check_paging(page_table_BN, lengths_B, b, page_size)
+    fd.check_paging(page_table_BN, lengths_B, b)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank",))

@@ -409,3 +409,8 @@ def test_backend_resolution_and_errors():
         paged_attention_gqa(**{**args, "k_scale": jnp.ones((3,))}, backend="xla")
     with pytest.raises(ValueError, match="lengths_B"):
         paged_attention_gqa(**{**args, "lengths_B": jnp.zeros((2,), jnp.int32)}, backend="xla")
+    # The reference takes any page size; the kernels need 2^n (Triton blocks).
+    odd_pages = {**args, "k_pages_KPSD": args["k_pages_KPSD"][:, :, :6], "v_pages_KPSD": args["v_pages_KPSD"][:, :, :6]}
+    assert np.isfinite(_as_np(paged_attention_gqa(**odd_pages, backend="xla"))).all()
+    with pytest.raises(ValueError, match="power-of-two page size"):
+        paged_attention_gqa(**odd_pages, backend="interpret")
