@@ -30,7 +30,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -79,10 +78,14 @@ class PagedCache:
         self.page_size = page_size
 
     def poison(self, pages_PSX: np.ndarray) -> np.ndarray:
-        """NaN in every slot no request may read (broadcast over page axes P, S)."""
+        """NaN in every slot no request may read; pages [P, S, ...]."""
         out = np.array(pages_PSX, np.float32)
         out[~self.valid_PS] = np.nan
         return out
+
+    def poison_heads(self, pages_KPSD: np.ndarray) -> np.ndarray:
+        """`poison` for pages with a leading KV-head axis."""
+        return self.poison(pages_KPSD.transpose(1, 2, 0, 3)).transpose(2, 0, 1, 3)
 
     def tokens(self, b: int, pages_PSX: np.ndarray) -> np.ndarray:
         """The request's valid tokens in order, [length, ...], float64."""
@@ -131,8 +134,8 @@ def _gqa_inputs(rng, *, batch, kv_heads, group, head_dim, page_size, num_slots, 
                 kv_dtype, q_dtype, per_head):
     cache = PagedCache(rng, lengths, num_slots, page_size)
     q = rng.standard_normal((batch, kv_heads * group, head_dim))
-    pages = [cache.poison(rng.standard_normal((kv_heads, cache.num_pages, page_size, head_dim)).transpose(1, 2, 0, 3))
-             .transpose(2, 0, 1, 3) for _ in range(2)]
+    pages = [cache.poison_heads(rng.standard_normal((kv_heads, cache.num_pages, page_size, head_dim)))
+             for _ in range(2)]
     k_scale = rng.uniform(0.5, 2.0, kv_heads) if per_head else np.float32(rng.uniform(0.5, 2.0))
     v_scale = rng.uniform(0.5, 2.0, kv_heads) if per_head else np.float32(rng.uniform(0.5, 2.0))
     return dict(
@@ -263,15 +266,16 @@ def test_fp8_within_e4m3_bound():
     v_true = _as_np(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
     k_fp8, k_scale = _e4m3_quantize(k_true, np.abs(k_true).max(axis=(1, 2, 3)))
     v_fp8, v_scale = _e4m3_quantize(v_true, np.abs(v_true).max(axis=(1, 2, 3)))
-    poison = lambda x: cache.poison(x.transpose(1, 2, 0, 3)).transpose(2, 0, 1, 3)
     q = rng.standard_normal((len(lengths), kvh * g, d)) / 8
     common = dict(q_BHD=jnp.asarray(q, jnp.float32), page_table_BN=jnp.asarray(cache.page_table),
                   lengths_B=jnp.asarray(cache.lengths), softmax_scale=d**-0.5, backend="interpret")
     out_bf16 = _as_np(paged_attention_gqa(
-        k_pages_KPSD=jnp.asarray(poison(k_true), jnp.bfloat16), v_pages_KPSD=jnp.asarray(poison(v_true), jnp.bfloat16),
+        k_pages_KPSD=jnp.asarray(cache.poison_heads(k_true), jnp.bfloat16),
+        v_pages_KPSD=jnp.asarray(cache.poison_heads(v_true), jnp.bfloat16),
         k_scale=1.0, v_scale=1.0, **common))
     out_fp8 = _as_np(paged_attention_gqa(
-        k_pages_KPSD=jnp.asarray(poison(k_fp8), jnp.float8_e4m3fn), v_pages_KPSD=jnp.asarray(poison(v_fp8), jnp.float8_e4m3fn),
+        k_pages_KPSD=jnp.asarray(cache.poison_heads(k_fp8), jnp.float8_e4m3fn),
+        v_pages_KPSD=jnp.asarray(cache.poison_heads(v_fp8), jnp.float8_e4m3fn),
         k_scale=jnp.asarray(k_scale, jnp.float32), v_scale=jnp.asarray(v_scale, jnp.float32), **common))
     assert np.all(np.isfinite(out_fp8)) and np.all(np.isfinite(out_bf16)), f"seed={seed}"
     slack = F32_TOL * np.abs(v_true).max()
