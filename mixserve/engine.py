@@ -5,8 +5,9 @@ queues it; `_admit` gives it a batch slot and pages from the page table (mixserv
 `_prefill` runs its prompt in fixed-size chunks; then every `_decode` step runs all live slots
 at once (jitted over a fixed max_batch), after the integrity check when it is on:
   off     no check is traced into the step at all
-  check   a separate batched verify() before attention; a failing request is aborted with a
-          reason naming the page and the tags, the others go on untouched
+  check   a separate batched verify() before the step touches the pages; a failing request
+          writes and reads nothing, is aborted with a reason naming the page and the tags, and
+          the others go on untouched
   strict  the same check raised as an error through jax.experimental.checkify
 When pages run out, the youngest running request is preempted (pages freed, requeued to be
 recomputed from its prompt plus what it generated): nothing is dropped.
@@ -83,7 +84,8 @@ class Engine:
     def __init__(self, model: Model, *, kv_dtype: str = "auto", page_size: int = 16, num_pages: int | None = None,
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 64, integrity: Integrity = "off", k_scale=1.0, v_scale=1.0,
-                 stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla"):
+                 stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
+                 fault_hook=None):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
@@ -113,6 +115,9 @@ class Engine:
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.attention_backend = attention_backend
+        # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
+        # use it with mixserve.faults to corrupt the bookkeeping on purpose.
+        self.fault_hook = fault_hook
         self.pools = init_pools(cfg, self.num_pages, page_size, self.kv_dtype, model.dtype)
         self.table = pt.init_page_table(self.num_pages, max_batch, self.max_pages_per_seq)
         self.free_pages = self.num_pages
@@ -260,6 +265,8 @@ class Engine:
             temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
             keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.rid), len(r.out)))
         active = jnp.asarray(count > 0)
+        if self.fault_hook is not None:
+            self.table = self.fault_hook(self.table, self.counters.steps)
         args = (self.model.params, self.pools, self.table, self._step_inputs(start, count), jnp.asarray(tokens),
                 active, jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(keys))
         if self.integrity == "strict":
@@ -318,10 +325,14 @@ class Engine:
             if integrity == "off":  # no check traced at all
                 ok = active | True
             else:
-                report = pt.verify(table, active)
+                with jax.named_scope("kv_integrity_check"):
+                    report = pt.verify(table, active)
                 if integrity == "strict":
                     pt.checked(report)
                 ok = report.ok_B
+                # A failing row neither writes nor reads: its mapping may point into another
+                # request's pages, and this step's KV write would corrupt them.
+                step = dataclasses.replace(step, count_B=jnp.where(ok, step.count_B, 0))
             kv = self._paged_kv(pools, step)
             logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv)[:, 0]
             return kv.new_pools, sample(logits, temp, top_p, keys), ok
@@ -334,7 +345,7 @@ class Engine:
         z = jnp.zeros(B, jnp.int32)
         args = (self.model.params, self.pools, self.table, self._step_inputs(z, z), jnp.zeros((B, 1), jnp.int32),
                 jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 2), jnp.uint32))
-        return self._decode_fn.lower(*args).as_text()
+        return self._decode_fn.lower(*args).as_text(debug_info=True)
 
 
 def sample(logits_BV, temp_B, top_p_B, keys_B2):
