@@ -78,6 +78,8 @@ class Counters:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     peak_pages_in_use: int = 0
+    shared_pages: int = 0  # pages a request got from another's identical prompt prefix
+    decode_step_s: list[float] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -85,7 +87,7 @@ class Engine:
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 64, integrity: Integrity = "off", k_scale=1.0, v_scale=1.0,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
-                 fault_hook=None):
+                 prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
@@ -93,7 +95,14 @@ class Engine:
             raise ValueError("page_size, max_batch and prefill_chunk must be positive")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
-        self.model, self.cfg, self.integrity = model, cfg, integrity
+        if decode_model is not None and decode_model.config != cfg:
+            raise ValueError("decode_model must be the same model (same config) in another weight format")
+        # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
+        # INT4); the KV pages written by prefill are what decode reads. On one device this holds
+        # two weight sets.
+        self.model, self.decode_model, self.cfg, self.integrity = model, decode_model or model, cfg, integrity
+        self.prefix_sharing = prefix_sharing
+        self._prefix_pages: dict[int, int] = {}  # chained page hash -> live physical page
         self.kv_dtype = storage_dtype(kv_dtype, model.dtype)
         self.page_size = page_size
         self.bytes_per_token = bytes_per_token(cfg, self.kv_dtype)
@@ -118,7 +127,7 @@ class Engine:
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook
-        self.pools = init_pools(cfg, self.num_pages, page_size, self.kv_dtype, model.dtype)
+        self.pools = init_pools(cfg, self.num_pages, page_size, self.kv_dtype)
         self.table = pt.init_page_table(self.num_pages, max_batch, self.max_pages_per_seq)
         self.free_pages = self.num_pages
         self.counters = Counters()
@@ -179,8 +188,6 @@ class Engine:
         running: list[_Request] = []
         while waiting or running:
             self._admit(waiting, running)
-            for req in [r for r in running if r.cached < len(r.tokens) - 1]:
-                self._prefill(req)
             if running:
                 self._ensure_decode_pages(running, waiting)
                 self._decode(running)
@@ -189,16 +196,63 @@ class Engine:
                 running.remove(req)
 
     def _admit(self, waiting, running) -> None:
+        """Give waiting requests a slot and pages (sharing cached full prompt pages), then prefill
+        them right away, so that the next admission can share their pages."""
         free_slots = sorted(set(range(self.max_batch)) - {r.slot for r in running})
         while waiting and free_slots:
             req = waiting[0]
-            need = self._pages_for(len(req.tokens))
+            shared = self._shared_prefix(req)
+            need = self._pages_for(len(req.tokens)) - len(shared)
             if need > self.free_pages:
+                if not running:  # nothing will ever free pages: only leaked pages can cause this
+                    waiting.popleft().result = Result(list(req.out), "aborted", f"KV pool exhausted: {self.free_pages} free pages, "
+                                                      f"{need} needed (pages leaked after a detected bookkeeping fault)")
+                    self.counters.aborts += 1
+                    continue
                 break
             req.slot = free_slots.pop(0)
+            if shared:
+                ids = np.zeros(self.max_pages_per_seq, np.int32)
+                ids[: len(shared)] = shared
+                self.table, ok = _share_jit(self.table, jnp.int32(req.slot), jnp.asarray(ids), jnp.int32(len(shared)))
+                assert bool(ok), "prefix index points at a page that is not live"
+                req.pages, req.cached = len(shared), len(shared) * self.page_size
+                self.counters.shared_pages += len(shared)
             self._allocate(req, need)
             waiting.popleft()
             running.append(req)
+            self._prefill(req)
+
+    # ---- prefix sharing (full pages of identical token prefixes, as in nano-vllm's BlockManager) --
+    def _page_hashes(self, tokens: list[int]) -> list[int]:
+        """One hash per full page of tokens[:-1] (the last token is fed by decode), chained so a
+        page's hash covers the whole prefix before it."""
+        S, hashes, h = self.page_size, [], 0
+        for i in range((len(tokens) - 1) // S):
+            h = hash((h, tuple(tokens[i * S : (i + 1) * S])))
+            hashes.append(h)
+        return hashes
+
+    def _shared_prefix(self, req: _Request) -> list[int]:
+        if not self.prefix_sharing:
+            return []
+        pages = []
+        for h in self._page_hashes(req.tokens):
+            if h not in self._prefix_pages:
+                break
+            pages.append(self._prefix_pages[h])
+        return pages
+
+    def _register_prefix(self, req: _Request) -> None:
+        if not self.prefix_sharing:
+            return
+        row = np.asarray(self.table.pages_BN[req.slot])
+        for i, h in enumerate(self._page_hashes(req.tokens)):
+            self._prefix_pages.setdefault(h, int(row[i]))
+
+    def _forget_freed_pages(self) -> None:
+        refs = np.asarray(self.table.ref_count_P)
+        self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
 
     def _allocate(self, req: _Request, n: int) -> None:
         self.table, ok = _allocate_jit(self.table, jnp.int32(req.slot), jnp.int32(n))
@@ -210,6 +264,7 @@ class Engine:
     def _release(self, req: _Request) -> None:
         self.table = _release_jit(self.table, jnp.int32(req.slot))
         self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
+        self._forget_freed_pages()
         req.slot, req.pages, req.cached = None, 0, 0
 
     def _ensure_decode_pages(self, running: list, waiting: collections.deque) -> None:
@@ -234,23 +289,26 @@ class Engine:
         return StepInputs(self.table.pages_BN, jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32))
 
     def _prefill(self, req: _Request) -> None:
-        """Cache all tokens but the last (which the next decode step feeds), one chunk at a time."""
+        """Cache every token not yet in the pages, one chunk at a time, and sample the first new
+        token from the last position (so prefill's weights choose it, as in disaggregated serving)."""
         t0 = time.perf_counter()
         tokens = req.tokens
-        end = len(tokens) - 1
-        while req.cached < end:
-            n = min(self.prefill_chunk, end - req.cached)
-            chunk = np.zeros((self.max_batch, self.prefill_chunk), np.int32)
+        B, C = self.max_batch, self.prefill_chunk
+        while req.cached < len(tokens):
+            n = min(C, len(tokens) - req.cached)
+            chunk, start, count = np.zeros((B, C), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
             chunk[req.slot, :n] = tokens[req.cached : req.cached + n]
-            start = np.zeros(self.max_batch, np.int32)
-            count = np.zeros(self.max_batch, np.int32)
             start[req.slot], count[req.slot] = req.cached, n
-            self.pools = self._forward_fn(self.model.params, self.pools, self._step_inputs(start, count), jnp.asarray(chunk))
+            self.pools, next_tok = self._forward_fn(
+                self.model.params, self.pools, self._step_inputs(start, count), jnp.asarray(chunk), *self._sampling([req])
+            )
             req.cached += n
             self.counters.prefill_chunks += 1
             self.counters.prefill_tokens += n
-        jax.block_until_ready(self.pools)
+        token = int(next_tok[req.slot])
         self.counters.prefill_s += time.perf_counter() - t0
+        self._register_prefix(req)
+        self._accept(req, token, time.perf_counter())
 
     def _decode(self, running: list[_Request]) -> None:
         live = [r for r in running if r.result is None and r.slot is not None]
@@ -259,16 +317,13 @@ class Engine:
         t0 = time.perf_counter()
         B = self.max_batch
         tokens, start, count = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        temp, top_p, keys = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 2), np.uint32)
         for r in live:
             tokens[r.slot, 0], start[r.slot], count[r.slot] = r.tokens[-1], len(r.tokens) - 1, 1
-            temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
-            keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.rid), len(r.out)))
         active = jnp.asarray(count > 0)
         if self.fault_hook is not None:
             self.table = self.fault_hook(self.table, self.counters.steps)
-        args = (self.model.params, self.pools, self.table, self._step_inputs(start, count), jnp.asarray(tokens),
-                active, jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(keys))
+        args = (self.decode_model.params, self.pools, self.table, self._step_inputs(start, count), jnp.asarray(tokens),
+                active, *self._sampling(live))
         if self.integrity == "strict":
             err, (self.pools, next_tok, ok) = self._decode_fn(*args)
             err.throw()
@@ -278,6 +333,7 @@ class Engine:
         now = time.perf_counter()
         self.counters.steps += 1
         self.counters.decode_s += now - t0
+        self.counters.decode_step_s.append(now - t0)
         report = None
         for r in live:
             if not ok[r.slot]:
@@ -287,15 +343,28 @@ class Engine:
                 self.counters.aborts += 1
                 continue
             r.cached = len(r.tokens)
-            r.out.append(int(next_tok[r.slot]))
             self.counters.decode_tokens += 1
-            if len(r.out) == 1:
-                r.ttft = now - r.t_submit
-            else:
-                r.latencies.append(now - r.t_last)
-            r.t_last = now
-            if r.out[-1] in self.stop_tokens or len(r.out) >= r.max_new_tokens:
-                r.result = Result(list(r.out), "ok", None, *self._timing(r))
+            self._accept(r, int(next_tok[r.slot]), now)
+
+    def _sampling(self, reqs: list[_Request]):
+        """Per-slot temperature, top-p and a key that depends only on (seed, request, token index),
+        so a preempted and recomputed request samples the same tokens."""
+        B = self.max_batch
+        temp, top_p, keys = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 2), np.uint32)
+        for r in reqs:
+            temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
+            keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.rid), len(r.out)))
+        return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(keys)
+
+    def _accept(self, r: _Request, token: int, now: float) -> None:
+        r.out.append(token)
+        if len(r.out) == 1:
+            r.ttft = now - r.t_submit
+        else:
+            r.latencies.append(now - r.t_last)
+        r.t_last = now
+        if token in self.stop_tokens or len(r.out) >= r.max_new_tokens:
+            r.result = Result(list(r.out), "ok", None, *self._timing(r))
 
     @staticmethod
     def _timing(r: _Request):
@@ -309,17 +378,17 @@ class Engine:
     def _forward_fn(self):
         module = self.model.module
 
-        def forward(params, pools, step, tokens):
+        def forward(params, pools, step, tokens, temp, top_p, keys):
             kv = self._paged_kv(pools, step)
-            module.apply({"params": params}, tokens, step.start_B[:, None] + jnp.arange(tokens.shape[1]), kv,
-                         logits_at=jnp.maximum(step.count_B - 1, 0))
-            return kv.new_pools
+            logits = module.apply({"params": params}, tokens, step.start_B[:, None] + jnp.arange(tokens.shape[1]), kv,
+                                  logits_at=jnp.maximum(step.count_B - 1, 0))
+            return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
 
         return jax.jit(forward, donate_argnums=1)
 
     @functools.cached_property
     def _decode_fn(self):
-        module, integrity = self.model.module, self.integrity
+        module, integrity = self.decode_model.module, self.integrity
 
         def decode(params, pools, table, step, tokens, active, temp, top_p, keys):
             if integrity == "off":  # no check traced at all
@@ -343,7 +412,7 @@ class Engine:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
         B = self.max_batch
         z = jnp.zeros(B, jnp.int32)
-        args = (self.model.params, self.pools, self.table, self._step_inputs(z, z), jnp.zeros((B, 1), jnp.int32),
+        args = (self.decode_model.params, self.pools, self.table, self._step_inputs(z, z), jnp.zeros((B, 1), jnp.int32),
                 jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 2), jnp.uint32))
         return self._decode_fn.lower(*args).as_text(debug_info=True)
 
@@ -364,5 +433,6 @@ def sample(logits_BV, temp_B, top_p_B, keys_B2):
 
 
 _allocate_jit = jax.jit(pt.allocate)
+_share_jit = jax.jit(pt.share)
 _release_jit = jax.jit(pt.release)
 _verify_jit = jax.jit(pt.verify)

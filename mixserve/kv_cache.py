@@ -3,7 +3,7 @@
 Layouts, per layer (P pages of S tokens):
   GQA (GLM-4.x)  k_KPSD, v_KPSD      [KVH, P, S, head_dim]
   MLA (Kimi, GLM-5) latent_PSC       [P, S, kv_lora_rank + qk_rope_head_dim]  (c_kv then roped k_pe)
-  DSA indexer keys (GLM-5) index_PSD [P, S, index_head_dim], kept in the model dtype
+  DSA indexer keys (GLM-5) index_PSD [P, S, index_head_dim], same storage, scale 1 (LayerNorm output)
 FP8 pools quantize on write: stored = saturate(value / scale), real = stored * scale, with a
 per-tensor scale (1.0 by default, or calibrated) or per-KV-head scales (GQA). e4m3fn has no
 infinity, so the saturating clamp is what keeps an outlier from becoming NaN.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from models.config import ModelConfig
-from models.kv import expand_mla, index_scores, masked_attention, top_k_mask
+from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask
 from models.weights import saturating_cast
 
 KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
@@ -45,17 +45,17 @@ def is_fp8(dtype) -> bool:
 
 
 def bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """KV bytes per token over all layers (DSA indexer keys counted in the model dtype, 2 bytes)."""
+    """KV bytes per token over all layers, DSA indexer keys included."""
     item = jnp.dtype(dtype).itemsize
     if cfg.attention_kind == "gqa":
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
-    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
+    total = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
     if cfg.family == "glm_moe_dsa":
-        per_layer += cfg.index_head_dim * 2
-    return cfg.num_layers * per_layer
+        total += sum(t == "full" for t in cfg.indexer_types) * cfg.index_head_dim * item
+    return total
 
 
-def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dtype=jnp.bfloat16) -> list[dict]:
+def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[dict]:
     """Zeroed pools, one dict per layer."""
     pools = []
     for layer in range(cfg.num_layers):
@@ -65,7 +65,7 @@ def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype, index_dt
         else:
             pool = {"latent": jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)}
             if cfg.family == "glm_moe_dsa" and cfg.indexer_types[layer] == "full":
-                pool["index"] = jnp.zeros((num_pages, page_size, cfg.index_head_dim), index_dtype)
+                pool["index"] = jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype)
             pools.append(pool)
     return pools
 
@@ -139,12 +139,23 @@ class LayerKV:
         return pool
 
     # ---- reading ------------------------------------------------------------------------------
+    def _kernel_table(self, num_pages: int):
+        """Page table and lengths for the decode kernels. A row with nothing to do this step (idle,
+        or stopped by the integrity check) reads nothing; page ids are clamped because the
+        kernels index pages without bounds checks."""
+        step = self.kv.step
+        lengths = jnp.where(step.count_B > 0, step.start_B + step.count_B, 0)
+        return jnp.clip(step.pages_BN, 0, num_pages - 1), lengths
+
     def _context_mask(self, T: int, decode: bool):
         """[B, T, N*S]: which cached positions each query sees."""
         step = self.kv.step
         ctx = jnp.arange(step.pages_BN.shape[1] * self.kv.page_size)[None, None, :]
         q_pos = step.start_B[:, None, None] + jnp.arange(T)[None, :, None]
-        limit = q_pos + 1 if decode else jnp.broadcast_to(step.start_B[:, None, None], q_pos.shape)  # prefill: earlier chunks
+        if decode:  # a row with nothing to do this step (idle, or stopped by the check) sees nothing
+            limit = jnp.where(step.count_B[:, None, None] > 0, q_pos + 1, 0)
+        else:  # prefill: earlier chunks only; this chunk's tokens are attended fresh
+            limit = jnp.broadcast_to(step.start_B[:, None, None], q_pos.shape)
         return ctx < limit
 
     def _fresh_mask(self, T: int):
@@ -168,9 +179,9 @@ class LayerKV:
         k_pool = self._write("k", k_BTKD, kv.k_scale, head_axis=True)
         v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)
         if T == 1 and kv.backend != "xla":
-            lengths = kv.step.start_B + kv.step.count_B
+            pages, lengths = self._kernel_table(k_pool.shape[1])
             out = pallas_kernels.paged_attention_gqa(
-                q_BTHD[:, 0], k_pool, v_pool, kv.step.pages_BN, lengths,
+                q_BTHD[:, 0], k_pool, v_pool, pages, lengths,
                 k_scale=kv.k_scale, v_scale=kv.v_scale, softmax_scale=scale, backend=kv.backend,
             )
             return out[:, None]
@@ -199,9 +210,9 @@ class LayerKV:
             q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
             if index_mask is None and kv.backend != "xla":
-                lengths = kv.step.start_B + kv.step.count_B
+                pages, lengths = self._kernel_table(pool.shape[0])
                 out_lat = pallas_kernels.paged_attention_mla(
-                    q, pool, kv.step.pages_BN, lengths, kv_lora_rank=L, scale=latent_scale,
+                    q, pool, pages, lengths, kv_lora_rank=L, scale=latent_scale,
                     softmax_scale=scale, backend=kv.backend,
                 )
             else:
@@ -224,10 +235,54 @@ class LayerKV:
         """DSA over the cache: the index keys live in their own pool; same masks as attention."""
         T = q_BTHD.shape[1]
         pool = self._write("index", k_BTD, jnp.float32(1.0), False)
-        k_ctx = self._gather(pool, False).astype(jnp.float32)
+        k_ctx = dequantize_from_pool(self._gather(pool, False), 1.0, jnp.float32)
         if T == 1:
             keys, valid = k_ctx, self._context_mask(1, True)
         else:
             keys = jnp.concatenate([k_ctx, k_BTD], axis=1)
             valid = self._prefill_mask(T)
         return top_k_mask(index_scores(q_BTHD, keys, w_BTH, scale), valid, top_k)
+
+
+@dataclasses.dataclass
+class _RecordingKV:
+    """Cache-free attention that records the absmax of every key/value it sees (for calibration)."""
+
+    per_head: bool
+    k_max: list = dataclasses.field(default_factory=list)
+    v_max: list = dataclasses.field(default_factory=list)
+
+    def layer(self, i: int) -> "_RecordingKV":
+        return self
+
+    def attend_gqa(self, q, k_BTKD, v_BTKD, *, scale):
+        axes = (0, 1, 3) if self.per_head else None
+        self.k_max.append(jnp.max(jnp.abs(k_BTKD), axis=axes))
+        self.v_max.append(jnp.max(jnp.abs(v_BTKD), axis=axes))
+        return NoCache().attend_gqa(q, k_BTKD, v_BTKD, scale=scale)
+
+    def attend_mla(self, q_nope, q_pe, c_kv, k_pe, kv_b, *, scale, index_mask=None):
+        m = jnp.maximum(jnp.max(jnp.abs(c_kv)), jnp.max(jnp.abs(k_pe)))
+        self.k_max.append(m)
+        self.v_max.append(m)
+        return NoCache().attend_mla(q_nope, q_pe, c_kv, k_pe, kv_b, scale=scale, index_mask=index_mask)
+
+    def index_select(self, *args, **kw):
+        return NoCache().index_select(*args, **kw)
+
+
+def calibrate_scales(model, tokens_BT, *, kv_dtype: str = "fp8_e4m3", per_head: bool = False):
+    """(k_scale, v_scale) = absmax over a calibration batch / the format's largest finite value,
+    so the batch's largest key or value lands exactly on it (one scale for all layers, as
+    SGLang/vLLM's per-tensor k_scale/v_scale). MLA gets one scale for its latent."""
+    if per_head and model.config.attention_kind == "mla":
+        raise ValueError("MLA keeps one latent per token for all heads: per-head scales do not apply")
+    fp8_max = float(jnp.finfo(storage_dtype(kv_dtype, model.dtype)).max)
+
+    def absmax(params, tokens):
+        kv = _RecordingKV(per_head)
+        model.module.apply({"params": params}, tokens, kv=kv)
+        return jnp.max(jnp.stack(kv.k_max), axis=0), jnp.max(jnp.stack(kv.v_max), axis=0)
+
+    k_max, v_max = jax.jit(absmax)(model.params, jnp.asarray(tokens_BT, jnp.int32))
+    return k_max / fp8_max, v_max / fp8_max

@@ -158,3 +158,41 @@ def test_oversubscription_preempts_and_loses_nothing():
     assert [r.tokens for r in tight] == [r.tokens for r in roomy]
     assert e.counters.preemptions > 0
     assert e.free_pages == e.num_pages
+
+
+def test_prefix_sharing_shares_full_pages_and_changes_nothing():
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    rng = np.random.default_rng(4)
+    system = [int(t) for t in rng.integers(0, 256, 9)]  # two full pages of 4, then one token
+    ps = [system + [int(t) for t in rng.integers(0, 256, n)] for n in (3, 6, 2)]
+    alone = engine(model, prefix_sharing=False).generate(ps, max_new_tokens=NEW)
+    e = engine(model, integrity="check")
+    shared = e.generate(ps, max_new_tokens=NEW)
+    assert [r.tokens for r in shared] == [r.tokens for r in alone]
+    assert all(r.status == "ok" for r in shared)
+    assert e.counters.shared_pages == 2 * 2  # requests 2 and 3 each reuse request 1's two full pages
+    assert e.free_pages == e.num_pages  # every reference was given back
+
+
+def test_hybrid_prefill_and_decode_weights(tmp_path):
+    """FP8 weights for prefill, INT4 for decode, one KV pool between them: the first token comes
+    from the last prompt position, which decode computes, so compare with the INT4-only engine;
+    the prompt KV it reads was written by the FP8 prefill."""
+    import hf_reference as ref
+    from mixserve.quantize import plan_for, quantize_checkpoint
+    from models.weights import WeightFormat
+
+    src = tmp_path / "bf16"
+    ref.save(ref.build("kimi-yarn-groups"), src)
+    dirs = {}
+    for name, fmt, scope in (("fp8", WeightFormat("fp8_block"), "all"), ("int4", WeightFormat("int4", 8), "all")):
+        dirs[name] = str(tmp_path / name)
+        quantize_checkpoint(str(src), dirs[name], plan_for(fmt, scope))
+    fp8, int4 = (mixserve.load(dirs[n], dtype="float32", progress=False) for n in ("fp8", "int4"))
+    ps = [[int(t) for t in np.random.default_rng(5).integers(0, 160, 9)]]
+    hybrid = engine(fp8, decode_model=int4).generate(ps, max_new_tokens=3)[0]
+    fp8_only = engine(fp8).generate(ps, max_new_tokens=3)[0]
+    assert hybrid.status == "ok" and len(hybrid.tokens) == 3
+    assert hybrid.tokens[0] == fp8_only.tokens[0]
+    with pytest.raises(ValueError, match="same model"):
+        engine(fp8, decode_model=mixserve.load("tiny-kimi", dtype="float32"))

@@ -1,0 +1,130 @@
+"""Serving measurements on this machine (CPU, XLA path): what FP8 KV and the integrity check cost
+and buy. Not a timed test: run it by hand.
+
+    python experiments/serving.py [--out experiments/results/serving.md] [--repeats 5]
+
+1. KV tokens that fit a fixed budget, BF16 against FP8, for the full presets and the tiny ones.
+2. The largest concurrency that fits, for a fixed request shape (prompt + generated tokens).
+3. Decode throughput by concurrency on a tiny model (CPU: relative numbers only).
+4. Integrity-check overhead: `off` and `check` engines on the same workload, runs interleaved
+   (off, check, off, check, ...), median throughput ratio and p95 step-latency ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import mixserve
+from mixserve.engine import Engine
+from mixserve.kv_cache import bytes_per_token, storage_dtype
+from models.presets import PRESETS
+
+SEED_KIMI_BF16_TOKENS = 686_000  # the seed: Kimi K2.6 KV pool, BF16 -> ~1.37 M tokens in FP8
+
+
+def capacity_table(budget_bytes: int, page_size: int) -> list[str]:
+    rows = ["| preset | KV bytes/token BF16 | FP8 | tokens in budget BF16 | FP8 | ratio |", "|---|---|---|---|---|---|"]
+    for name, cfg in PRESETS.items():
+        b16, f8 = (bytes_per_token(cfg, storage_dtype(d, None)) for d in ("bfloat16", "fp8_e4m3"))
+        t16, t8 = (budget_bytes // (b * page_size) * page_size for b in (b16, f8))
+        rows.append(f"| {name} | {b16:,} | {f8:,} | {t16:,} | {t8:,} | {t8 / t16:.3f} |")
+    return rows
+
+
+def concurrency_table(budget_bytes: int, page_size: int, prompt: int, generated: int) -> list[str]:
+    rows = [f"| preset | max concurrent requests of {prompt}+{generated} tokens, BF16 | FP8 |", "|---|---|---|"]
+    pages_per_request = -(-(prompt + generated) // page_size)
+    for name in ("kimi-k2.6", "glm-4.6", "glm-5"):
+        cfg = PRESETS[name]
+        counts = [budget_bytes // (bytes_per_token(cfg, storage_dtype(d, None)) * page_size) // pages_per_request
+                  for d in ("bfloat16", "fp8_e4m3")]
+        rows.append(f"| {name} | {counts[0]:,} | {counts[1]:,} |")
+    return rows
+
+
+def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 256, prompt_len)] for _ in range(n)]
+
+
+def decode_throughput(model, concurrencies, new_tokens: int, repeats: int) -> list[str]:
+    rows = ["| concurrency | decode tok/s BF16 KV (median) | FP8 KV | FP8/BF16 |", "|---|---|---|---|"]
+    for c in concurrencies:
+        engines = {d: Engine(model, kv_dtype=d, num_pages=256, page_size=16, max_batch=c, stop_tokens=())
+                   for d in ("bfloat16", "fp8_e4m3")}
+        for e in engines.values():  # warm-up: compile prefill and decode
+            e.generate(workload(c, 24, 99), max_new_tokens=2)
+        rates = {d: [] for d in engines}
+        for r in range(repeats):  # interleaved
+            for d, e in engines.items():
+                before_tok, before_s = e.counters.decode_tokens, e.counters.decode_s
+                e.generate(workload(c, 24, r), max_new_tokens=new_tokens)
+                rates[d].append((e.counters.decode_tokens - before_tok) / (e.counters.decode_s - before_s))
+        m16, m8 = statistics.median(rates["bfloat16"]), statistics.median(rates["fp8_e4m3"])
+        rows.append(f"| {c} | {m16:.1f} | {m8:.1f} | {m8 / m16:.3f} |")
+    return rows
+
+
+def integrity_overhead(model, concurrency: int, new_tokens: int, repeats: int) -> tuple[list[str], dict]:
+    engines = {m: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=concurrency,
+                         integrity=m, stop_tokens=()) for m in ("off", "check")}
+    for e in engines.values():
+        e.generate(workload(concurrency, 24, 99), max_new_tokens=2)
+    tput, p95 = {m: [] for m in engines}, {m: [] for m in engines}
+    for r in range(repeats):
+        for m in (("off", "check") if r % 2 == 0 else ("check", "off")):  # alternate who goes first
+            e = engines[m]
+            n0, s0, k0 = e.counters.decode_tokens, e.counters.decode_s, len(e.counters.decode_step_s)
+            e.generate(workload(concurrency, 24, r), max_new_tokens=new_tokens)
+            tput[m].append((e.counters.decode_tokens - n0) / (e.counters.decode_s - s0))
+            p95[m].append(float(np.percentile(e.counters.decode_step_s[k0:], 95)))
+    ratios = [c / o for o, c in zip(tput["off"], tput["check"])]
+    lat = [c / o for o, c in zip(p95["off"], p95["check"])]
+    summary = {"throughput_change": statistics.median(ratios) - 1, "p95_change": statistics.median(lat) - 1}
+    rows = [
+        "| metric | off (median) | check (median) | paired change (median) |", "|---|---|---|---|",
+        f"| decode tok/s | {statistics.median(tput['off']):.1f} | {statistics.median(tput['check']):.1f} | {summary['throughput_change']:+.2%} |",
+        f"| p95 step latency ms | {1e3 * statistics.median(p95['off']):.2f} | {1e3 * statistics.median(p95['check']):.2f} | {summary['p95_change']:+.2%} |",
+    ]
+    return rows, summary
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write the markdown report here")
+    p.add_argument("--model", default="tiny-kimi")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = p.parse_args(argv)
+    model = mixserve.load(args.model)
+    budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
+    lines = [f"# Serving measurements ({datetime.date.today()}, {jax.devices()[0].device_kind}, XLA path)", ""]
+    lines += ["## KV tokens in a 48 GiB budget (page size 64)", ""] + capacity_table(budget, 64)
+    kimi = PRESETS["kimi-k2.6"]
+    lines += ["", f"The seed's Kimi K2.6 pool holds ~{SEED_KIMI_BF16_TOKENS:,} tokens in BF16 -> ~1.37 M in FP8; "
+              f"{SEED_KIMI_BF16_TOKENS:,} tokens x {bytes_per_token(kimi, storage_dtype('bfloat16', None)):,} B = "
+              f"{SEED_KIMI_BF16_TOKENS * bytes_per_token(kimi, storage_dtype('bfloat16', None)) / 2**30:.1f} GiB.", ""]
+    lines += ["## Largest concurrency that fits (48 GiB, 8192 + 1000 tokens per request, the seed's overhead workload)", ""]
+    lines += concurrency_table(budget, 64, 8192, 1000)
+    lines += ["", f"## Decode throughput by concurrency ({args.model}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats)", ""]
+    lines += decode_throughput(model, args.concurrency, args.new_tokens, args.repeats)
+    rows, _ = integrity_overhead(model, max(args.concurrency), args.new_tokens, 2 * args.repeats)
+    lines += ["", f"## Integrity check overhead ({args.model}, FP8 KV, concurrency {max(args.concurrency)}, "
+              f"{2 * args.repeats} interleaved runs each)", ""] + rows
+    lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
