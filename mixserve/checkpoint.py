@@ -65,12 +65,10 @@ def _mtp_or_beyond(unit: str, cfg: ModelConfig) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_layers
 
 
-def _unit_format(parts: set[str], group_size: int | None) -> WeightFormat:
+def _stored_kind(parts) -> str:
     if "weight_packed" in parts:
-        return WeightFormat("int4", group_size)
-    if "weight_scale_inv" in parts:
-        return WeightFormat("fp8_block")
-    return BF16
+        return "int4"
+    return "fp8_block" if "weight_scale_inv" in parts else "dense"
 
 
 def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> WeightPlan:
@@ -83,25 +81,29 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
             units.setdefault(base, set()).add(part)
     found = {"experts": set(), "linear": set()}
     for unit, parts in units.items():
-        if _mtp_or_beyond(unit, cfg) or not (parts & {"weight_scale_inv", "weight_packed"}) and not _quantizable(unit):
+        if _mtp_or_beyond(unit, cfg) or not _quantizable(unit):
             continue
-        group = None
-        if "weight_packed" in parts:
-            scale = infos[prefix + unit + ".weight_scale"] if prefix + unit + ".weight_scale" in infos else None
-            packed = infos[prefix + unit + ".weight_packed"]
-            if scale is None:
-                raise CheckpointError(f"{prefix}{unit}.weight_scale is missing (needed with weight_packed)")
-            in_dim = packed.shape[1] * 8
-            group = in_dim // scale.shape[1]
-            if in_dim % scale.shape[1] or group % 8:
-                raise CheckpointError(
-                    f"{prefix}{unit}.weight_packed {packed.shape} and {prefix}{unit}.weight_scale {scale.shape} disagree: "
-                    f"input dim {in_dim} is not a multiple-of-8 group size times {scale.shape[1]} groups"
-                )
-        found["experts" if _is_expert(unit) else "linear"].add(_unit_format(parts, group))
+        kind = _stored_kind(parts)
+        fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
+        found["experts" if _is_expert(unit) else "linear"].add(fmt)
     _check_group_size(found, quant)
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
+
+
+def _int4_group(unit: str, infos: dict[str, TensorInfo]) -> int:
+    """Group size implied by weight_packed [out, in/8] and weight_scale [out, in/group]."""
+    if unit + ".weight_scale" not in infos:
+        raise CheckpointError(f"{unit}.weight_scale is missing (needed with weight_packed)")
+    packed, scale = infos[unit + ".weight_packed"].shape, infos[unit + ".weight_scale"].shape
+    in_dim = packed[1] * 8
+    group = in_dim // scale[1]
+    if in_dim % scale[1] or group % 8:
+        raise CheckpointError(
+            f"{unit}.weight_packed {packed} and {unit}.weight_scale {scale} disagree: "
+            f"input dim {in_dim} is not a multiple-of-8 group size times {scale[1]} groups"
+        )
+    return group
 
 
 def _quantizable(unit: str) -> bool:
@@ -166,12 +168,6 @@ def _leaf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
         at = dotted.index("experts") + 1
         dotted.insert(at, "{e}")
     return ".".join(dotted), part, transpose
-
-
-def _stored_kind(parts) -> str:
-    if "weight_packed" in parts:
-        return "int4"
-    return "fp8_block" if "weight_scale_inv" in parts else "dense"
 
 
 def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True):
