@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors
 from models.config import ModelConfig
