@@ -138,6 +138,10 @@ class Engine:
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
 
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - self.free_pages
+
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Result]:
         requests = []
