@@ -1,5 +1,6 @@
 """mixserve: cheap serving of frontier MoE models in JAX (FP8 KV cache, INT4 weights, KV integrity tags)."""
 
 from mixserve.model import Model, count_params, load
+from mixserve.weight_bytes import weight_bytes
 
-__all__ = ["Model", "count_params", "load"]
+__all__ = ["Model", "count_params", "load", "weight_bytes"]

@@ -1,6 +1,7 @@
 """Write a quantized HF-format checkpoint from a BF16 one, streaming unit by unit.
 
     python -m mixserve.quantize --model DIR --out DIR --format int4 --group-size 32 [--scope experts|all]
+           [--method rtn|gptq --calibration-tokens 2048 --seed 0]
     python -m mixserve.quantize --model DIR --out DIR --format fp8
 
 int4 writes compressed-tensors pack-quantized (W4A16, symmetric, group-wise) with a
@@ -8,22 +9,34 @@ int4 writes compressed-tensors pack-quantized (W4A16, symmetric, group-wise) wit
 (`weight_scale_inv`, 128x128). Scope "experts" quantizes routed experts only (as Kimi K2 Thinking
 ships); "all" also quantizes attention, dense MLPs and shared experts. Router, norms, embeddings,
 lm_head and the DSA indexer's weights_proj always stay as they are.
+
+Methods: rtn rounds each weight to nearest; gptq (mixserve/gptq.py, int4 only) first loads the
+whole source model in float32 and runs it over calibration tokens, so it is for models that fit in
+host memory; its int4 tensors are in the same format as RTN's. `quantize_model` does the same in
+memory, to a Model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import _is_expert, _mtp_or_beyond, _quantizable, _text_prefix, _unit_of, read_config
+from mixserve.checkpoint import _is_expert, _leaf_source, _mtp_or_beyond, _quantizable, _text_prefix, _unit_of, read_config
+from mixserve.gptq import Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized
+from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
-from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, quantize
+
+log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30
 COPIED = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json", "special_tokens_map.json")
@@ -37,17 +50,79 @@ def plan_for(fmt: WeightFormat, scope: str) -> WeightPlan:
 
 def quantize_unit(weight_NK: np.ndarray, fmt: WeightFormat) -> dict[str, np.ndarray]:
     """One HF [out, in] weight -> its on-disk parts in `fmt` (round to nearest)."""
-    w_KN = jnp.asarray(np.asarray(weight_NK, np.float32).T)
-    if fmt.kind == "fp8_block":
-        q = Fp8BlockWeight.quantize(w_KN)
+    return disk_parts(quantize(jnp.asarray(np.asarray(weight_NK, np.float32).T), fmt))
+
+
+def disk_parts(q: Fp8BlockWeight | Int4Weight) -> dict[str, np.ndarray]:
+    """A quantized [in, out] weight -> its HF on-disk parts ([out, in] orientation)."""
+    if isinstance(q, Fp8BlockWeight):
         return {"weight": np.asarray(q.values_KN).T, "weight_scale_inv": np.asarray(q.scale_inv_kn).T}
-    q = Int4Weight.quantize(w_KN, fmt.group_size)
     packed_NQ, scale_NG = pallas_kernels.to_compressed_tensors(q.packed_QN, q.scales_GN)
+    k, n = q.shape
     return {
         "weight_packed": np.asarray(packed_NQ),
         "weight_scale": np.asarray(scale_NG),
-        "weight_shape": np.asarray(weight_NK.shape, np.int64),
+        "weight_shape": np.asarray((n, k), np.int64),
     }
+
+
+def calibration_ids(calibration: Calibration | np.ndarray | None, vocab_size: int) -> np.ndarray:
+    """int32 [B, T] token ids: given, or drawn by a Calibration spec (default Calibration())."""
+    if calibration is None or isinstance(calibration, Calibration):
+        return (calibration or Calibration()).token_ids(vocab_size)
+    ids = np.asarray(calibration, np.int32)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"calibration token ids must be a non-empty [batch, time] array, got shape {ids.shape}")
+    return ids
+
+
+def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
+                   calibration: Calibration | np.ndarray | None = None) -> tuple[Model, list[LayerReport]]:
+    """A float model's weights converted into `plan` in memory -> (Model, GPTQ layer reports).
+
+    method "rtn": every quantized weight rounded to nearest. "gptq": the int4 weights by GPTQ over
+    the calibration tokens (fp8 ones still RTN). Unquantized weights are cast to the model dtype.
+    """
+    _check_method(method, plan)
+    gptq: dict = {}
+    reports: list[LayerReport] = []
+    if method == "gptq":
+        gptq, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
+    abstract = abstract_params(model.config, plan, model.dtype)
+    source = flat_params(model.params)
+    leaves = []
+    for path, leaf in flat_params(abstract).items():
+        if path in gptq:
+            leaves.append(gptq[path])
+        elif is_quantized(leaf):
+            fmt = plan.experts if "experts" in path else plan.linear
+            leaves.append(quantize(source[path].astype(model.dtype), fmt))
+        else:
+            leaves.append(source[path].astype(leaf.dtype))
+    params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract, is_leaf=is_quantized), leaves)
+    return dataclasses.replace(model, params=params, plan=plan), reports
+
+
+def _check_method(method: str, plan: WeightPlan) -> None:
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
+    if method == "gptq" and "int4" not in (plan.experts.kind, plan.linear.kind):
+        raise ValueError(f"GPTQ quantizes int4 weights and the plan ({plan}) has none; use method='rtn'")
+
+
+def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Int4Weight], list[LayerReport]]:
+    """GPTQ of the source checkpoint -> {bare HF unit name: Int4Weight [in, out]}, one per expert."""
+    model = load(src, dtype="float32", progress=False)
+    weights, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
+    units = {}
+    for path, q in weights.items():
+        unit, _, _ = _leaf_source(path)
+        if q.packed_QN.ndim == 2:
+            units[unit] = q
+            continue
+        for e in range(q.packed_QN.shape[0]):
+            units[unit.replace("{e}", str(e))] = jax.tree.map(lambda a: a[e], q)
+    return units, reports
 
 
 def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
@@ -72,12 +147,18 @@ def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
     }
 
 
-def quantize_checkpoint(src: str, dst: str, plan: WeightPlan) -> None:
+def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "rtn",
+                        calibration: Calibration | np.ndarray | None = None) -> list[LayerReport]:
+    """Write `src` (BF16 HF checkpoint) quantized into `plan` to `dst`. Returns GPTQ's layer reports
+    (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq only)."""
+    _check_method(method, plan)
     config, quant = read_config(src)
     if quant:
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
     infos = index_tensors(src)
     prefix = _text_prefix(infos)
+    _check_group_sizes(infos, prefix, plan, config)
+    gptq, reports = _gptq_units(src, plan, calibration) if method == "gptq" else ({}, [])
     os.makedirs(dst, exist_ok=True)
     shard: dict[str, np.ndarray] = {}
     shards: list[dict[str, np.ndarray]] = []
@@ -87,10 +168,9 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan) -> None:
         unit, part = _unit_of(name)
         bare = unit.removeprefix(prefix)
         fmt = plan.experts if _is_expert(bare) else plan.linear
-        if part == "weight" and _quantizable(bare) and not _mtp_or_beyond(bare, config) and fmt.kind != "bf16":
-            if fmt.kind == "int4" and array.shape[1] % fmt.group_size:
-                raise CheckpointError(f"{name}: group size {fmt.group_size} does not divide the input dimension {array.shape[1]}")
-            parts = {f"{unit}.{p}": v for p, v in quantize_unit(array, fmt).items()}
+        if _quantized_here(name.removeprefix(prefix), plan, config):
+            on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
+            parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:
             parts = {name: np.asarray(array)}
             if part == "weight" and (_quantizable(bare) or bare == "lm_head"):
@@ -118,6 +198,23 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan) -> None:
     for name in COPIED:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return reports
+
+
+def _quantized_here(bare_name: str, plan: WeightPlan, config) -> bool:
+    """Does the plan quantize this tensor (name without the K2.5 text prefix)?"""
+    unit, part = _unit_of(bare_name)
+    fmt = plan.experts if _is_expert(unit) else plan.linear
+    return part == "weight" and _quantizable(unit) and not _mtp_or_beyond(unit, config) and fmt.kind != "bf16"
+
+
+def _check_group_sizes(infos, prefix: str, plan: WeightPlan, config) -> None:
+    """Before any work (GPTQ can take a while): every int4 weight's input dim must split into groups."""
+    for name, info in infos.items():
+        bare = name.removeprefix(prefix)
+        fmt = plan.experts if _is_expert(bare) else plan.linear
+        if _quantized_here(bare, plan, config) and fmt.kind == "int4" and info.shape[1] % fmt.group_size:
+            raise CheckpointError(f"{name}: group size {fmt.group_size} does not divide the input dimension {info.shape[1]}")
 
 
 def main(argv=None) -> None:
@@ -128,10 +225,19 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dimension (32 or 128)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
-    p.add_argument("--method", choices=["rtn"], default="rtn", help="rounding method")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
+                   help="rtn: round to nearest; gptq: GPTQ over random calibration tokens (int4; loads the model)")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq: number of calibration tokens")
+    p.add_argument("--seq-len", type=int, default=128, help="gptq: calibration sequence length")
+    p.add_argument("--seed", type=int, default=0, help="gptq: seed of the calibration tokens")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     fmt = WeightFormat("int4", args.group_size) if args.format == "int4" else WeightFormat("fp8_block")
-    quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope))
+    calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
+    reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method, calibration=calibration)
+    for r in reports:
+        fallback = f", RTN for experts {r.rtn_fallback_experts} (no tokens)" if r.rtn_fallback_experts else ""
+        print(f"{r.path}: {r.tokens} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")
     print(f"wrote {args.out} ({fmt}, scope={args.scope}, method={args.method})")
 
 

@@ -1,0 +1,254 @@
+"""GPTQ (Frantar et al., 2022) into the INT4 format that round-to-nearest writes.
+
+Per linear layer, with X its calibration inputs [n, K] and W its weight [K, N]:
+
+    H = 2/n X^T X + damp * mean(diag H) * I            (damp = 1% by default)
+    U = upper Cholesky factor of H^-1                    (H^-1 = U^T U)
+    for k in 0..K-1 (input rows of W, the columns of HF's [out, in]):
+        at a group's first row: scale_N = absmax(current rows of the group) / 7.5, in bf16
+        q_N = clamp(round(W[k] / scale), -8, 7)
+        err_N = (W[k] - q * scale) / U[k, k]
+        W[k+1:] -= U[k, k+1:]^T err                       (error feedback to the rows not yet rounded)
+
+The group scale is decided when the group's first row is reached, from the rows as they are then
+(with the error of earlier groups folded in): reference GPTQ without static groups, except that
+it reads all rows of the group with the feedback so far (the reference reads rows of a later lazy
+block without the current block's updates). The scale rule is Int4Weight.quantize's, so the
+result is the same on-disk format as RTN; with H = I there is no feedback and GPTQ equals RTN
+bit for bit. Updates are applied to all remaining rows each step (no lazy blocks): O(K^2 N) per
+matrix, fine for the small models this runs on. Inputs nobody fed (diag H = 0) get H_kk = 1 and
+keep their weights (the reference zeroes them, which would break them for unseen inputs).
+
+Calibration inputs are captured in one jitted pass of the float model per batch (flax
+`nn.intercept_methods`, no change to model code): each targeted Linear / kv_b_proj sees its input; each routed expert sees
+the tokens routed to it (gate/up: the hidden state; down: silu(x gate_e) * (x up_e), recomputed from
+the captured x and the float weights). So every layer's inputs come from the unquantized model
+(not re-run through the already quantized earlier layers). An expert no calibration token reaches,
+or a layer the forward never calls, falls back to RTN, and the report lists it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from models.attention import LatentUpProjection
+from models.layers import Linear
+from models.moe import RoutedExperts
+from models.transformer import Transformer
+from models.weights import Fp8BlockWeight, Int4Weight, WeightPlan
+
+log = logging.getLogger(__name__)
+Path = tuple[str, ...]
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Random token ids: `tokens` in sequences of `seq_len` (a real text set can be passed as ids instead)."""
+
+    tokens: int = 2048
+    seq_len: int = 128
+    seed: int = 0
+
+    def token_ids(self, vocab_size: int) -> np.ndarray:
+        """int32 [tokens // seq_len, seq_len]."""
+        rng = np.random.default_rng(self.seed)
+        return rng.integers(0, vocab_size, (max(self.tokens // self.seq_len, 1), self.seq_len), dtype=np.int32)
+
+
+@dataclasses.dataclass
+class Gram:
+    """Running sum of x x^T over calibration inputs: xtx_KK [..., K, K] and count [...] (per expert if stacked)."""
+
+    xtx: jax.Array
+    count: jax.Array
+
+    def add(self, xtx, count) -> None:
+        self.xtx, self.count = self.xtx + xtx, self.count + count
+
+    @property
+    def hessian(self) -> jax.Array:
+        """H = 2/n X^T X (identity where no input came, which makes GPTQ equal RTN there)."""
+        n = self.count[..., None, None]
+        eye = jnp.eye(self.xtx.shape[-1], dtype=jnp.float32)
+        return jnp.where(n > 0, 2 * self.xtx / jnp.maximum(n, 1), eye)
+
+
+@dataclasses.dataclass
+class LayerReport:
+    """One quantized weight: calibration rows seen, ||X (W - Q)||^2 on the calibration set for RTN and GPTQ."""
+
+    path: str
+    tokens: int
+    rtn_error: float
+    gptq_error: float
+    rtn_fallback_experts: list[int] = dataclasses.field(default_factory=list)
+
+
+# ---- the algorithm ---------------------------------------------------------------------------------
+
+
+def _round_to_grid(row_N: jax.Array, scale_N: jax.Array) -> jax.Array:
+    """Int4Weight.quantize's rounding for one row under fixed group scales -> int8 [N]."""
+    safe = jnp.maximum(scale_N.astype(jnp.float32), jnp.finfo(jnp.float32).tiny)
+    return jnp.clip(jnp.round(row_N / safe), -8, 7).astype(jnp.int8)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def gptq_int4(w_KN: jax.Array, h_KK: jax.Array, group_size: int, damp: float = 0.01) -> Int4Weight:
+    """GPTQ of one weight [K, N] under Hessian [K, K] -> Int4Weight (scales bf16 [K/group, N])."""
+    k, n = w_KN.shape
+    if k % group_size:
+        raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
+    h = h_KK.astype(jnp.float32)
+    h = h + jnp.diag(jnp.where(jnp.diagonal(h) == 0, 1.0, 0.0))  # dead inputs
+    h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(k, dtype=jnp.float32)
+    chol = jax.scipy.linalg.cholesky(h, lower=True)
+    h_inv = jax.scipy.linalg.cho_solve((chol, True), jnp.eye(k, dtype=jnp.float32))
+    u_KK = jax.scipy.linalg.cholesky(h_inv, lower=False)
+
+    def step(i, carry):
+        w, values, scales, scale = carry
+        group = jax.lax.dynamic_slice_in_dim(w, i, group_size, axis=0)
+        fresh = Int4Weight.quantize(group, group_size).scales_GN[0]  # unused (and clamped) off a group start
+        scale = jnp.where(i % group_size == 0, fresh, scale)
+        q = _round_to_grid(w[i], scale)
+        err = (w[i] - q.astype(jnp.float32) * scale.astype(jnp.float32)) / u_KK[i, i]
+        w = w - u_KK[i][:, None] * err[None, :]  # U is upper triangular: rows <= i are done
+        return w, values.at[i].set(q), scales.at[i // group_size].set(scale), scale
+
+    init = (w_KN.astype(jnp.float32), jnp.zeros((k, n), jnp.int8),
+            jnp.zeros((k // group_size, n), jnp.bfloat16), jnp.zeros((n,), jnp.bfloat16))
+    _, values, scales, _ = jax.lax.fori_loop(0, k, step, init)
+    return Int4Weight(pallas_kernels.pack_int4(values), scales, group_size)
+
+
+def reconstruction_error(w_KN: jax.Array, q: Int4Weight, xtx_KK: jax.Array) -> jax.Array:
+    """||X W - X Q||_F^2 = tr(D^T X^T X D), D = W - dequant(Q); stacked [E, ...] inputs give [E]."""
+    d = w_KN.astype(jnp.float32) - q.dequantize(jnp.float32)
+    return jnp.sum(d * jnp.matmul(xtx_KK, d, precision=HIGHEST), axis=(-2, -1))
+
+
+# ---- capturing the calibration inputs -------------------------------------------------------------
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (Int4Weight, Fp8BlockWeight))
+
+
+def flat_params(tree) -> dict[Path, object]:
+    """Leaves by path; a quantized weight is one leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
+    return {tuple(getattr(k, "key", getattr(k, "name", None)) for k in path): leaf for path, leaf in flat}
+
+
+def abstract_params(cfg, plan: WeightPlan, dtype):
+    """Shape-only params of Transformer(cfg, plan, dtype), unboxed."""
+    init = lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    return nn.unbox(jax.eval_shape(init)["params"])
+
+
+def _xtx(x_MK: jax.Array) -> jax.Array:
+    x = x_MK.reshape(-1, x_MK.shape[-1]).astype(jnp.float32)
+    return jnp.matmul(x.T, x, precision=HIGHEST)
+
+
+def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Per-expert x^T x of the gate/up inputs (tokens routed to e) and of the down inputs."""
+    params = mod.variables["params"]
+    x = x_TD.astype(jnp.float32)
+    routed_TE = jax.nn.one_hot(experts_TK, mod.cfg.n_routed_experts, dtype=jnp.float32).sum(1)  # 0/1: top-k is distinct
+    gate = jnp.einsum("td,edf->tef", x, params["gate_proj"].astype(jnp.float32), precision=HIGHEST)
+    up = jnp.einsum("td,edf->tef", x, params["up_proj"].astype(jnp.float32), precision=HIGHEST)
+    h_TEF = nn.silu(gate) * up
+    count_E = routed_TE.sum(0)
+    xtx_in = jnp.einsum("te,td,tc->edc", routed_TE, x, x, precision=HIGHEST)
+    xtx_down = jnp.einsum("te,tef,teg->efg", routed_TE, h_TEF, h_TEF, precision=HIGHEST)
+    return {"gate_proj": (xtx_in, count_E), "up_proj": (xtx_in, count_E), "down_proj": (xtx_down, count_E)}
+
+
+@functools.partial(jax.jit, static_argnames=("module", "targets"))
+def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path]) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """One forward of a batch -> {"/".join(path): (x^T x, rows)} for the target weights it reached."""
+    found: dict[Path, tuple[jax.Array, jax.Array]] = {}  # filled while tracing, returned as outputs
+
+    def add(path, xtx, count):
+        if path in targets:
+            old = found.get(path, (0.0, 0.0))
+            found[path] = (old[0] + xtx, old[1] + count)
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        mod = context.module
+        if context.method_name != "__call__":
+            return out
+        if isinstance(mod, (Linear, LatentUpProjection)):
+            add((*mod.path, "kernel"), _xtx(args[0]), jnp.float32(np.prod(args[0].shape[:-1])))
+        elif isinstance(mod, RoutedExperts):
+            x_TD, _, experts_TK = args
+            for proj, (xtx, count) in _expert_grams(mod, x_TD, experts_TK).items():
+                add((*mod.path, proj), xtx, count)
+        return out
+
+    with nn.intercept_methods(interceptor):
+        module.apply({"params": params}, ids_BT)
+    return {"/".join(path): value for path, value in found.items()}
+
+
+def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8) -> dict[Path, Gram]:
+    """Run the float model over ids_BT (in batches of rows) and sum x^T x for every target weight path."""
+    grams: dict[Path, Gram] = {}
+    ids = np.asarray(ids_BT, np.int32)
+    for start in range(0, len(ids), batch):
+        found = _batch_grams(model.params, jnp.asarray(ids[start:start + batch]), module=model.module, targets=frozenset(targets))
+        for name, (xtx, count) in found.items():
+            grams.setdefault(tuple(name.split("/")), Gram(jnp.zeros_like(xtx), jnp.zeros_like(count))).add(xtx, count)
+    return grams
+
+
+# ---- the whole model ------------------------------------------------------------------------------
+
+
+def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *, damp: float = 0.01) -> tuple[dict[Path, Int4Weight], list[LayerReport]]:
+    """GPTQ of every weight that `plan` puts in int4, from a float model run over ids_BT.
+
+    model: a mixserve Model with plain (unquantized) weights. Returns ({param path: Int4Weight},
+    [LayerReport]); paths are those of Transformer(cfg, plan) (experts stacked [E, K, N]).
+    """
+    source = flat_params(model.params)
+    if any(is_quantized(v) for v in source.values()):
+        raise ValueError("GPTQ needs the unquantized model: load the BF16 checkpoint")
+    layout = flat_params(abstract_params(model.config, plan, model.dtype))
+    targets = {p: leaf.group_size for p, leaf in layout.items() if isinstance(leaf, Int4Weight)}
+    grams = collect_grams(model, set(targets), ids_BT)
+    weights, reports = {}, []
+    for path in sorted(targets):
+        weights[path], report = _gptq_weight(path, source[path], targets[path], grams.get(path), damp)
+        reports.append(report)
+    return weights, reports
+
+
+def _gptq_weight(path: Path, w, group_size: int, gram: Gram | None, damp: float) -> tuple[Int4Weight, LayerReport]:
+    name = "/".join(path)
+    w = w.astype(jnp.float32)
+    if gram is None:  # the forward never called this layer
+        log.warning("%s: no calibration input reached it; RTN", name)
+        return Int4Weight.quantize(w, group_size), LayerReport(name, 0, float("nan"), float("nan"))
+    fn = functools.partial(gptq_int4, group_size=group_size, damp=damp)
+    q = jax.vmap(fn)(w, gram.hessian) if w.ndim == 3 else fn(w, gram.hessian)
+    rtn = Int4Weight.quantize(w, group_size)
+    empty = [int(e) for e in np.flatnonzero(np.asarray(gram.count) == 0)] if w.ndim == 3 else []
+    if empty:  # their Hessian is the identity, under which GPTQ is RTN
+        log.warning("%s: experts %s got no calibration tokens; RTN for them", name, empty)
+    report = LayerReport(name, int(np.sum(gram.count)), float(reconstruction_error(w, rtn, gram.xtx).sum()),
+                         float(reconstruction_error(w, q, gram.xtx).sum()), empty)
+    return q, report

@@ -1,0 +1,82 @@
+"""Save and restore converted (quantized) parameters with Orbax, for a fast restart.
+
+Converting a checkpoint (reading safetensors, stacking experts, quantizing, GPTQ) is slow; the
+result is saved as an Orbax checkpoint (one array per leaf; Int4Weight / Fp8BlockWeight are pytree
+nodes, so packed int32, float8 values and scales are stored as they are) beside `model.json`:
+
+    PATH/params/      orbax StandardCheckpointer
+    PATH/model.json   {"config": ModelConfig, "plan": WeightPlan, "dtype": "bfloat16"} (dataclasses.asdict)
+    PATH/tokenizer*   copied from the source checkpoint directory, when it had them
+
+Restore builds the abstract target from config + plan (jax.eval_shape of the Transformer), so the
+tree, dtypes and the static group sizes come from the code, and each leaf can carry a sharding:
+pass `shardings` (a pytree of jax.sharding.Sharding shaped like the params) to restore straight
+onto a mesh; by default everything lands on the first device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from mixserve.gptq import abstract_params
+from mixserve.model import DTYPES, Model
+from mixserve.tokenizer import load_tokenizer
+from models.config import ModelConfig, RopeConfig
+from models.weights import WeightFormat, WeightPlan
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json")
+
+
+def save_params(path: str, model: Model) -> None:
+    """Write model.params (+ config, plan, dtype, tokenizer files) under `path`, replacing what was there."""
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, "params")):
+        shutil.rmtree(os.path.join(path, "params"))
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(path, "params"), model.params)
+    meta = {"config": dataclasses.asdict(model.config), "plan": dataclasses.asdict(model.plan),
+            "dtype": jnp.dtype(model.dtype).name}
+    with open(os.path.join(path, "model.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.isdir(model.source):
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(model.source, name)):
+                shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
+
+
+def restore_params(path: str, *, shardings: Any = None, backend: str = "xla") -> Model:
+    """The Model saved by save_params; `shardings` (optional) places each leaf as it is read."""
+    path = os.path.abspath(path)
+    meta_path = os.path.join(path, "model.json")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{path}: no model.json (not written by mixserve.orbax_io.save_params)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    config, plan, dtype = config_from_dict(meta["config"]), plan_from_dict(meta["plan"]), DTYPES[meta["dtype"]]
+    target = abstract_params(config, plan, dtype)
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), target)
+    target = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), target, shardings)
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(os.path.join(path, "params"), target)
+    return Model(config, params, load_tokenizer(path), plan, dtype, backend, path)
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """Inverse of dataclasses.asdict(ModelConfig) after a JSON trip (lists back to tuples)."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+    return ModelConfig(**{**fields, "rope": RopeConfig(**d["rope"])})
+
+
+def plan_from_dict(d: dict) -> WeightPlan:
+    return WeightPlan(**{k: WeightFormat(**v) for k, v in d.items()})
+

@@ -1,0 +1,156 @@
+"""`mixserve.weight_bytes`: bytes of a model's weights in a format, by component and per GPU, abstractly.
+
+Nothing is allocated: the sizes come from jax.eval_shape of `Transformer(cfg, plan).init`, so every
+format's overhead is the one its parameter type really carries (FP8: 1 byte per weight plus a
+float32 scale per 128x128 block; INT4: packed int32 plus a bf16 scale per group).
+
+Tensor-parallel split (per_gpu): everything is divided tp ways (attention heads, MLP and shared
+expert columns, routed experts by TP or EP alike, embeddings and lm_head vocab-parallel) except
+what SGLang's DeepSeek/GLM models replicate on every rank: norms, the router, MLA's low-rank
+down-projections (q_a_proj, kv_a_proj_with_mqa) and the DSA indexer (wq_b, wk, weights_proj, k_norm).
+
+MTP: `count_params` leaves the next-token-prediction layer out (it is not part of the forward), but
+checkpoints ship it, so `mtp` estimates it: one more decoder layer shaped like the last one, plus
+eh_proj [2*hidden, hidden] in the linear format and three hidden-size norms (enorm, hnorm,
+shared_head.norm). Its embedding and head are shared with the main model (GLM-5.x ships no copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.kv import NoCache
+from models.presets import get_preset
+from models.transformer import DecoderLayer, Transformer
+from models.weights import BF16, WeightFormat, WeightPlan, abstract_weight
+
+FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block")}
+REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "indexer", "gate")  # module names kept whole on every rank
+Component = Literal["experts", "attention", "dense", "embeddings", "other"]
+COMPONENTS = ("experts", "attention", "dense", "embeddings", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    """Bytes per component (main model, MTP apart), and the per-GPU share at tensor parallelism tp."""
+
+    plan: WeightPlan
+    tp: int
+    experts: int  # routed experts
+    attention: int  # attention projections incl. the DSA indexer
+    dense: int  # dense MLP layers + shared experts
+    embeddings: int  # embed_tokens + lm_head
+    other: int  # norms, router, biases
+    mtp: int  # the MTP layer(s) a checkpoint ships (estimate, see module doc)
+    replicated: int  # bytes of main model + MTP that every GPU holds whole
+
+    @property
+    def total(self) -> int:
+        """Main model only, the count_params convention."""
+        return self.experts + self.attention + self.dense + self.embeddings + self.other
+
+    @property
+    def checkpoint(self) -> int:
+        """What a checkpoint directory holds: main model + MTP."""
+        return self.total + self.mtp
+
+    @property
+    def per_gpu(self) -> float:
+        """Checkpoint bytes on one GPU: replicated parts whole, the rest split tp ways."""
+        return self.replicated + (self.checkpoint - self.replicated) / self.tp
+
+
+def resolve_plan(fmt: str, group_size: int = 32, scope: str | None = None) -> WeightPlan:
+    """Format name + scope -> WeightPlan. scope None: "all" for fp8 (the DeepSeek/GLM FP8 checkpoints
+    quantize every linear layer), "experts" for int4 (Kimi K2 Thinking's INT4 covers routed experts only)."""
+    if fmt == "int4":
+        quant = WeightFormat("int4", group_size)
+    elif fmt in FORMATS:
+        quant = FORMATS[fmt]
+    else:
+        raise ValueError(f"unknown format {fmt!r}; expected bf16, fp8 or int4")
+    scope = scope or ("all" if fmt == "fp8" else "experts")
+    if scope not in ("experts", "all"):
+        raise ValueError(f"scope must be 'experts' or 'all', got {scope!r}")
+    return WeightPlan(experts=quant, linear=quant if scope == "all" else BF16)
+
+
+def weight_bytes(preset_or_config: str | ModelConfig, format: str = "bf16", group_size: int = 32, *,
+                 scope: str | None = None, tp: int = 1, plan: WeightPlan | None = None) -> WeightBytes:
+    """Weight bytes of a model (bf16 dtype for everything the plan keeps unquantized).
+
+    `plan` (general form) overrides format/group_size/scope, e.g. WeightPlan(experts=int4, linear=fp8).
+    """
+    cfg = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    plan = plan or resolve_plan(format, group_size, scope)
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    # The Transformer without its layers (embeddings, final norm, lm_head), then each kind of layer
+    # traced once: layers differ only in dense vs MoE MLP and whether they run the DSA indexer.
+    outer = cfg.replace(num_layers=0, indexer_types=())
+    tally = _tally(lambda: Transformer(outer, plan, jnp.bfloat16).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    kinds: dict[tuple[bool, bool], Counter] = {}
+    for i in range(cfg.num_layers):
+        kind = (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
+        if kind not in kinds:
+            kinds[kind] = _layer_tally(cfg, plan, i)
+        tally += kinds[kind]
+    mtp = Counter()
+    for _ in range(cfg.num_mtp_layers):
+        mtp += _mtp_tally(cfg, plan)
+    return WeightBytes(plan, tp, **{c: tally[c] for c in COMPONENTS}, mtp=sum(mtp[c] for c in COMPONENTS),
+                       replicated=tally["replicated"] + mtp["replicated"])
+
+
+def _tally(init) -> Counter:
+    """Bytes per component of the params `init` creates (abstractly), and the replicated bytes."""
+    params = nn.unbox(jax.eval_shape(init)["params"])
+    tally = Counter()
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = tuple(getattr(k, "key", getattr(k, "name", None)) for k in key_path)
+        nbytes = leaf.size * jnp.dtype(leaf.dtype).itemsize
+        tally[_component(path)] += nbytes
+        tally["replicated"] += nbytes if _replicated(path) else 0
+    return tally
+
+
+def _layer_tally(cfg: ModelConfig, plan: WeightPlan, layer: int) -> Counter:
+    x = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
+    cos = sin = jnp.zeros((1, 1, cfg.rotary_dim // 2), jnp.float32)
+    init = lambda: DecoderLayer(cfg, layer, plan, jnp.bfloat16).init(jax.random.key(0), x, cos, sin, NoCache().layer(layer))
+    return _tally(init)
+
+
+def _component(path: tuple[str, ...]) -> Component:
+    if path[0] in ("embed_tokens", "lm_head"):
+        return "embeddings"
+    if "experts" in path:
+        return "experts"
+    matmul = any(p in ("kernel", "values_KN", "scale_inv_kn", "packed_QN", "scales_GN") for p in path[-2:])
+    if matmul and "self_attn" in path:
+        return "attention"
+    if matmul and "mlp" in path and "gate" not in path:  # mlp/gate is the router
+        return "dense"
+    return "other"
+
+
+def _replicated(path: tuple[str, ...]) -> bool:
+    return _component(path) == "other" or any(name in path for name in REPLICATED)
+
+
+def _mtp_tally(cfg: ModelConfig, plan: WeightPlan) -> Counter:
+    """One MTP layer: a decoder layer like the last, eh_proj (linear format), 3 replicated norms."""
+    d = cfg.hidden_size
+    tally = _layer_tally(cfg, plan, cfg.num_layers - 1)
+    eh_proj = abstract_weight(plan.linear, (2 * d, d), jnp.bfloat16)
+    tally["dense"] += sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(eh_proj))
+    tally["other"] += 3 * d * 2
+    tally["replicated"] += 3 * d * 2
+    return tally

@@ -1,0 +1,262 @@
+"""Quantization: the on-disk INT4 pack against compressed-tensors, GPTQ vs RTN, weight bytes vs the
+seed, Orbax round trip. Load-time corruption errors live in test_checkpoint.py; pack/unpack of
+the kernel layout in test_kernels_int4.py."""
+
+import importlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_reference as ref
+import mixserve
+from mixserve.gptq import Calibration, gptq_int4, reconstruction_error
+from mixserve.orbax_io import restore_params, save_params
+from mixserve.quantize import main as quantize_main
+from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
+from mixserve.safetensors_io import index_tensors, load_tensor
+from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+
+GIB = 2**30
+EXPERT = "model.layers.1.mlp.experts.3.up_proj"
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bf16")
+    ref.save(ref.build("kimi-yarn-groups"), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """kimi-yarn-groups with hidden and expert width 128, so groups of 128 divide every expert input."""
+    cls, kwargs = ref.CONFIGS["kimi-yarn-groups"]
+    ref.CONFIGS["kimi-wide"] = (cls, {**kwargs, "hidden_size": 128, "moe_intermediate_size": 128})
+    try:
+        path = tmp_path_factory.mktemp("wide")
+        ref.save(ref.build("kimi-wide"), path)
+    finally:
+        del ref.CONFIGS["kimi-wide"]
+    return mixserve.load(str(path), dtype="float32", progress=False)
+
+
+def _disk(directory: str) -> dict[str, np.ndarray]:
+    return {k: np.asarray(load_tensor(v)) for k, v in index_tensors(directory).items()}
+
+
+# ---- the on-disk pack ---------------------------------------------------------------------------
+
+
+def _spec_unpack(packed_NQ: np.ndarray) -> np.ndarray:
+    """compressed-tensors pack-quantized, literally: 8 nibbles per int32, low nibble first, value + 8."""
+    words = packed_NQ.view(np.uint32)[..., None]
+    return ((words >> (4 * np.arange(8, dtype=np.uint32))) & 15).astype(np.int8).reshape(*packed_NQ.shape[:-1], -1) - 8
+
+
+def _compressed_tensors_helpers():
+    """(pack_to_int32, unpack_from_int32) of the compressed-tensors package, where it is installed."""
+    for module in ("compressed_tensors.compressors.pack_quantized",
+                   "compressed_tensors.compressors.quantized_compressors.pack_quantized"):
+        try:
+            mod = importlib.import_module(module)
+            return mod.pack_to_int32, mod.unpack_from_int32
+        except ImportError:
+            continue
+    return None
+
+
+def test_written_int4_is_compressed_tensors_pack_quantized(bf16_dir, tmp_path):
+    """Every int4 tensor the writer emits decodes, by the spec, to RTN of the BF16 weight: values
+    clamp(round(w / s), -8, 7) bit for bit under the stored bf16 scale s, and s = absmax(group) / 7.5
+    to bf16 rounding (XLA may divide by multiplying with 1/7.5, one bf16 ulp off a true division).
+    Where the compressed-tensors package is installed, its own pack/unpack must agree too."""
+    quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("int4", 32), "experts"))
+    src, out = _disk(bf16_dir), _disk(str(tmp_path))
+    config = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    units = sorted(k.removesuffix(".weight_packed") for k in out if k.endswith(".weight_packed"))
+    assert units and all(".mlp.experts." in u for u in units)
+    helpers = _compressed_tensors_helpers()
+    for unit in units:
+        w_NK = src[unit + ".weight"].astype(np.float32)
+        packed_NQ, scale_NG = out[unit + ".weight_packed"], out[unit + ".weight_scale"]
+        assert packed_NQ.dtype == np.int32 and tuple(out[unit + ".weight_shape"]) == w_NK.shape
+        groups = w_NK.reshape(w_NK.shape[0], -1, 32)
+        scale = np.asarray(jnp.asarray(scale_NG, jnp.float32))
+        np.testing.assert_allclose(scale, np.abs(groups).max(-1) / 7.5, rtol=2**-8, err_msg=unit)
+        expect = np.clip(np.round(groups / scale[..., None]), -8, 7).astype(np.int8).reshape(w_NK.shape)
+        np.testing.assert_array_equal(_spec_unpack(packed_NQ), expect, err_msg=unit)
+        if helpers is not None:
+            import torch
+
+            pack, unpack = helpers
+            np.testing.assert_array_equal(pack(torch.as_tensor(expect), 4).numpy(), packed_NQ, err_msg=unit)
+            np.testing.assert_array_equal(unpack(torch.from_numpy(packed_NQ.copy()), 4, w_NK.shape).numpy(), expect, err_msg=unit)
+
+
+# ---- GPTQ ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gptq_with_identity_hessian_is_rtn(group_size):
+    """No input correlation, no error feedback: GPTQ must reduce to RTN exactly (same scales, same
+    rounding). A zero Hessian (inputs never seen) counts as the identity."""
+    w_KN = jax.random.normal(jax.random.key(1), (256, 48), jnp.float32)
+    rtn = Int4Weight.quantize(w_KN, group_size)
+    for h_KK in (jnp.eye(256), jnp.zeros((256, 256))):
+        q = gptq_int4(w_KN, h_KK, group_size)
+        np.testing.assert_array_equal(np.asarray(q.packed_QN), np.asarray(rtn.packed_QN))
+        np.testing.assert_array_equal(np.asarray(q.scales_GN).view(np.uint16), np.asarray(rtn.scales_GN).view(np.uint16))
+
+
+def test_reconstruction_error_is_the_output_error():
+    x_MK = jax.random.normal(jax.random.key(2), (64, 32))
+    w_KN = jax.random.normal(jax.random.key(3), (32, 16))
+    q = Int4Weight.quantize(w_KN, 8)
+    direct = jnp.sum((x_MK @ w_KN - x_MK @ q.dequantize(jnp.float32)) ** 2)
+    np.testing.assert_allclose(float(reconstruction_error(w_KN, q, x_MK.T @ x_MK)), float(direct), rtol=1e-4)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_gptq_beats_rtn(wide_model, group_size):
+    """Same calibration tokens for both; GPTQ must lower every layer's ||X(W - Q)||^2 on them and the
+    logit error against the float model on held-out tokens."""
+    plan = WeightPlan(experts=WeightFormat("int4", group_size))
+    calibration = Calibration(tokens=1024, seq_len=64, seed=0)
+    held_out = Calibration(tokens=256, seq_len=64, seed=1).token_ids(wide_model.config.vocab_size)
+    rtn, _ = quantize_model(wide_model, plan)
+    gptq, reports = quantize_model(wide_model, plan, method="gptq", calibration=calibration)
+    assert len(reports) == 6  # gate/up/down of the two MoE layers
+    for r in reports:
+        assert r.gptq_error < 0.8 * r.rtn_error, r
+    base = wide_model.logits(held_out)
+    rtn_logits, gptq_logits = rtn.logits(held_out), gptq.logits(held_out)
+    rtn_err, gptq_err = (float(jnp.mean((x - base) ** 2)) for x in (rtn_logits, gptq_logits))
+    agree = lambda x: float(jnp.mean(jnp.argmax(x, -1) == jnp.argmax(base, -1)))
+    print(f"g{group_size}: logit MSE RTN {rtn_err:.3g} GPTQ {gptq_err:.3g}; greedy agreement {agree(rtn_logits):.3f} / {agree(gptq_logits):.3f}")
+    assert gptq_err < 0.9 * rtn_err
+
+
+def test_gptq_checkpoint_matches_in_memory_and_falls_back_to_rtn(bf16_dir, tmp_path, capsys):
+    """The CLI writes GPTQ's weights in the RTN format; they load back bit-exact to quantize_model's,
+    and experts no calibration token reached are exactly RTN."""
+    out = tmp_path / "gptq"
+    quantize_main(["--model", bf16_dir, "--out", str(out), "--format", "int4", "--group-size", "32",
+                   "--method", "gptq", "--calibration-tokens", "64", "--seq-len", "32", "--seed", "0"])
+    assert "RTN for experts" in capsys.readouterr().out
+    loaded = mixserve.load(str(out), progress=False)
+    assert loaded.plan == WeightPlan(experts=WeightFormat("int4", 32))
+    source = mixserve.load(bf16_dir, dtype="float32", progress=False)
+    plan, calibration = loaded.plan, Calibration(tokens=64, seq_len=32, seed=0)
+    expected, reports = quantize_model(source, plan, method="gptq", calibration=calibration)
+    rtn, _ = quantize_model(source, plan)
+    fallbacks = 0
+    for r in reports:
+        layer, _, _, proj = r.path.split("/")
+        got, want, plain = (m.params[layer]["mlp"]["experts"][proj] for m in (loaded, expected, rtn))
+        np.testing.assert_array_equal(np.asarray(got.packed_QN), np.asarray(want.packed_QN), err_msg=r.path)
+        np.testing.assert_array_equal(np.asarray(got.scales_GN), np.asarray(want.scales_GN), err_msg=r.path)
+        for e in r.rtn_fallback_experts:
+            np.testing.assert_array_equal(np.asarray(got.packed_QN[e]), np.asarray(plain.packed_QN[e]), err_msg=f"{r.path} expert {e}")
+            fallbacks += 1
+    assert fallbacks > 0
+
+
+def test_gptq_rejects_bad_requests(bf16_dir, tmp_path):
+    source = mixserve.load(bf16_dir, dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="GPTQ quantizes int4"):
+        quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("fp8_block"), "all"), method="gptq")
+    with pytest.raises(ValueError, match="method must be"):
+        quantize_model(source, plan_for(WeightFormat("int4", 32), "experts"), method="awq")
+    with pytest.raises(ValueError, match=r"\[batch, time\]"):
+        quantize_model(source, plan_for(WeightFormat("int4", 32), "experts"), method="gptq", calibration=np.arange(5))
+    quantized, _ = quantize_model(source, plan_for(WeightFormat("int4", 32), "experts"))
+    with pytest.raises(ValueError, match="unquantized model"):
+        quantize_model(quantized, quantized.plan, method="gptq", calibration=np.zeros((1, 4), np.int32))
+
+
+# ---- weight bytes -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm5_bytes():
+    fp8 = mixserve.weight_bytes("glm-5", "fp8", tp=8)
+    int4 = mixserve.weight_bytes("glm-5", "int4", 32, tp=8)
+    return fp8, int4
+
+
+def test_weight_bytes_reproduce_the_seed(glm5_bytes):
+    """Seed (GLM 5.2): 705 -> 421 "GB", 88 -> 52 "GB" per GPU at TP8. Those are GiB of the whole
+    checkpoint, MTP layer included: FP8 = every linear layer block-FP8; INT4 = routed experts INT4
+    g32 with everything else BF16 (the Kimi K2 Thinking recipe), not experts INT4 + rest FP8."""
+    fp8, int4 = glm5_bytes
+    assert fp8.plan == WeightPlan(WeightFormat("fp8_block"), WeightFormat("fp8_block"))
+    assert int4.plan == WeightPlan(WeightFormat("int4", 32), BF16)
+    assert fp8.checkpoint / GIB == pytest.approx(705, rel=0.01)
+    assert int4.checkpoint / GIB == pytest.approx(421, rel=0.01)
+    # Without MTP (the count_params convention) both are a little smaller, still within 5%.
+    assert fp8.total / GIB == pytest.approx(705, rel=0.05) and int4.total / GIB == pytest.approx(421, rel=0.05)
+    # The seed's per-GPU numbers are the checkpoint split evenly 8 ways ...
+    assert fp8.checkpoint / 8 / GIB == pytest.approx(88, rel=0.01)
+    assert int4.checkpoint / 8 / GIB == pytest.approx(52, rel=0.02)
+    # ... ours keep norms, router, MLA down-projections and the DSA indexer whole on every rank,
+    # which costs FP8 2% and INT4 (those layers BF16) 8% more per GPU.
+    assert fp8.per_gpu / GIB == pytest.approx(88, rel=0.05)
+    assert int4.per_gpu - int4.checkpoint / 8 == pytest.approx(int4.replicated * 7 / 8)
+    assert int4.per_gpu / GIB == pytest.approx(52, rel=0.09)
+
+
+def test_weight_bytes_components_and_scales(glm5_bytes):
+    fp8, int4 = glm5_bytes
+    assert fp8.total == fp8.experts + fp8.attention + fp8.dense + fp8.embeddings + fp8.other
+    # Unquantized in both: embeddings (BF16), norms and router. INT4 keeps attention BF16.
+    assert fp8.embeddings == int4.embeddings and fp8.other == int4.other
+    # FP8 block: 1 byte per weight + a float32 scale per 128x128 block (0.02%, more at ragged edges
+    # like kv_a_proj's 576 columns); the indexer's weights_proj stays float32 in both.
+    assert int4.attention / 2 < fp8.attention < int4.attention / 2 * 1.003
+    # INT4: 0.5 byte per weight + a bf16 scale per group: 9/16 byte at g32, 33/64 at g128.
+    bf16 = mixserve.weight_bytes("tiny-glm5", "bf16").experts
+    assert mixserve.weight_bytes("tiny-glm5", "int4", 32).experts * 32 == bf16 // 2 * 18
+    assert mixserve.weight_bytes("tiny-glm5", "int4", 8).experts * 8 == bf16 // 2 * (4 + 2)
+
+
+def test_weight_bytes_equal_real_params():
+    """On a tiny preset with every kind of layer (dense and MoE, DSA indexer full and shared) and
+    every kind of weight (bf16, fp8 block, int4), the abstract count equals the bytes of really
+    initialised params."""
+    plan = WeightPlan(WeightFormat("int4", 32), WeightFormat("fp8_block"))
+    model = mixserve.load("tiny-glm5", plan=plan)
+    real = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    assert mixserve.weight_bytes("tiny-glm5", plan=plan).total == real
+
+
+# ---- Orbax --------------------------------------------------------------------------------------
+
+
+def test_orbax_round_trip_is_bit_exact(bf16_dir, tmp_path):
+    source = mixserve.load(bf16_dir, progress=False)
+    model, _ = quantize_model(source, WeightPlan(WeightFormat("int4", 32), WeightFormat("fp8_block")))
+    save_params(str(tmp_path / "ckpt"), model)
+    ids = np.arange(24).reshape(2, 12)
+    forward = jax.jit(lambda params: model.module.apply({"params": params}, ids))  # one compile for all
+    expected = np.asarray(forward(model.params))
+    devices = jax.devices()[:1]
+    sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x",)), jax.sharding.PartitionSpec())
+    for shardings in (None, jax.tree.map(lambda _: sharding, model.params)):
+        back = restore_params(str(tmp_path / "ckpt"), shardings=shardings)
+        assert (back.config, back.plan, back.dtype) == (model.config, model.plan, model.dtype)
+        assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
+        kinds = {type(x) for x in jax.tree.leaves(back.params, is_leaf=lambda x: isinstance(x, (Int4Weight, Fp8BlockWeight)))}
+        assert {Int4Weight, Fp8BlockWeight} <= kinds
+        for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(forward(back.params)), expected)
+
+
+def test_orbax_restore_names_a_wrong_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.json"):
+        restore_params(str(tmp_path))
