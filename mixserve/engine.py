@@ -51,6 +51,7 @@ class _Request:
     temperature: float
     top_p: float
     seed: int
+    index: int = 0  # position in its generate() call: with the seed, it fixes the sampling keys
     out: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     pages: int = 0  # pages held (host mirror of the page table)
@@ -145,9 +146,9 @@ class Engine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0) -> list[Result]:
         requests = []
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             req = _Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
-                           max_new_tokens, temperature, top_p, seed, t_submit=time.perf_counter())
+                           max_new_tokens, temperature, top_p, seed, index, t_submit=time.perf_counter())
             self._next_rid += 1
             reason = self._reject_reason(req)
             if reason:
@@ -351,13 +352,14 @@ class Engine:
             self._accept(r, int(next_tok[r.slot]), now)
 
     def _sampling(self, reqs: list[_Request]):
-        """Per-slot temperature, top-p and a key that depends only on (seed, request, token index),
-        so a preempted and recomputed request samples the same tokens."""
+        """Per-slot temperature, top-p and a key that depends only on (seed, position of the request
+        in its generate call, token index): the same call gives the same tokens on any engine, and
+        a preempted, recomputed request samples what it would have."""
         B = self.max_batch
         temp, top_p, keys = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 2), np.uint32)
         for r in reqs:
             temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
-            keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.rid), len(r.out)))
+            keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.index), len(r.out)))
         return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(keys)
 
     def _accept(self, r: _Request, token: int, now: float) -> None:

@@ -205,3 +205,17 @@ def test_hybrid_prefill_and_decode_weights(tmp_path):
     assert hybrid.tokens[0] == fp8_only.tokens[0]
     with pytest.raises(ValueError, match="same model"):
         engine(fp8, decode_model=mixserve.load("tiny-kimi", dtype="float32"))
+
+
+def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(6)[:2]
+    e = engine(model)
+    a = e.generate(ps, max_new_tokens=NEW, temperature=1.5, seed=7)
+    b = e.generate(ps, max_new_tokens=NEW, temperature=1.5, seed=7)  # same engine, a later call
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    others = [engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, seed=s) for s in (8, 9)]
+    assert any([r.tokens for r in o] != [r.tokens for r in a] for o in others)
+    greedy = engine(model).generate(ps, max_new_tokens=NEW)
+    nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=3)
+    assert [r.tokens for r in nucleus] == [r.tokens for r in greedy]  # only the top token survives
