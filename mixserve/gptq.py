@@ -20,9 +20,9 @@ matrix, fine for the small models this runs on. Inputs nobody fed (diag H = 0) g
 keep their weights (the reference zeroes them, which would break them for unseen inputs).
 
 Calibration inputs are captured in one jitted pass of the float model per batch (flax
-`nn.intercept_methods`, no change to model code): each targeted Linear / kv_b_proj sees its input; each routed expert sees
-the tokens routed to it (gate/up: the hidden state; down: silu(x gate_e) * (x up_e), recomputed from
-the captured x and the float weights). So every layer's inputs come from the unquantized model
+`nn.intercept_methods`, no change to model code): each targeted Linear / kv_b_proj sees its input;
+each routed expert sees the tokens routed to it (gate/up: the hidden state; down: silu(x gate_e) *
+(x up_e), recomputed from the captured x and the float weights). So every layer's inputs come from the unquantized model
 (not re-run through the already quantized earlier layers). An expert no calibration token reaches,
 or a layer the forward never calls, falls back to RTN, and the report lists it.
 """
@@ -47,7 +47,6 @@ from models.weights import Fp8BlockWeight, Int4Weight, WeightPlan
 
 log = logging.getLogger(__name__)
 Path = tuple[str, ...]
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -85,10 +84,11 @@ class Gram:
 
 @dataclasses.dataclass
 class LayerReport:
-    """One quantized weight: calibration rows seen, ||X (W - Q)||^2 on the calibration set for RTN and GPTQ."""
+    """One quantized weight: calibration rows seen (token-expert pairs for experts), and
+    ||X (W - Q)||^2 on the calibration set for RTN and for GPTQ."""
 
     path: str
-    tokens: int
+    rows: int
     rtn_error: float
     gptq_error: float
     rtn_fallback_experts: list[int] = dataclasses.field(default_factory=list)
@@ -149,6 +149,13 @@ def flat_params(tree) -> dict[Path, object]:
     """Leaves by path; a quantized weight is one leaf."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     return {tuple(getattr(k, "key", getattr(k, "name", None)) for k in path): leaf for path, leaf in flat}
+
+
+def require_unquantized(flat: dict[Path, object]) -> None:
+    quantized = [p for p, leaf in flat.items() if is_quantized(leaf)]
+    if quantized:
+        raise ValueError(f"quantizing needs the unquantized model, but {'/'.join(quantized[0])} is already quantized: "
+                         "load the BF16 checkpoint")
 
 
 def abstract_params(cfg, plan: WeightPlan, dtype):
@@ -225,8 +232,7 @@ def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *, damp: float = 0
     [LayerReport]); paths are those of Transformer(cfg, plan) (experts stacked [E, K, N]).
     """
     source = flat_params(model.params)
-    if any(is_quantized(v) for v in source.values()):
-        raise ValueError("GPTQ needs the unquantized model: load the BF16 checkpoint")
+    require_unquantized(source)
     layout = flat_params(abstract_params(model.config, plan, model.dtype))
     targets = {p: leaf.group_size for p, leaf in layout.items() if isinstance(leaf, Int4Weight)}
     grams = collect_grams(model, set(targets), ids_BT)

@@ -31,7 +31,8 @@ import numpy as np
 
 import pallas_kernels
 from mixserve.checkpoint import _is_expert, _leaf_source, _mtp_or_beyond, _quantizable, _text_prefix, _unit_of, read_config
-from mixserve.gptq import Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized
+from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized,
+                           require_unquantized)
 from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
 from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, quantize
@@ -84,12 +85,13 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
     the calibration tokens (fp8 ones still RTN). Unquantized weights are cast to the model dtype.
     """
     _check_method(method, plan)
+    source = flat_params(model.params)
+    require_unquantized(source)
     gptq: dict = {}
     reports: list[LayerReport] = []
     if method == "gptq":
         gptq, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
     abstract = abstract_params(model.config, plan, model.dtype)
-    source = flat_params(model.params)
     leaves = []
     for path, leaf in flat_params(abstract).items():
         if path in gptq:
@@ -237,7 +239,7 @@ def main(argv=None) -> None:
     reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method, calibration=calibration)
     for r in reports:
         fallback = f", RTN for experts {r.rtn_fallback_experts} (no tokens)" if r.rtn_fallback_experts else ""
-        print(f"{r.path}: {r.tokens} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")
+        print(f"{r.path}: {r.rows} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")
     print(f"wrote {args.out} ({fmt}, scope={args.scope}, method={args.method})")
 
 

@@ -174,8 +174,9 @@ def test_gptq_rejects_bad_requests(bf16_dir, tmp_path):
     with pytest.raises(ValueError, match=r"\[batch, time\]"):
         quantize_model(source, plan_for(WeightFormat("int4", 32), "experts"), method="gptq", calibration=np.arange(5))
     quantized, _ = quantize_model(source, plan_for(WeightFormat("int4", 32), "experts"))
-    with pytest.raises(ValueError, match="unquantized model"):
-        quantize_model(quantized, quantized.plan, method="gptq", calibration=np.zeros((1, 4), np.int32))
+    for method in ("rtn", "gptq"):
+        with pytest.raises(ValueError, match="unquantized model, but layers_1/mlp/experts/down_proj"):
+            quantize_model(quantized, quantized.plan, method=method, calibration=np.zeros((1, 4), np.int32))
 
 
 # ---- weight bytes -------------------------------------------------------------------------------

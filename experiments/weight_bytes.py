@@ -1,0 +1,107 @@
+"""Weight bytes of the full presets in each format (mixserve.weight_bytes, abstract: nothing is
+allocated), total and per GPU at TP 8, next to the seed's GLM 5.2 numbers, as a markdown table.
+
+    python experiments/weight_bytes.py            # print
+    python experiments/weight_bytes.py --out      # also write experiments/results/weight_bytes.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+import mixserve
+from models.config import RopeConfig
+from models.presets import FULL_PRESETS
+from models.weights import BF16, WeightFormat, WeightPlan
+
+GIB = 2**30
+TP = 8
+INT4_G32, INT4_G128, FP8 = WeightFormat("int4", 32), WeightFormat("int4", 128), WeightFormat("fp8_block")
+# label -> plan. "linear" = attention, dense MLPs, shared experts; router, norms, embeddings, lm_head stay BF16.
+PLANS = {
+    "bf16": WeightPlan(),
+    "fp8 (all linear)": WeightPlan(FP8, FP8),
+    "int4 g32 experts, rest bf16": WeightPlan(INT4_G32, BF16),
+    "int4 g128 experts, rest bf16": WeightPlan(INT4_G128, BF16),
+    "int4 g32 experts, rest fp8": WeightPlan(INT4_G32, FP8),
+    "int4 g32 all linear": WeightPlan(INT4_G32, INT4_G32),
+}
+SEED = {"fp8 (all linear)": (705, 88), "int4 g32 experts, rest bf16": (421, 52)}  # GLM 5.2, "GB" = GiB
+RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "weight_bytes.md")
+
+
+def architectures() -> dict[str, object]:
+    """Presets that differ only in context length / RoPE scaling weigh the same: one row each."""
+    names: dict[object, list[str]] = {}
+    for name, cfg in FULL_PRESETS.items():
+        names.setdefault(cfg.replace(max_position_embeddings=0, rope=RopeConfig()), []).append(name)
+    return {", ".join(group): cfg for cfg, group in names.items()}
+
+
+def rows() -> list[dict]:
+    out = []
+    for names, cfg in architectures().items():
+        for label, plan in PLANS.items():
+            b = mixserve.weight_bytes(cfg, plan=plan, tp=TP)
+            seed = SEED.get(label) if "glm-5" in names.split(", ") else None
+            out.append(dict(preset=names, plan=label, b=b, seed=seed))
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    head = ("| preset | format | experts | attention | dense+shared | emb+head | other | MTP | checkpoint GiB (GB) "
+            f"| per GPU TP{TP}, replicated parts whole | checkpoint / {TP} | seed checkpoint / per GPU |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in table:
+        b = r["b"]
+        gib = lambda x: f"{x / GIB:.1f}"
+        seed = "" if r["seed"] is None else (
+            f"{r['seed'][0]} / {r['seed'][1]} ({100 * (b.checkpoint / GIB / r['seed'][0] - 1):+.1f}% / "
+            f"{100 * (b.checkpoint / TP / GIB / r['seed'][1] - 1):+.1f}%)")
+        lines.append(
+            f"| {r['preset']} | {r['plan']} | {gib(b.experts)} | {gib(b.attention)} | {gib(b.dense)} | {gib(b.embeddings)} "
+            f"| {gib(b.other)} | {gib(b.mtp)} | {gib(b.checkpoint)} ({b.checkpoint / 1e9:.0f}) | {gib(b.per_gpu)} "
+            f"| {gib(b.checkpoint / TP)} | {seed} |"
+        )
+    return "\n".join(lines)
+
+
+NOTES = f"""\
+- Sizes in GiB (2^30 bytes); the checkpoint column also gives decimal GB. The seed's "705 GB -> 421 GB"
+  are GiB: GLM-5's FP8 checkpoint is 756 GB = 704 GiB.
+- checkpoint = main model + the MTP layer (estimated as one more decoder layer like the last, plus
+  eh_proj and 3 norms; its embedding and head are shared). count_params leaves MTP out.
+- fp8: 1 byte per weight + a float32 scale per 128x128 block; int4: 0.5 byte + a bf16 scale per group
+  (g32: 0.5625 byte per weight, g128: 0.5156). Router, norms, embeddings and lm_head stay BF16
+  (the router and the DSA indexer's weights_proj float32).
+- Which plan is the seed's INT4? "int4 g32 experts, rest bf16" (Kimi K2 Thinking's recipe) gives
+  421.2 GiB against the seed's 421; "rest fp8" would give 405.0 and int4 g128 experts 389.1.
+- Per GPU at TP{TP}: the seed's 88 / 52 are the checkpoint / 8 (704.4 / 8 = 88.1, 421.2 / 8 = 52.6).
+  Our replication-aware figure keeps norms, router, MLA q_a_proj / kv_a_proj_with_mqa and the DSA
+  indexer whole on every rank (our reading of SGLang's DeepSeek-V3 / GLM-5 models): +2% for FP8
+  (90.1) and +8% for INT4 (56.3, those layers are BF16 there). KV cache and activations come on top.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", action="store_true", help=f"also write {os.path.relpath(RESULT)}")
+    args = parser.parse_args()
+    start = time.time()
+    table = markdown(rows())
+    seconds = time.time() - start
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(RESULT), exist_ok=True)
+        with open(RESULT, "w") as f:
+            f.write(f"# Weight bytes: full presets by format, vs the seed ({datetime.date.today()})\n\n")
+            f.write(f"Generated by `python experiments/weight_bytes.py --out` (abstract, jax.eval_shape; {seconds:.1f} s on CPU).\n\n")
+            f.write(NOTES + "\n" + table + "\n")
+        print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()
