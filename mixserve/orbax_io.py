@@ -53,8 +53,10 @@ def save_params(path: str, model: Model) -> None:
                 shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
 
 
-def restore_params(path: str, *, shardings: Any = None, backend: str = "xla") -> Model:
-    """The Model saved by save_params; `shardings` (optional) places each leaf as it is read."""
+def restore_params(path: str, *, shardings: Any = None, target: Any = None, backend: str = "xla") -> Model:
+    """The Model saved by save_params. Optional: `shardings` (pytree of Shardings shaped like the
+    params) places each leaf as it is read; `target` (pytree of jax.ShapeDtypeStruct, shardings
+    included) replaces the abstract params built from the saved config + plan."""
     path = os.path.abspath(path)
     meta_path = os.path.join(path, "model.json")
     if not os.path.exists(meta_path):
@@ -62,10 +64,11 @@ def restore_params(path: str, *, shardings: Any = None, backend: str = "xla") ->
     with open(meta_path) as f:
         meta = json.load(f)
     config, plan, dtype = config_from_dict(meta["config"]), plan_from_dict(meta["plan"]), DTYPES[meta["dtype"]]
-    target = abstract_params(config, plan, dtype)
-    if shardings is None:
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), target)
-    target = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), target, shardings)
+    if target is None:
+        target = abstract_params(config, plan, dtype)
+        if shardings is None:
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), target)
+        target = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(path, "params"), target)
     return Model(config, params, load_tokenizer(path), plan, dtype, backend, path)

@@ -246,8 +246,10 @@ def test_orbax_round_trip_is_bit_exact(bf16_dir, tmp_path):
     expected = np.asarray(forward(model.params))
     devices = jax.devices()[:1]
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x",)), jax.sharding.PartitionSpec())
-    for shardings in (None, jax.tree.map(lambda _: sharding, model.params)):
-        back = restore_params(str(tmp_path / "ckpt"), shardings=shardings)
+    placed = jax.tree.map(lambda _: sharding, model.params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), model.params)
+    for kwargs in ({}, {"shardings": placed}, {"target": abstract}):
+        back = restore_params(str(tmp_path / "ckpt"), **kwargs)
         assert (back.config, back.plan, back.dtype) == (model.config, model.plan, model.dtype)
         assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
         kinds = {type(x) for x in jax.tree.leaves(back.params, is_leaf=lambda x: isinstance(x, (Int4Weight, Fp8BlockWeight)))}
