@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors
+from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors, load_tensor
 from models.config import ModelConfig
 from models.transformer import Transformer
 from models.weights import BF16, FP8_BLOCK, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
@@ -45,22 +45,22 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw), quant
 
 
-def _text_prefix(infos: dict[str, TensorInfo]) -> str:
+def text_prefix(infos: dict[str, TensorInfo]) -> str:
     """K2.5/K2.6 prefix the text model's weights with `language_model.`."""
     return "language_model." if any(name.startswith("language_model.") for name in infos) else ""
 
 
-def _unit_of(name: str) -> tuple[str, str]:
+def split_unit(name: str) -> tuple[str, str]:
     """'model.layers.0.mlp.gate_proj.weight_scale_inv' -> ('model.layers.0.mlp.gate_proj', 'weight_scale_inv')."""
     base, _, part = name.rpartition(".")
     return base, part
 
 
-def _is_expert(unit: str) -> bool:
+def is_expert_unit(unit: str) -> bool:
     return ".mlp.experts." in unit
 
 
-def _mtp_or_beyond(unit: str, cfg: ModelConfig) -> bool:
+def beyond_model_layers(unit: str, cfg: ModelConfig) -> bool:
     m = re.match(r"model\.layers\.(\d+)\.", unit)
     return m is not None and int(m.group(1)) >= cfg.num_layers
 
@@ -73,19 +73,19 @@ def _stored_kind(parts) -> str:
 
 def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> WeightPlan:
     """The formats stored on disk, per category (routed experts / other linear layers)."""
-    prefix = _text_prefix(infos)
+    prefix = text_prefix(infos)
     units: dict[str, set[str]] = {}
     for name in infos:
-        base, part = _unit_of(name.removeprefix(prefix))
+        base, part = split_unit(name.removeprefix(prefix))
         if part in QUANT_PARTS or part == "weight":
             units.setdefault(base, set()).add(part)
     found = {"experts": set(), "linear": set()}
     for unit, parts in units.items():
-        if _mtp_or_beyond(unit, cfg) or not _quantizable(unit):
+        if beyond_model_layers(unit, cfg) or not is_quantizable_unit(unit):
             continue
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
-        found["experts" if _is_expert(unit) else "linear"].add(fmt)
+        found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
     _check_group_size(found, quant)
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
@@ -106,7 +106,7 @@ def _int4_group(unit: str, infos: dict[str, TensorInfo]) -> int:
     return group
 
 
-def _quantizable(unit: str) -> bool:
+def is_quantizable_unit(unit: str) -> bool:
     """Linear layers a WeightPlan covers (not the router, norms, embeddings, lm_head, weights_proj)."""
     leaf = unit.rsplit(".", 1)[-1]
     return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
@@ -148,7 +148,7 @@ def _path_str(path) -> tuple[str, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
 
 
-def _leaf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
+def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
     """Our leaf path -> (HF unit with '{e}' for the expert index, HF part, transpose)."""
     if path == ("lm_head",):
         return "lm_head", "weight", True
@@ -173,7 +173,7 @@ def _leaf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
 def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True):
     """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype)."""
     infos = index_tensors(directory)
-    prefix = _text_prefix(infos)
+    prefix = text_prefix(infos)
     abstract = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     )["params"]
@@ -183,7 +183,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     leaves: list[_Leaf] = []
     templates: dict[str, dict[str, int]] = {}
     for i, (path, sds) in enumerate(flat):
-        unit, part, transpose = _leaf_source(_path_str(path))
+        unit, part, transpose = hf_source(_path_str(path))
         leaves.append(_Leaf(sds.shape, np.dtype(sds.dtype), transpose, "{e}" in unit))
         templates.setdefault(unit, {})[part] = i
     units: dict[str, _Unit] = {}
@@ -195,9 +195,9 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
 
     on_disk: dict[str, dict[str, TensorInfo]] = {}
     for name, info in infos.items():
-        if SKIPPED.search(name) or _mtp_or_beyond(name.removeprefix(prefix), cfg):
+        if SKIPPED.search(name) or beyond_model_layers(name.removeprefix(prefix), cfg):
             continue
-        unit, part = _unit_of(name)
+        unit, part = split_unit(name)
         on_disk.setdefault(unit, {})[part] = info
     _check(units, on_disk, leaves)
 
@@ -206,7 +206,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     bar = tqdm(total=len(infos), desc=f"loading {os.path.basename(os.path.normpath(directory))}", unit="tensor", disable=not progress)
     for name, array in iter_tensors(infos):
         bar.update()
-        unit, part = _unit_of(name)
+        unit, part = split_unit(name)
         if unit not in units or part == "weight_shape":
             continue
         got = pending.setdefault(unit, {})
@@ -239,6 +239,10 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
             wrong.append(f"{name} is stored as {kind} but the plan wants {unit.target}")
         if kind == "int4" and "weight_scale" not in stored:
             missing.append(f"{name}.weight_scale (needed with weight_packed)")
+        if kind == "int4" and "weight_shape" in stored:  # two integers: cheap to read now
+            declared = tuple(int(d) for d in load_tensor(stored["weight_shape"]))
+            if declared != _logical_shape(stored):
+                wrong.append(f"tensor {name}.weight_shape says {declared}, weight_packed holds {_logical_shape(stored)}")
         if kind == unit.target:
             for part, i in unit.leaves.items():
                 expected = _disk_shape(leaves[i], part, kind)

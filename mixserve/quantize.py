@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import _is_expert, _leaf_source, _mtp_or_beyond, _quantizable, _text_prefix, _unit_of, read_config
+from mixserve.checkpoint import is_expert_unit, hf_source, beyond_model_layers, is_quantizable_unit, text_prefix, split_unit, read_config
 from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized,
                            require_unquantized)
 from mixserve.model import Model, load
@@ -118,7 +118,7 @@ def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Int4
     weights, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
     units = {}
     for path, q in weights.items():
-        unit, _, _ = _leaf_source(path)
+        unit, _, _ = hf_source(path)
         if q.packed_QN.ndim == 2:
             units[unit] = q
             continue
@@ -158,7 +158,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     if quant:
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
     infos = index_tensors(src)
-    prefix = _text_prefix(infos)
+    prefix = text_prefix(infos)
     _check_group_sizes(infos, prefix, plan, config)
     gptq, reports = _gptq_units(src, plan, calibration) if method == "gptq" else ({}, [])
     os.makedirs(dst, exist_ok=True)
@@ -167,15 +167,15 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     ignored: set[str] = set()
     size = 0
     for name, array in iter_tensors(infos):
-        unit, part = _unit_of(name)
+        unit, part = split_unit(name)
         bare = unit.removeprefix(prefix)
-        fmt = plan.experts if _is_expert(bare) else plan.linear
+        fmt = plan.experts if is_expert_unit(bare) else plan.linear
         if _quantized_here(name.removeprefix(prefix), plan, config):
             on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:
             parts = {name: np.asarray(array)}
-            if part == "weight" and (_quantizable(bare) or bare == "lm_head"):
+            if part == "weight" and (is_quantizable_unit(bare) or bare == "lm_head"):
                 ignored.add(unit)
         for key, value in parts.items():
             shard[key] = value
@@ -205,16 +205,16 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
 
 def _quantized_here(bare_name: str, plan: WeightPlan, config) -> bool:
     """Does the plan quantize this tensor (name without the K2.5 text prefix)?"""
-    unit, part = _unit_of(bare_name)
-    fmt = plan.experts if _is_expert(unit) else plan.linear
-    return part == "weight" and _quantizable(unit) and not _mtp_or_beyond(unit, config) and fmt.kind != "bf16"
+    unit, part = split_unit(bare_name)
+    fmt = plan.experts if is_expert_unit(unit) else plan.linear
+    return part == "weight" and is_quantizable_unit(unit) and not beyond_model_layers(unit, config) and fmt.kind != "bf16"
 
 
 def _check_group_sizes(infos, prefix: str, plan: WeightPlan, config) -> None:
     """Before any work (GPTQ can take a while): every int4 weight's input dim must split into groups."""
     for name, info in infos.items():
         bare = name.removeprefix(prefix)
-        fmt = plan.experts if _is_expert(bare) else plan.linear
+        fmt = plan.experts if is_expert_unit(bare) else plan.linear
         if _quantized_here(bare, plan, config) and fmt.kind == "int4" and info.shape[1] % fmt.group_size:
             raise CheckpointError(f"{name}: group size {fmt.group_size} does not divide the input dimension {info.shape[1]}")
 

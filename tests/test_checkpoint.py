@@ -145,3 +145,15 @@ def test_corrupt_int4_pack_is_named(bf16_dir, tmp_path):
 def test_quantizer_rejects_group_not_dividing(bf16_dir, tmp_path):
     with pytest.raises(CheckpointError, match="does not divide"):
         quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("int4", 24), "experts"))
+
+
+def test_int4_weight_shape_must_match_the_pack(bf16_dir, tmp_path):
+    q = tmp_path / "q"
+    quantize_checkpoint(bf16_dir, str(q), plan_for(WeightFormat("int4", 32), "experts"))
+    (path,) = q.glob("*.safetensors")
+    tensors = {k: np.array(load_tensor(v)) for k, v in index_tensors(str(q)).items()}
+    name = "model.layers.2.mlp.experts.5.down_proj"
+    tensors[f"{name}.weight_shape"] = np.array([64, 64], np.int64)
+    write_safetensors(str(path), tensors)
+    with pytest.raises(CheckpointError, match=rf"{name}\.weight_shape says \(64, 64\), weight_packed holds \(64, 32\)"):
+        mixserve.load(str(q), progress=False)
