@@ -12,14 +12,21 @@ import json
 import sys
 import time
 
-import jax.numpy as jnp
+import jax
 
 import mixserve
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
+from models.weights import WeightFormat
 
 DEFAULT_MODEL = "tiny-kimi"
+WEIGHT_CHOICES = {
+    "model": None,
+    "fp8": plan_for(WeightFormat("fp8_block"), "all"),
+    "int4": plan_for(WeightFormat("int4", 32), "experts"),
+}
 DEFAULT_PROMPTS = ["The cheapest token is the one", "KV cache pages", "FP8 e4m3 has no infinity", "Hello"]
 
 
@@ -43,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=int, default=4, help="maximum requests decoded together (the batch)")
+    p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
+                   help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
+                        "int4 (group 32, routed experts; RTN)")
+    p.add_argument("--decode-weights", default="model", choices=list(WEIGHT_CHOICES),
+                   help="weights decode runs on (the seed: FP8 prefill, INT4 decode); a second weight set if it differs")
     p.add_argument("--json", action="store_true", help="print a machine-readable report instead of text")
     return p
 
@@ -59,13 +71,30 @@ def decode(model, ids: list[int]) -> str:
     return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
+def with_weights(model, choice: str):
+    """The model as loaded, or converted in memory (round to nearest) into the chosen format."""
+    plan = WEIGHT_CHOICES[choice]
+    if plan is None or plan == model.plan:
+        return model
+    return quantize_model(model, plan)[0]
+
+
+def param_bytes(model) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     model = mixserve.load(args.model, progress=not args.json)
     random_weights = args.model in TINY_PRESETS
     budget = parse_memory(args.kv_memory)
-    engine = Engine(model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
-                    max_batch=args.concurrency, integrity=args.integrity)
+    prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
+    engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
+                    max_batch=args.concurrency, integrity=args.integrity,
+                    decode_model=None if args.decode_weights == args.prefill_weights else decode_model)
+    weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model))}
+    if args.decode_weights != args.prefill_weights:
+        weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model))
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
@@ -78,6 +107,7 @@ def main(argv=None) -> dict:
         "random_weights": random_weights,
         "kv_cache_dtype": args.kv_cache_dtype,
         "integrity": args.integrity,
+        "weight_sets": weight_sets,
         "kv_bytes_per_token": engine.bytes_per_token,
         "pool_tokens": engine.capacity_tokens,
         "pool_tokens_at_same_memory": capacity,
@@ -100,6 +130,10 @@ def main(argv=None) -> dict:
     else:
         print(f"model: {args.model}")
     print(f"KV cache: {args.kv_cache_dtype}, page size {args.page_size}, integrity={args.integrity}")
+    for phase, (plan, nbytes) in weight_sets.items():
+        print(f"{phase} weights: {plan} ({nbytes / 2**20:.2f} MiB)")
+    if len(weight_sets) == 2:
+        print("two weight sets on one device: prefill and decode formats differ (disaggregated serving would split them)")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))

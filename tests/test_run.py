@@ -1,0 +1,35 @@
+"""`python -m mixserve.run`: the default job, the JSON report, hybrid weights and --help."""
+
+import json
+import subprocess
+import sys
+
+from mixserve import run
+
+
+def test_default_run_reports_fp8_capacity_and_serves_everything(capsys):
+    report = run.main(["--json", "--max-new-tokens", "3"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["random_weights"] is True and out["kv_cache_dtype"] == "fp8_e4m3" and out["integrity"] == "check"
+    assert [r["status"] for r in report["requests"]] == ["ok"] * len(run.DEFAULT_PROMPTS)
+    assert all(len(r["tokens"]) == 3 for r in report["requests"])
+    cap = report["pool_tokens_at_same_memory"]
+    assert cap["fp8_e4m3"] >= 1.98 * cap["bfloat16"]
+    assert len(report["weight_sets"]) == 1
+
+
+def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
+    report = run.main(["--prefill-weights", "fp8", "--decode-weights", "int4", "--max-new-tokens", "2",
+                       "--prompt", "hello", "--kv-cache-dtype", "bfloat16", "--integrity", "off"])
+    text = capsys.readouterr().out
+    assert "two weight sets on one device" in text
+    (prefill_plan, _), (decode_plan, _) = report["weight_sets"]["prefill"], report["weight_sets"]["decode"]
+    assert "fp8_block" in prefill_plan and "int4-g32" in decode_plan
+    assert report["requests"][0]["status"] == "ok"
+
+
+def test_help_explains_each_flag():
+    out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
+                 "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights"):
+        assert flag in out
