@@ -352,15 +352,16 @@ class Engine:
             self._accept(r, int(next_tok[r.slot]), now)
 
     def _sampling(self, reqs: list[_Request]):
-        """Per-slot temperature, top-p and a key that depends only on (seed, position of the request
-        in its generate call, token index): the same call gives the same tokens on any engine, and
-        a preempted, recomputed request samples what it would have."""
+        """Per-slot temperature, top-p and the three integers the sampling key is derived from in
+        the step (seed, position of the request in its generate call, token index): the same call
+        gives the same tokens on any engine, and a preempted, recomputed request samples what it
+        would have."""
         B = self.max_batch
-        temp, top_p, keys = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 2), np.uint32)
+        temp, top_p, key_ints = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 3), np.uint32)
         for r in reqs:
             temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
-            keys[r.slot] = jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(r.seed), r.index), len(r.out)))
-        return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(keys)
+            key_ints[r.slot] = (r.seed % 2**32, r.index, len(r.out))
+        return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
 
     def _accept(self, r: _Request, token: int, now: float) -> None:
         r.out.append(token)
@@ -419,12 +420,14 @@ class Engine:
         B = self.max_batch
         z = jnp.zeros(B, jnp.int32)
         args = (self.decode_model.params, self.pools, self.table, self._step_inputs(z, z), jnp.zeros((B, 1), jnp.int32),
-                jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 2), jnp.uint32))
+                jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
         return self._decode_fn.lower(*args).as_text(debug_info=True)
 
 
-def sample(logits_BV, temp_B, top_p_B, keys_B2):
-    """Greedy where temperature == 0, else temperature + nucleus (top-p) sampling, per row."""
+def sample(logits_BV, temp_B, top_p_B, key_ints_B3):
+    """Greedy where temperature == 0, else temperature + nucleus (top-p) sampling, per row.
+    key_ints_B3 = (seed, request index, token index) per row, folded into a key here (in the step,
+    so the decode loop makes no per-request host calls)."""
     greedy = jnp.argmax(logits_BV, axis=-1)
     scaled = logits_BV / jnp.maximum(temp_B, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
@@ -432,7 +435,7 @@ def sample(logits_BV, temp_B, top_p_B, keys_B2):
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p_B[:, None]  # always keeps the top token
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(jax.random.wrap_key_data)(keys_B2)
+    keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(key_ints_B3)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temp_B > 0, sampled, greedy).astype(jnp.int32)
