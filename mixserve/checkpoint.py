@@ -224,11 +224,11 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
         stored = on_disk.get(name)
         if stored is None or (unit.target != "plain" and "weight" not in stored and "weight_packed" not in stored):
             part, i = next(iter(unit.leaves.items()))
-            missing.append(f"{name}.{part} (expected shape {_disk_shape(leaves[i], part, unit.target)})")
+            missing.append(f"{name}.{part} (expected shape {_disk_shape(leaves[i])})")
             continue
         if unit.target == "plain":
             for part, i in unit.leaves.items():
-                expected = _disk_shape(leaves[i], part, "plain")
+                expected = _disk_shape(leaves[i])
                 if part not in stored:
                     missing.append(f"{name}.{part} (expected shape {expected})")
                 elif tuple(stored[part].shape) != expected:
@@ -245,12 +245,12 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 wrong.append(f"tensor {name}.weight_shape says {declared}, weight_packed holds {_logical_shape(stored)}")
         if kind == unit.target:
             for part, i in unit.leaves.items():
-                expected = _disk_shape(leaves[i], part, kind)
+                expected = _disk_shape(leaves[i])
                 if tuple(stored[part].shape) != expected:
                     wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
         else:  # quantized on disk, dense in the plan: check the logical shape
             for part, i in unit.leaves.items():
-                expected = _disk_shape(leaves[i], part, "dense")
+                expected = _disk_shape(leaves[i])
                 found = _logical_shape(stored) if part == "weight" else tuple(stored[part].shape)
                 if found != expected:
                     wrong.append(f"tensor {name}.{part} has logical shape {found}, expected {expected}")
@@ -270,7 +270,7 @@ def _logical_shape(stored: dict[str, TensorInfo]) -> tuple[int, ...]:
     return tuple(stored["weight"].shape)
 
 
-def _disk_shape(leaf: _Leaf, part: str, kind: str) -> tuple[int, ...]:
+def _disk_shape(leaf: _Leaf) -> tuple[int, ...]:
     shape = leaf.shape[1:] if leaf.stacked else leaf.shape
     return tuple(reversed(shape)) if leaf.transpose else tuple(shape)
 
