@@ -131,7 +131,8 @@ def main(argv=None) -> dict:
         print(f"model: {args.model}")
     print(f"KV cache: {args.kv_cache_dtype}, page size {args.page_size}, integrity={args.integrity}")
     for phase, (plan, nbytes) in weight_sets.items():
-        print(f"{phase} weights: {plan} ({nbytes / 2**20:.2f} MiB)")
+        label = f"{phase} weights" if len(weight_sets) == 2 else "weights"
+        print(f"{label}: {plan} ({nbytes / 2**20:.2f} MiB)")
     if len(weight_sets) == 2:
         print("two weight sets on one device: prefill and decode formats differ (disaggregated serving would split them)")
     for i, r in enumerate(report["requests"]):
