@@ -219,3 +219,7 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     greedy = engine(model).generate(ps, max_new_tokens=NEW)
     nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=3)
     assert [r.tokens for r in nucleus] == [r.tokens for r in greedy]  # only the top token survives
+
+
+def test_public_api_exports_the_engine():
+    assert mixserve.Engine is Engine and mixserve.Result.__name__ == "Result"
