@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -44,7 +45,7 @@ from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 
 PACK = 8  # int4 values per int32
-_NIBBLE_SHIFTS = jnp.arange(PACK, dtype=jnp.uint32) * 4
+_NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
 _BLOCK_M_CAP = 64
 _BLOCK_N_CAP = 128
 _BLOCK_K_CAP = 256
