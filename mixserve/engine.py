@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+import pallas_kernels
 from mixserve import page_table as pt
 from mixserve.kv_cache import PagedKV, StepInputs, bytes_per_token, init_pools, storage_dtype
 from mixserve.model import Model
@@ -124,7 +125,7 @@ class Engine:
                 raise ValueError(f"{name} must be finite and positive")
         self.k_scale, self.v_scale = k_scale, v_scale
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
-        self.attention_backend = attention_backend
+        self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook

@@ -101,6 +101,10 @@ def test_bad_requests_are_rejected_per_request(model):
         Engine(model, num_pages=8, kv_memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="integrity"):
         Engine(model, num_pages=8, integrity="sometimes")
+    with pytest.raises(ValueError, match="unknown backend"):
+        Engine(model, num_pages=8, attention_backend="cuda")
+    with pytest.raises(ValueError, match="k_scale must be finite and positive"):
+        Engine(model, num_pages=8, k_scale=0.0)
 
 
 FAULTS = {
