@@ -170,9 +170,11 @@ def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
     return ".".join(dotted), part, transpose
 
 
-def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True):
-    """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype)."""
-    infos = index_tensors(directory)
+def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True,
+                infos: dict[str, TensorInfo] | None = None):
+    """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype).
+    `infos` (the shards' headers) can be passed in when the caller has already read them."""
+    infos = index_tensors(directory) if infos is None else infos
     prefix = text_prefix(infos)
     abstract = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))

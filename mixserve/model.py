@@ -78,13 +78,14 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
-        stored = detect_plan(config, index_tensors(path_or_preset), quant)
+        infos = index_tensors(path_or_preset)
+        stored = detect_plan(config, infos, quant)
         plan = stored if plan is None else plan
         if plan != stored:
             raise ValueError(
                 f"checkpoint stores ({stored}); load it as stored and convert with mixserve.quantize instead of ({plan})"
             )
-        params = load_params(path_or_preset, config, plan, dt, progress=progress)
+        params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos)
         return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset)
     if path_or_preset in FULL_PRESETS:
         raise ValueError(
