@@ -207,7 +207,10 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
     packed_rows_per_group = group_size // PACK
     first_block = pl.program_id(2) * blocks_per_split
     # An unused tile streams no weights (the decode case: most experts idle).
-    num_blocks = jnp.where(rows_ref[0] > 0, blocks_per_split, 0)
+    # Arithmetic, not jnp.where(rows > 0, n, 0): the Triton lowering gave that
+    # select a type other than the loop's lower bound, an scf.for that fails
+    # verification on the GPU (caught by tests/test_kernels_int4.py).
+    num_blocks = jnp.minimum(rows_ref[0], 1) * blocks_per_split  # rows >= 0
 
     def body(block, acc_MN):
         first_row = (first_block + block) * packed_rows
