@@ -30,9 +30,13 @@ _BLOCK_TOKENS = 64
 _TARGET_PROGRAMS = 2 * 132
 # A split streams at least this many times the bytes of the partial it writes.
 _PARTIAL_SHARE = 8
-# Triton launch parameters (ignored by the interpreter): 4 warps cover a
-# [16, 64] x [64, 128] MMA; 2 stages overlap the next page gather with math.
-COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
+# Triton launch parameters (ignored by the interpreter); 2 stages overlap the
+# next page gather with the math. Chosen from sm_90a compiles without a GPU
+# (experiments/results/sm90_compile.md): GQA fits 4 warps in ~128 registers
+# with no spills; MLA's [16, 512] f32 accumulator and [64, 576] latent block
+# spill at 4 warps (255 registers, up to 2 KB/thread) and fit at 8 (~170-210).
+GQA_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
+MLA_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=8, num_stages=2)
 
 KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
 

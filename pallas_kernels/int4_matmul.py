@@ -50,7 +50,15 @@ _BLOCK_M_CAP = 64
 _BLOCK_N_CAP = 128
 _BLOCK_K_CAP = 256
 _TARGET_PROGRAMS = 2 * 132  # two waves over the SMs of an H100/H200
-_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=3)
+
+
+def _compiler_params(block_m: int) -> plgpu.CompilerParams:
+    """Triton launch parameters (ignored by the interpreter), from sm_90a
+    compiles without a GPU (experiments/results/sm90_compile.md): 3 stages keep
+    three weight blocks in flight; 32- and 64-row tiles (accumulator plus eight
+    unpacked planes) spill at 4 warps (255 registers, 80 B-1 KB/thread) and fit at 8
+    (~160), while 16-row tiles fit 4 warps in ~195 with two blocks per SM."""
+    return plgpu.CompilerParams(num_warps=8 if block_m >= 32 else 4, num_stages=3)
 
 
 def pack_int4(values_KN: jax.Array) -> jax.Array:
@@ -261,7 +269,7 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
         ],
         out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
         out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), jnp.float32),
-        compiler_params=_COMPILER_PARAMS,
+        compiler_params=_compiler_params(tiling.block_m),
         interpret=interpret,
         name="int4_matmul",
     )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_planes_8MQ, packed_EQN, scales_EGN)

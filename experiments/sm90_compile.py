@@ -1,0 +1,203 @@
+"""Compile every Pallas kernel for the H100/H200 (sm_90a) without a GPU.
+
+    pip install -e '.[sm90]'          # Triton 3.6.0, the GPU machine's version
+    python experiments/sm90_compile.py [--sweep] [--out PATH]
+
+Interpret mode runs the kernel bodies with jnp, and `lower_for_cuda` stops at
+Triton IR. This goes the rest of the way that needs no GPU: it takes each
+kernel's Triton IR from the CUDA lowering (at the shapes of
+experiments/gpu_kernels.py), compiles it with a real Triton for sm_90a
+(TTIR -> TTGIR -> LLVM -> PTX -> cubin), and runs ptxas -v on the PTX. Per
+kernel it reports registers per thread, register spills, shared memory and
+the resident blocks per SM these allow. What it catches before any GPU time:
+Triton compile errors, shared memory over the 227 KiB a block may use (the
+launch would fail), and spills (local-memory traffic in the inner loop).
+
+--sweep compiles the same IR under other (num_warps, num_stages), which are
+Triton options and change no Pallas code, to pick launch parameters.
+
+Caveat: JAX on the GPU compiles with the Triton inside its jaxlib, not this
+pip Triton; numbers can differ between versions (see the results file).
+"""
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
+from pallas_kernels import (  # noqa: E402
+    int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla)
+from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+except ImportError as error:
+    raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({error})")
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sm90_compile.md"
+ARCH = 90
+# sm_90 limits (CUDA programming guide, compute capability 9.0).
+REGS_PER_SM = 65536
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK = 227 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kernel: str
+    shape: str
+    fn: functools.partial
+    specs: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def cases(cfg: Config) -> list[Case]:
+    """The benchmark's kernels at its smallest and largest work per program."""
+    spec = jax.ShapeDtypeStruct
+    out = []
+    for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+        for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+            n = context // cfg.gqa_page
+            pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)
+            gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas")
+            out.append(Case(f"GQA {name}", f"B={batch} ctx={context}", gqa,
+                            (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
+                             spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
+            n = context // cfg.mla_page
+            width = cfg.mla_rank + cfg.mla_rope
+            mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0, softmax_scale=0.1,
+                                    backend="pallas")
+            out.append(Case(f"MLA {name}", f"B={batch} ctx={context}", mla,
+                            (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
+                             spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
+    k, n = cfg.matmul_k, cfg.matmul_n
+    for group in (32, 128):
+        weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))
+        for m in sorted({*cfg.matmul_ms, 32}):  # 32: the one tile height (16/32/64) the benchmark skips
+            out.append(Case("INT4 matmul", f"M={m} g={group}", functools.partial(int4_matmul, group_size=group, backend="pallas"),
+                            (spec((m, k), jnp.bfloat16), *weights)))
+    e, g = cfg.experts, cfg.group_size
+    moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
+    for tokens in cfg.moe_tokens:
+        out.append(Case("MoE INT4", f"T={tokens} E={e} g={g}", moe,
+                        (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
+                         spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_bytes: int  # spill stores + spill loads per thread, from ptxas -v
+    smem: int  # bytes of shared memory per block (Triton's allocation)
+    seconds: float
+    error: str = ""
+
+    def blocks_per_sm(self) -> tuple[int, str]:
+        """Resident blocks per SM and the resource that limits them."""
+        if self.error:
+            return 0, "-"
+        regs_per_warp = -(-self.registers * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+        limits = {
+            "regs": REGS_PER_SM // regs_per_warp // self.num_warps,
+            "smem": SMEM_PER_SM // (self.smem + SMEM_RESERVED_PER_BLOCK),
+            "warps": MAX_WARPS_PER_SM // self.num_warps,
+            "blocks": MAX_BLOCKS_PER_SM,
+        }
+        limiter = min(limits, key=limits.get)
+        return limits[limiter], limiter
+
+
+def compile_sm90(kernel: TritonKernelIR, num_warps: int, num_stages: int) -> Compiled:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{kernel.name}.ttir"  # the suffix tells Triton which stage the text is
+        path.write_text(kernel.ttir)
+        try:
+            compiled = triton.compile(str(path), target=GPUTarget("cuda", ARCH, 32),
+                                      options={"num_warps": num_warps, "num_stages": num_stages})
+        except Exception as error:  # A compile error is a result here, not a crash.
+            message = " ".join(str(error).split())[:200]
+            return Compiled(num_warps, num_stages, 0, 0, 0, time.perf_counter() - start, message)
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([get_ptxas(ARCH).path, f"--gpu-name=sm_{ARCH}a", "-v", str(ptx), "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return Compiled(num_warps, num_stages, registers, int(spills.group(1)) + int(spills.group(2)),
+                    compiled.metadata.shared, time.perf_counter() - start)
+
+
+def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
+    programs = kernel.grid[0] * kernel.grid[1] * kernel.grid[2]
+    if c.error:
+        return f"| {case.kernel} | {case.shape} | {c.num_warps} | {c.num_stages} | {programs} | FAILED: {c.error} ||||||"
+    blocks, limiter = c.blocks_per_sm()
+    flags = []
+    if c.smem > SMEM_PER_BLOCK:
+        flags.append("SMEM OVER LIMIT")
+    if c.spill_bytes:
+        flags.append("spills")
+    return (f"| {case.kernel} | {case.shape} | {c.num_warps} | {c.num_stages} | {programs} | {c.registers} | "
+            f"{c.spill_bytes} | {c.smem / 1024:.1f} | {blocks} ({limiter}) | {c.seconds:.1f} | {', '.join(flags)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also compile under num_warps 4/8 x num_stages 1..4")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    cli = parser.parse_args()
+    ptxas_version = subprocess.run([get_ptxas(ARCH).path, "--version"], capture_output=True, text=True).stdout
+    ptxas_version = ptxas_version.strip().splitlines()[-1]
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# Pallas kernels compiled for sm_90a without a GPU, {stamp}", "",
+        f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__}. "
+        "Shapes: experiments/gpu_kernels.py (GPU config). Produced by `python experiments/sm90_compile.py"
+        + (" --sweep`." if cli.sweep else "`."), "",
+        "Blocks/SM: resident blocks per SM allowed by registers (65536 per SM, allocated per warp in units of "
+        "256), shared memory (228 KiB per SM, 1 KiB reserved per block), warps (64) and blocks (32); the "
+        "limiting resource in brackets. Spills: bytes of spill stores + loads per thread (ptxas -v).", "",
+        "| kernel | shape | warps | stages | programs | regs | spill B | smem KiB | blocks/SM | compile s | flags |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    seen: set[str] = set()
+    for case in cases(GPU):
+        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
+            if kernel.ttir in seen:  # e.g. a shape that only changes the grid
+                continue
+            seen.add(kernel.ttir)
+            options = [(kernel.num_warps, kernel.num_stages)]
+            if cli.sweep:
+                options += [(w, s) for w in (4, 8) for s in (1, 2, 3, 4) if (w, s) != options[0]]
+            for num_warps, num_stages in options:
+                lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
+                print(lines[-1], flush=True)
+    lines.append("")
+    cli.out.parent.mkdir(parents=True, exist_ok=True)
+    cli.out.write_text("\n".join(lines))
+    print(f"wrote {cli.out}")
+
+
+if __name__ == "__main__":
+    main()
