@@ -1,6 +1,8 @@
 """Benchmark of the pallas_kernels ops against their peers, in one command.
 
-    python experiments/gpu_kernels.py [--out PATH]
+    python experiments/gpu_kernels.py [--out PATH] [--budget-s S]
+
+(experiments/gpu_check.sh runs it on a GPU together with the kernel tests.)
 
 On an NVIDIA GPU (target: H200, < 8 minutes) it times, at serving shapes:
   * FP8 / BF16 paged GQA decode attention, GLM-4.6 per GPU at 8-way TP
@@ -17,7 +19,9 @@ Each row reports the median time, bytes moved / time, and that as a share of a
 device-to-device copy bandwidth measured in the same run; each kernel row also
 reports its max |error| against the XLA reference, so a fast but wrong kernel
 shows. The goals are printed next to the results. On GPU the markdown table
-is written to experiments/results/ (or --out).
+is written to experiments/results/ (or --out) after every kernel family. A row
+that fails (a compile error interpret mode could not show) is listed as FAILED
+with its error and the run goes on; rows after --budget-s are listed as skipped.
 
 Timing: each op runs `reps` times inside one jitted fori_loop whose input
 depends on the previous result (so XLA can neither hoist nor overlap the
@@ -35,6 +39,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import statistics
 import sys
 import time
@@ -100,13 +105,43 @@ class Row:
     kernel: str
     shape: str
     impl: str
-    seconds: float
+    seconds: float  # nan when the row failed or was skipped (see note)
     bytes_moved: int
     max_err: float | None = None
+    note: str = ""  # why there is no time: the error, or the time budget
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes_moved / self.seconds / 1e9
+
+
+class Bench:
+    """Collects rows; one failing or late row costs that row, not the run.
+
+    A lowering or compile error on the GPU (what interpret mode cannot catch)
+    becomes a FAILED row with the message, and rows past the time budget are
+    listed as skipped, so one device run always returns a whole table.
+    """
+
+    def __init__(self, cfg: Config, budget_s: float):
+        self.cfg = cfg
+        self.rows: list[Row] = []
+        self.deadline = time.perf_counter() + budget_s
+
+    def measure(self, kernel: str, shape: str, impl: str, fn: Callable, args: tuple, bytes_moved: int,
+                ref: jax.Array | None = None) -> None:
+        if time.perf_counter() > self.deadline:
+            self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note="skipped: time budget"))
+            return
+        try:
+            seconds = time_per_call(fn, args, self.cfg)
+            err = None if ref is None else max_err(fn(*args), ref)
+        except Exception as error:  # Reported in the table; the other rows still run.
+            message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+            print(f"FAILED {kernel} {shape} {impl}: {message}", flush=True)
+            self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note=f"FAILED: {message}"))
+            return
+        self.rows.append(Row(kernel, shape, impl, seconds, bytes_moved, err))
 
 
 def _median_per_rep(loop: Callable, args: tuple, cfg: Config) -> float:
@@ -166,8 +201,8 @@ def _fp8(x: jax.Array) -> tuple[jax.Array, float]:
     return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
-def gqa_rows(cfg: Config, key) -> list[Row]:
-    rows: list[Row] = []
+def gqa_rows(bench: Bench, key) -> None:
+    cfg = bench.cfg
     h, d, s = cfg.gqa_q_heads, cfg.gqa_head_dim, cfg.gqa_page
     for batch in cfg.batches:
         for context in cfg.contexts:
@@ -188,33 +223,29 @@ def gqa_rows(cfg: Config, key) -> list[Row]:
                 op = functools.partial(paged_attention_gqa, k_scale=ks, v_scale=ks, softmax_scale=d**-0.5)
                 args = (q, kp, vp, table, lengths)
                 ref = op(*args, backend="xla")
-                ours = functools.partial(op, backend=cfg.kernel_backend)
-                rows.append(Row(f"GQA {name}", shape, cfg.kernel_backend, time_per_call(ours, args, cfg),
-                                kv_bytes, max_err(ours(*args), ref)))
-                rows.append(Row(f"GQA {name}", shape, "xla", time_per_call(functools.partial(op, backend="xla"), args, cfg),
-                                kv_bytes))
+                bench.measure(f"GQA {name}", shape, cfg.kernel_backend,
+                              functools.partial(op, backend=cfg.kernel_backend), args, kv_bytes, ref)
+                bench.measure(f"GQA {name}", shape, "xla", functools.partial(op, backend="xla"), args, kv_bytes)
                 if jax_paged is not None:
-                    rows.append(_jax_op_row(name, shape, cfg, q * d**-0.5, kp, vp, table, lengths, ks, kv_bytes, ref))
-    return rows
+                    _jax_op_row(bench, name, shape, q * d**-0.5, kp, vp, table, lengths, ks, kv_bytes, ref)
 
 
-def _jax_op_row(name, shape, cfg, q_scaled, kp, vp, table, lengths, scale, kv_bytes, ref) -> Row:
+def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, scale, kv_bytes, ref) -> None:
     """JAX's op: no softmax scale (q is pre-scaled) and per-token fp8 scales [K, P, S]."""
     pages_per_seq = table.shape[1]
     splits = max(d for d in (1, 2, 4, 8, 16) if pages_per_seq % d == 0)
     scales = None if name == "bf16" else jnp.full(kp.shape[:3], scale, jnp.float32)
-    op = functools.partial(jax_paged.paged_attention, k_splits=splits, interpret=not cfg.on_gpu)
+    op = functools.partial(jax_paged.paged_attention, k_splits=splits, interpret=not bench.cfg.on_gpu)
 
     def call(q, kp, vp, table, lengths):
         return op(q, kp, vp, table, lengths, scales, scales)
 
-    args = (q_scaled, kp, vp, table, lengths)
-    return Row(f"GQA {name}", shape, "jax paged_attention", time_per_call(call, args, cfg), kv_bytes,
-               max_err(call(*args), ref))
+    bench.measure(f"GQA {name}", shape, "jax paged_attention", call, (q_scaled, kp, vp, table, lengths),
+                  kv_bytes, ref)
 
 
-def mla_rows(cfg: Config, key) -> list[Row]:
-    rows: list[Row] = []
+def mla_rows(bench: Bench, key) -> None:
+    cfg = bench.cfg
     h, width, s = cfg.mla_heads, cfg.mla_rank + cfg.mla_rope, cfg.mla_page
     for batch in cfg.batches:
         for context in cfg.contexts:
@@ -232,14 +263,11 @@ def mla_rows(cfg: Config, key) -> list[Row]:
                                        softmax_scale=width**-0.5)
                 args = (q, pages, table, lengths)
                 ref = op(*args, backend="xla")
-                ours = functools.partial(op, backend=cfg.kernel_backend)
                 nbytes = batch * context * width * pages.dtype.itemsize
                 shape = f"B={batch} ctx={context}"
-                rows.append(Row(f"MLA {name}", shape, cfg.kernel_backend, time_per_call(ours, args, cfg), nbytes,
-                                max_err(ours(*args), ref)))
-                rows.append(Row(f"MLA {name}", shape, "xla", time_per_call(functools.partial(op, backend="xla"), args, cfg),
-                                nbytes))
-    return rows
+                bench.measure(f"MLA {name}", shape, cfg.kernel_backend,
+                              functools.partial(op, backend=cfg.kernel_backend), args, nbytes, ref)
+                bench.measure(f"MLA {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
 
 
 def _int4_weights(key, lead: tuple[int, ...], k: int, n: int, group: int):
@@ -251,8 +279,8 @@ def _int4_weights(key, lead: tuple[int, ...], k: int, n: int, group: int):
     return packed, scales, dense_bf16
 
 
-def int4_rows(cfg: Config, key) -> list[Row]:
-    rows: list[Row] = []
+def int4_rows(bench: Bench, key) -> None:
+    cfg = bench.cfg
     k, n, g = cfg.matmul_k, cfg.matmul_n, cfg.group_size
     kw, key = jax.random.split(key)
     packed, scales, w_bf16 = _int4_weights(kw, (), k, n, g)
@@ -261,20 +289,17 @@ def int4_rows(cfg: Config, key) -> list[Row]:
         kx, key = jax.random.split(key)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         op = functools.partial(int4_matmul, group_size=g)
-        ref = op(x, packed, scales, backend="xla")
-        ours = functools.partial(op, backend=cfg.kernel_backend)
+        args = (x, packed, scales)
+        ref = op(*args, backend="xla")
         shape = f"M={m} K={k} N={n} g={g}"
-        rows.append(Row("INT4 matmul", shape, cfg.kernel_backend, time_per_call(ours, (x, packed, scales), cfg),
-                        int4_bytes, max_err(ours(x, packed, scales), ref)))
-        rows.append(Row("INT4 matmul", shape, "xla", time_per_call(functools.partial(op, backend="xla"), (x, packed, scales), cfg),
-                        int4_bytes))
-        rows.append(Row("INT4 matmul", shape, "bf16 jnp.dot", time_per_call(jnp.dot, (x, w_bf16), cfg),
-                        w_bf16.size * 2, max_err(jnp.dot(x, w_bf16), ref)))
-    return rows
+        bench.measure("INT4 matmul", shape, cfg.kernel_backend, functools.partial(op, backend=cfg.kernel_backend),
+                      args, int4_bytes, ref)
+        bench.measure("INT4 matmul", shape, "xla", functools.partial(op, backend="xla"), args, int4_bytes)
+        bench.measure("INT4 matmul", shape, "bf16 jnp.dot", jnp.dot, (x, w_bf16), w_bf16.size * 2, ref)
 
 
-def moe_rows(cfg: Config, key) -> list[Row]:
-    rows: list[Row] = []
+def moe_rows(bench: Bench, key) -> None:
+    cfg = bench.cfg
     e, k, n, g = cfg.experts, cfg.matmul_k, cfg.matmul_n, cfg.group_size
     kw, key = jax.random.split(key)
     packed, scales, w_bf16 = _int4_weights(kw, (e,), k, n, g)
@@ -287,15 +312,12 @@ def moe_rows(cfg: Config, key) -> list[Row]:
         op = functools.partial(moe_int4_matmul, group_size=g)
         args = (x, packed, scales, sizes)
         ref = op(*args, backend="xla")
-        ours = functools.partial(op, backend=cfg.kernel_backend)
         shape = f"T={tokens} E={e} active={active}"
         per_expert_int4 = (packed.size * 4 + scales.size * 2) // e
-        rows.append(Row("MoE INT4", shape, cfg.kernel_backend, time_per_call(ours, args, cfg),
-                        active * per_expert_int4, max_err(ours(*args), ref)))
+        bench.measure("MoE INT4", shape, cfg.kernel_backend, functools.partial(op, backend=cfg.kernel_backend),
+                      args, active * per_expert_int4, ref)
         ragged = lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes)
-        rows.append(Row("MoE INT4", shape, "bf16 ragged_dot", time_per_call(ragged, (x, w_bf16, sizes), cfg),
-                        active * k * n * 2, max_err(ragged(x, w_bf16, sizes), ref)))
-    return rows
+        bench.measure("MoE INT4", shape, "bf16 ragged_dot", ragged, (x, w_bf16, sizes), active * k * n * 2, ref)
 
 
 def _verdict(value: float, target: float) -> str:
@@ -303,35 +325,44 @@ def _verdict(value: float, target: float) -> str:
 
 
 def goal_lines(rows: list[Row], copy_bw: float, kernel_backend: str) -> list[str]:
-    """One line per goal: the measured worst case and whether it meets the target."""
-    ours = [r for r in rows if r.impl == kernel_backend]
-    by_key = {(r.kernel, r.shape, r.impl): r for r in rows}
+    """One line per goal: the measured worst case and whether it meets the target.
+
+    Only timed rows count; a goal whose rows all failed or were skipped says so.
+    """
+    timed = [r for r in rows if not r.note]
+    ours = [r for r in timed if r.impl == kernel_backend]
+    by_key = {(r.kernel, r.shape, r.impl): r for r in timed}
     lines = []
     fp8 = [r for r in ours if r.kernel in ("GQA fp8", "MLA fp8")]
     if fp8:
         worst = min(fp8, key=lambda r: r.gb_per_s)
         share = worst.gb_per_s * 1e9 / copy_bw
         lines.append(f"{GOALS[0]}: worst {100 * share:.0f}% ({worst.kernel} {worst.shape}), {_verdict(share, 0.8)}")
+    else:
+        lines.append(f"{GOALS[0]}: not measured (no timed FP8 kernel row)")
     ratios = [(by_key[("GQA bf16", r.shape, "jax paged_attention")].seconds / r.seconds, r.shape)
               for r in ours if r.kernel == "GQA fp8" and ("GQA bf16", r.shape, "jax paged_attention") in by_key]
     if ratios:
         ratio, shape = min(ratios)
         lines.append(f"{GOALS[1]}: worst {ratio:.2f}x ({shape}), {_verdict(ratio, 1.8)}")
+    else:
+        lines.append(f"{GOALS[1]}: not measured (no timed pair of rows)")
     targets = {1: 3.3, 64: 1.5}
     speedups = []
     for r in ours:
         m = int(r.shape.split()[0].removeprefix("M=")) if r.kernel == "INT4 matmul" else None
-        if m in targets:
-            speedup = by_key[("INT4 matmul", r.shape, "bf16 jnp.dot")].seconds / r.seconds
+        dot = by_key.get(("INT4 matmul", r.shape, "bf16 jnp.dot"))
+        if m in targets and dot is not None:
+            speedup = dot.seconds / r.seconds
             speedups.append(f"{speedup:.2f}x at M={m} ({_verdict(speedup, targets[m])})")
-    if speedups:
-        lines.append(f"{GOALS[2]}: " + ", ".join(speedups))
+    lines.append(f"{GOALS[2]}: " + (", ".join(speedups) if speedups else "not measured (no timed pair of rows)"))
     return lines
 
 
 def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_gpu: bool) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"# pallas_kernels benchmark, {device}, {stamp}", ""]
+    versions = f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}"
+    out = [f"# pallas_kernels benchmark, {device}, {stamp}", "", f"Software: {versions}.", ""]
     if not on_gpu:
         out += ["**No GPU: tiny shapes, kernels in the Pallas interpreter. These CPU times are NOT kernel "
                 "performance; this run only shows that the script works.**", ""]
@@ -339,6 +370,9 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
             "| kernel | shape | impl | median us | GB/s | % copy BW | max abs err vs xla |",
             "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
+        if r.note:
+            out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.note} | | | |")
+            continue
         err = "" if r.max_err is None else f"{r.max_err:.2e}"
         out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.seconds * 1e6:.1f} | {r.gb_per_s:.1f} | "
                    f"{100 * r.gb_per_s * 1e9 / copy_bw:.0f} | {err} |")
@@ -350,29 +384,32 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the markdown table here (default on GPU: experiments/results/)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="start no new row after this many seconds; later rows are listed as skipped")
     cli = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     cfg = GPU if on_gpu else CPU
     device = jax.devices()[0].device_kind
     if not on_gpu:
         print(f"No GPU ({device}): tiny shapes, backends 'interpret' and 'xla'. CPU times are NOT kernel performance.")
-    key = jax.random.key(0)
-    start = time.perf_counter()
-    copy_bw = copy_bandwidth(cfg)
-    rows = []
-    for part in (gqa_rows, mla_rows, int4_rows, moe_rows):
-        key, sub = jax.random.split(key)
-        rows += part(cfg, sub)
-        print(f"{part.__name__} done after {time.perf_counter() - start:.0f} s", flush=True)
-    text = markdown(rows, copy_bw, goal_lines(rows, copy_bw, cfg.kernel_backend), device, on_gpu)
-    print(text)
     out = cli.out
     if out is None and on_gpu:
         safe_device = "".join(c if c.isalnum() else "-" for c in device)
         out = RESULTS_DIR / f"gpu_kernels-{safe_device}-{datetime.date.today().isoformat()}.md"
+    key = jax.random.key(0)
+    start = time.perf_counter()
+    bench = Bench(cfg, cli.budget_s)
+    copy_bw = copy_bandwidth(cfg)
+    for part in (gqa_rows, mla_rows, int4_rows, moe_rows):
+        key, sub = jax.random.split(key)
+        part(bench, sub)
+        print(f"{part.__name__} done after {time.perf_counter() - start:.0f} s", flush=True)
+        text = markdown(bench.rows, copy_bw, goal_lines(bench.rows, copy_bw, cfg.kernel_backend), device, on_gpu)
+        if out is not None:  # after every part, so a run killed later still leaves a table
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+    print(text)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
         print(f"wrote {out}")
 
 

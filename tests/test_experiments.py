@@ -25,3 +25,30 @@ def test_serving_script_runs(tmp_path):
     out = run("serving.py", "--repeats", "1", "--new-tokens", "2", "--concurrency", "1", "2",
               "--out", str(tmp_path / "s.md"))
     assert "| kimi-k2.6 | 70,272 | 35,136 |" in out and "Integrity check overhead" in out
+
+
+def test_gpu_benchmark_reports_a_failing_or_late_row_and_goes_on():
+    """On the GPU a kernel may fail to compile where interpret mode passed: that
+    row says FAILED with the error, the rest of the table is still measured, and
+    rows past the time budget are listed as skipped instead of running."""
+    import jax.numpy as jnp
+
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+
+    def broken(x):
+        raise RuntimeError("Triton compile error: out of resource")
+
+    bench = gk.Bench(gk.CPU, budget_s=60)
+    x = jnp.ones((4,), jnp.float32)
+    bench.measure("INT4 matmul", "M=1 K=4 N=4 g=32", "interpret", broken, (x,), 16)
+    bench.measure("INT4 matmul", "M=1 K=4 N=4 g=32", "bf16 jnp.dot", lambda x: x * 2, (x,), 16)
+    bench.deadline = 0.0
+    bench.measure("MLA fp8", "B=1 ctx=4", "interpret", lambda x: x, (x,), 16)
+    failed, timed, skipped = bench.rows
+    assert failed.note.startswith("FAILED: RuntimeError: Triton compile error") and timed.seconds > 0
+    assert skipped.note == "skipped: time budget"
+    goals = gk.goal_lines(bench.rows, copy_bw=1e9, kernel_backend="interpret")
+    assert all("not measured" in line for line in goals), goals
+    table = gk.markdown(bench.rows, 1e9, goals, "cpu", on_gpu=False)
+    assert "| FAILED: RuntimeError: Triton compile error: out of resource |" in table

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KERNEL_BACKEND
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla
 from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
@@ -211,7 +212,7 @@ def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, num_sp
     args, cache = _gqa_inputs(_rng(seed), batch=len(lengths), kv_heads=kvh, group=g, head_dim=d,
                               page_size=s, num_slots=n, lengths=lengths, kv_dtype=kv_dtype,
                               q_dtype=q_dtype, per_head=per_head)
-    got = paged_attention_gqa(**args, backend="interpret", num_splits=num_splits)
+    got = paged_attention_gqa(**args, backend=KERNEL_BACKEND, num_splits=num_splits)
     assert got.shape == args["q_BHD"].shape and got.dtype == q_dtype
     ref = _as_np(paged_attention_gqa(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _max_abs_v(args)
@@ -268,7 +269,7 @@ def test_fp8_within_e4m3_bound():
     v_fp8, v_scale = _e4m3_quantize(v_true, np.abs(v_true).max(axis=(1, 2, 3)))
     q = rng.standard_normal((len(lengths), kvh * g, d)) / 8
     common = dict(q_BHD=jnp.asarray(q, jnp.float32), page_table_BN=jnp.asarray(cache.page_table),
-                  lengths_B=jnp.asarray(cache.lengths), softmax_scale=d**-0.5, backend="interpret")
+                  lengths_B=jnp.asarray(cache.lengths), softmax_scale=d**-0.5, backend=KERNEL_BACKEND)
     out_bf16 = _as_np(paged_attention_gqa(
         k_pages_KPSD=jnp.asarray(cache.poison_heads(k_true), jnp.bfloat16),
         v_pages_KPSD=jnp.asarray(cache.poison_heads(v_true), jnp.bfloat16),
@@ -345,7 +346,7 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, num_splits):
     h, c, rank, s, n, lengths = shape
     args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
                               lengths=lengths, kv_dtype=kv_dtype, q_dtype=q_dtype)
-    got = paged_attention_mla(**args, backend="interpret", num_splits=num_splits)
+    got = paged_attention_mla(**args, backend=KERNEL_BACKEND, num_splits=num_splits)
     assert got.shape == (len(lengths), h, rank) and got.dtype == q_dtype
     ref = _as_np(paged_attention_mla(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _mla_max_abs_v(args)
@@ -426,4 +427,4 @@ def test_backend_resolution_and_errors():
     odd_pages = {**args, "k_pages_KPSD": args["k_pages_KPSD"][:, :, :6], "v_pages_KPSD": args["v_pages_KPSD"][:, :, :6]}
     assert np.isfinite(_as_np(paged_attention_gqa(**odd_pages, backend="xla"))).all()
     with pytest.raises(ValueError, match="power-of-two page size"):
-        paged_attention_gqa(**odd_pages, backend="interpret")
+        paged_attention_gqa(**odd_pages, backend=KERNEL_BACKEND)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KERNEL_BACKEND
 
 from pallas_kernels import (
     dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
@@ -154,7 +155,7 @@ def test_int4_matmul_kernel_matches_reference(shape, x_dtype):
     ref = int4_matmul(x, packed, scales, group_size=g, backend="xla")
     if x_dtype == jnp.float32:
         _check(ref, _f64(x) @ w, magnitude, F32_TOL, seed, "reference vs float64")
-    got = int4_matmul(x, packed, scales, group_size=g, backend="interpret")
+    got = int4_matmul(x, packed, scales, group_size=g, backend=KERNEL_BACKEND)
     assert got.shape == (m, n) and got.dtype == x_dtype
     _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs reference")
     rel = np.max(np.abs(_f64(got) - _f64(ref))) / np.max(np.abs(_f64(ref)))
@@ -231,7 +232,7 @@ def test_moe_int4_kernel_matches_reference(case, x_dtype):
     if x_dtype == jnp.float32:
         ref = moe_int4_matmul(x, packed, scales, sizes, group_size=g, backend="xla")
         _check(ref, expected, magnitude, F32_TOL, seed, "reference vs float64")
-    got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend="interpret")
+    got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend=KERNEL_BACKEND)
     assert got.shape == (x.shape[0], n) and got.dtype == x_dtype
     _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs float64")
 

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared device check, one command on a machine with an NVIDIA GPU:
+#   bash experiments/gpu_check.sh
+# 1. the kernel tests on the COMPILED kernels (MIXSERVE_KERNEL_BACKEND=pallas),
+# 2. experiments/gpu_kernels.py at serving shapes (its own time budget).
+# Uses the machine's python3 and JAX as they are (no install: the lent H200
+# has jax 0.11 + CUDA, pytest and numpy, and no registry). Results go to $OUT
+# when set (the device tool brings that folder back), else experiments/results/gpu/.
+# Worst case about 8 minutes (the timeouts below); a healthy run takes less.
+# A dry run on CPU: PATH=.venv/bin:$PATH MIXSERVE_KERNEL_BACKEND=interpret bash experiments/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-experiments/results/gpu}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# One process owns the GPU; do not grab 75% of its memory up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+} 2>&1 | tee "$out/gpu_env.txt"
+
+# The lowering tests read Triton IR out of jaxlib <= 0.10.2's CUDA lowering
+# (CPU CI); newer jaxlibs compile during lowering, which step 1 exercises anyway.
+MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  -k "not lower_to_triton and not triton_kernels_for_cuda" \
+  tests/test_kernels_attention.py tests/test_kernels_int4.py 2>&1 | tee "$out/gpu_tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+timeout 330 python3 experiments/gpu_kernels.py --budget-s 270 --out "$out/gpu_kernels.md" 2>&1 \
+  | tee "$out/gpu_kernels.log"
+bench_rc=${PIPESTATUS[0]}
+echo "kernel tests rc=$tests_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu_env.txt"
+exit $(( tests_rc || bench_rc ))
