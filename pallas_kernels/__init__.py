@@ -34,7 +34,7 @@ Tensor names end in their axes, one capital letter per axis:
     E  experts
 """
 
-from pallas_kernels.backend import Backend, resolve_backend
+from pallas_kernels.backend import BACKENDS, Backend, resolve_backend
 from pallas_kernels.int4_matmul import (
     dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
     unpack_int4)
@@ -43,6 +43,7 @@ from pallas_kernels.paged_attention_gqa import paged_attention_gqa
 from pallas_kernels.paged_attention_mla import paged_attention_mla
 
 __all__ = [
+    "BACKENDS",
     "Backend",
     "dequantize_int4",
     "from_compressed_tensors",

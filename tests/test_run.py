@@ -31,5 +31,17 @@ def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
 def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
-                 "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights"):
+                 "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend"):
         assert flag in out
+
+
+def test_backend_flag_reaches_the_kernels(capsys):
+    """--backend interpret runs the Pallas kernels (MLA decode, INT4 expert matmuls) and serves the
+    same greedy tokens as the XLA references; --backend auto is xla on a machine without a GPU."""
+    args = ["--json", "--decode-weights", "int4", "--max-new-tokens", "3", "--prompt", "KV cache pages",
+            "--prompt", "FP8"]
+    kernels = run.main([*args, "--backend", "interpret"])
+    auto = run.main(args)
+    capsys.readouterr()
+    assert kernels["backend"] == "interpret" and auto["backend"] == "xla"
+    assert [r["tokens"] for r in kernels["requests"]] == [r["tokens"] for r in auto["requests"]]
