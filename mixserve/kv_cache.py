@@ -12,13 +12,14 @@ infinity, so the saturating clamp is what keeps an outlier from becoming NaN.
 writes this step's fresh keys/values into its pages, then attends. Decode (one token per row)
 reads everything from the pages, through the pluggable attention backend (XLA reference or the
 Pallas kernels). Prefill chunks attend in the model dtype over the fresh keys and read only
-earlier chunks from the pages.
+earlier chunks from the pages. GLM-5's DSA decode hands the chosen token positions to the sparse
+MLA kernel (a `TokenSelection`) instead of a mask over the whole context.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,14 @@ class StepInputs:
     pages_BN: jax.Array  # int32 physical page per logical page
     start_B: jax.Array  # int32 position of the row's first token in this step (= tokens already cached)
     count_B: jax.Array  # int32 tokens of this step that are real (0 for an idle slot)
+
+
+class TokenSelection(NamedTuple):
+    """DSA decode with a kernel backend: row b attends to token_ids_BK[b, :count_B[b]] (logical
+    positions), not to a [B, 1, N*S] mask; 'shared' indexer layers reuse it as they would a mask."""
+
+    token_ids_BK: jax.Array
+    count_B: jax.Array
 
 
 @dataclasses.dataclass
@@ -209,12 +218,14 @@ class LayerKV:
             w_uk, w_uv = w[..., :N], w[..., N:]
             q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
-            if index_mask is None and kv.backend != "xla":
+            if kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
                 pages, lengths = self._kernel_table(pool.shape[0])
-                out_lat = pallas_kernels.paged_attention_mla(
-                    q, pool, pages, lengths, kv_lora_rank=L, scale=latent_scale,
-                    softmax_scale=scale, backend=kv.backend,
-                )
+                common = dict(kv_lora_rank=L, scale=latent_scale, softmax_scale=scale, backend=kv.backend)
+                if index_mask is None:
+                    out_lat = pallas_kernels.paged_attention_mla(q, pool, pages, lengths, **common)
+                else:
+                    out_lat = pallas_kernels.sparse_paged_attention_mla(
+                        q, pool, pages, index_mask.token_ids_BK, index_mask.count_B, **common)
             else:
                 latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)  # [B, N*S, C]
                 mask = self._context_mask(1, True) if index_mask is None else index_mask
@@ -236,6 +247,13 @@ class LayerKV:
         T = q_BTHD.shape[1]
         pool = self._write("index", k_BTD, jnp.float32(1.0), False)
         k_ctx = dequantize_from_pool(self._gather(pool, False), 1.0, jnp.float32)
+        if T == 1 and self.kv.backend != "xla":
+            # The same lax.top_k choice as top_k_mask, kept as positions for the sparse kernel.
+            valid_BS = self._context_mask(1, True)[:, 0]
+            scores_BS = jnp.where(valid_BS, index_scores(q_BTHD, k_ctx, w_BTH, scale)[:, 0], -jnp.inf)
+            chosen_BK = jax.lax.top_k(scores_BS, min(top_k, scores_BS.shape[1]))[1]
+            _, lengths_B = self._kernel_table(pool.shape[0])
+            return TokenSelection(chosen_BK, jnp.minimum(lengths_B, chosen_BK.shape[1]))
         if T == 1:
             keys, valid = k_ctx, self._context_mask(1, True)
         else:

@@ -40,7 +40,7 @@ from pallas_kernels.int4_matmul import (
     unpack_int4)
 from pallas_kernels.moe_int4_matmul import moe_int4_matmul
 from pallas_kernels.paged_attention_gqa import paged_attention_gqa
-from pallas_kernels.paged_attention_mla import paged_attention_mla
+from pallas_kernels.paged_attention_mla import paged_attention_mla, sparse_paged_attention_mla
 
 __all__ = [
     "BACKENDS",
@@ -53,6 +53,7 @@ __all__ = [
     "paged_attention_gqa",
     "paged_attention_mla",
     "resolve_backend",
+    "sparse_paged_attention_mla",
     "to_compressed_tensors",
     "unpack_int4",
 ]

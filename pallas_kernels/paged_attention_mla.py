@@ -16,6 +16,12 @@ latent as two column views, [.., :L] and [.., L:], and adds their logits
 split-K are as in paged_attention_gqa.py; the one scale multiplies the logits
 (with softmax_scale) and the combined output.
 
+Sparse decode (DSA, GLM-5): `sparse_paged_attention_mla` attends only to the
+tokens the indexer chose. Each chosen token is one row of the pool viewed as
+[P*S, 1, C], so it is this same kernel with page size 1 and the chosen rows as
+the page table: a block gathers 64 chosen latents (as FlashMLA's sparse
+decode does) and a step streams top-k latents, not the whole context.
+
 Shapes (see the glossary in pallas_kernels/__init__.py):
   q_BHC             [B, H, C]  bf16 or f32
   latent_pages_PSC  [P, S, C]  bf16, f32, float8_e4m3fn or float8_e5m2
@@ -63,6 +69,38 @@ def paged_attention_mla(
     fd.check_kernel_page_size(latent_pages_PSC.shape[1])
     return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
                    kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", num_splits=num_splits)
+
+
+def sparse_paged_attention_mla(
+    q_BHC: jax.Array,
+    latent_pages_PSC: jax.Array,
+    page_table_BN: jax.Array,
+    token_ids_BK: jax.Array,
+    counts_B: jax.Array,
+    *,
+    kv_lora_rank: int,
+    scale,
+    softmax_scale: float,
+    backend: str | None = None,
+    num_splits: int | None = None,
+) -> jax.Array:
+    """paged_attention_mla over each request's chosen tokens only (DSA decode).
+
+    token_ids_BK[b, :counts_B[b]] are the logical positions request b attends
+    to (each below its length, no repeats); entries past counts_B[b] are
+    ignored and may hold anything. Output [B, H, L] as paged_attention_mla.
+    """
+    if token_ids_BK.ndim != 2 or token_ids_BK.shape[0] != q_BHC.shape[0]:
+        raise ValueError(f"token_ids_BK must be [B={q_BHC.shape[0]}, K], got {token_ids_BK.shape}")
+    fd.check_paging(page_table_BN, counts_B, q_BHC.shape[0])
+    p, s, c = latent_pages_PSC.shape
+    # Ignored entries are clamped into the table and the pool: the kernel loads whole blocks.
+    ids_BK = jnp.clip(token_ids_BK.astype(jnp.int32), 0, page_table_BN.shape[1] * s - 1)
+    pages_BK = jnp.clip(jnp.take_along_axis(page_table_BN.astype(jnp.int32), ids_BK // s, axis=1), 0, p - 1)
+    return paged_attention_mla(
+        q_BHC, latent_pages_PSC.reshape(p * s, 1, c), pages_BK * s + ids_BK % s,
+        jnp.clip(counts_B, 0, token_ids_BK.shape[1]), kv_lora_rank=kv_lora_rank, scale=scale,
+        softmax_scale=softmax_scale, backend=backend, num_splits=num_splits)
 
 
 def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:

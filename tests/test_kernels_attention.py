@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from conftest import KERNEL_BACKEND
 
-from pallas_kernels import paged_attention_gqa, paged_attention_mla
+from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
 
 U_BF16 = 2.0**-9
@@ -354,6 +354,50 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, num_splits):
     assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
 
 
+@pytest.mark.parametrize(
+    "shape, top_k, kv_dtype, q_dtype",
+    [
+        (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16),
+        (MLA_SHAPES[2], 80, jnp.bfloat16, jnp.float32),  # top-k above some lengths: all their tokens
+    ],
+)
+def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dtype):
+    """DSA decode. Each request chooses min(top_k, length) random positions; every
+    valid token it did NOT choose is NaN in the pool, as are all unused slots, and
+    the token ids past the count are garbage (negative, beyond the table), so a
+    read of anything unchosen fails. Kernel vs reference vs float64 over the
+    chosen tokens, with the tolerances of the dense test."""
+    seed = _seed()
+    rng = _rng(seed)
+    h, c, rank, s, n, lengths = shape
+    args, cache = _mla_inputs(rng, heads=h, width=c, rank=rank, page_size=s, num_slots=n,
+                              lengths=lengths, kv_dtype=jnp.float32, q_dtype=q_dtype)
+    latent = np.array(args["latent_pages_PSC"])
+    ids = rng.integers(-5 * s, 2 * n * s, (len(lengths), top_k)).astype(np.int32)
+    counts = np.minimum(top_k, cache.lengths).astype(np.int32)
+    expected = np.zeros((len(lengths), h, rank))
+    for b, length in enumerate(cache.lengths):
+        chosen = rng.permutation(int(length))[:counts[b]]
+        ids[b, :counts[b]] = chosen
+        unchosen = np.setdiff1d(np.arange(length), chosen)
+        latent[cache.page_table[b, unchosen // s], unchosen % s] = np.nan
+        tokens = np.asarray(latent, np.float64)[cache.page_table[b, chosen // s], chosen % s]
+        tokens = np.asarray(jnp.asarray(tokens, kv_dtype).astype(jnp.float32), np.float64) * float(args["scale"])
+        expected[b] = _softmax_attend(np.asarray(_as_np(args["q_BHC"])[b]), tokens, tokens[:, :rank],
+                                      args["softmax_scale"])
+    sparse = dict(args, latent_pages_PSC=jnp.asarray(latent, kv_dtype), token_ids_BK=jnp.asarray(ids),
+                  counts_B=jnp.asarray(counts))
+    del sparse["lengths_B"]
+    v_max = _mla_max_abs_v(sparse)
+    ref = sparse_paged_attention_mla(**sparse, backend="xla")
+    # The reference returns q's dtype: with bf16 q add that one rounding, u_bf16 |out| <= u_bf16 max|v|.
+    rounding = U_BF16 if q_dtype == jnp.bfloat16 else 0.0
+    _check_close(ref, expected, (F32_TOL + rounding) * v_max, seed, "sparse mla reference vs float64")
+    got = sparse_paged_attention_mla(**sparse, backend=KERNEL_BACKEND, num_splits=2)
+    tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * v_max
+    _check_close(got, _as_np(ref), tol, seed, "sparse mla kernel vs reference")
+
+
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32])
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
@@ -373,6 +417,12 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
                                        spec((4, 32), jnp.int32), spec((4,), jnp.int32))
     assert kernel.name == "paged_attention_mla" and kernel.ttir.count("tt.dot") >= 3  # 2 column views + PV
     assert kernel.grid[0] == 4  # one program row per request
+    # GLM-5 DSA decode: top-2048 of 4096 tokens, one latent row per chosen token.
+    sparse = functools.partial(sparse_paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
+                               backend="pallas")
+    [kernel] = triton_kernels_for_cuda(sparse, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
+                                       spec((4, 64), jnp.int32), spec((4, 2048), jnp.int32), spec((4,), jnp.int32))
+    assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
 
 
 def test_triton_kernels_for_cuda_names_a_function_without_kernels():
