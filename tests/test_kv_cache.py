@@ -41,7 +41,9 @@ def test_fp8_attention_within_e4m3_bound(per_head):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     B, S, K, D = 3, 13, CFG.num_kv_heads, CFG.head_dim
-    q = jnp.asarray(rng.normal(0, 0.25, (B, CFG.num_heads, D)), jnp.float32)
+    # q small enough that the bound says something: with std 0.25, 89 of 3000 seeds made it exceed
+    # max|v| (the test then failed on its own precondition); with 0.125, none of 3000 did.
+    q = jnp.asarray(rng.normal(0, 0.125, (B, CFG.num_heads, D)), jnp.float32)
     k = jnp.asarray(rng.normal(0, 1, (B, S + 1, K, D)) * (1 + 3 * rng.random((1, 1, K, 1))), jnp.float32)
     v = jnp.asarray(rng.normal(0, 1, (B, S + 1, K, D)), jnp.float32)
     if per_head:  # calibrated per KV head: absmax / 448
