@@ -1,0 +1,156 @@
+"""Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill and the
+batched decode step, each jitted over a fixed max_batch, with the integrity check traced into
+decode when it is on:
+  off     no check is traced into the step at all
+  check   a batched verify() of the page table before the step touches the pages; a failing row
+          writes and reads nothing this step, and the engine aborts its request with the reason
+  strict  the same check raised as an error through jax.experimental.checkify
+The model reaches the pools only through PagedKV (mixserve/kv_cache.py), which also picks the
+attention kernels (attention_backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from mixserve import page_table as pt
+from mixserve.kv_cache import PagedKV, StepInputs, init_pools
+from mixserve.model import Model
+from mixserve.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    num_pages: int
+    page_size: int
+    kv_dtype: jnp.dtype
+    max_batch: int
+    prefill_chunk: int
+    k_scale: jax.Array
+    v_scale: jax.Array
+    attention_backend: str
+    integrity: str
+
+
+class ModelRunner:
+    def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
+        self.model, self.decode_model, self.cfg = model, decode_model, cfg
+        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_dtype)
+
+    def prefill(self, req: Request, table: pt.PageTable) -> tuple[int, int]:
+        """Cache every token of req not yet in its pages, one chunk at a time, and sample its next
+        token from the last position (so prefill's weights choose it, as in disaggregated
+        serving). Returns (token, chunks run)."""
+        tokens, B, C = req.tokens, self.cfg.max_batch, self.cfg.prefill_chunk
+        chunks = 0
+        while req.cached < len(tokens):
+            n = min(C, len(tokens) - req.cached)
+            chunk, start, count = np.zeros((B, C), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+            chunk[req.slot, :n] = tokens[req.cached : req.cached + n]
+            start[req.slot], count[req.slot] = req.cached, n
+            self.pools, next_tok = self._forward_fn(
+                self.model.params, self.pools, _step_inputs(table, start, count), jnp.asarray(chunk), *self._sampling([req]))
+            req.cached += n
+            chunks += 1
+        return int(next_tok[req.slot]), chunks
+
+    def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
+        """One step for every live request (one token each) -> (next token, integrity ok) per slot."""
+        B = self.cfg.max_batch
+        tokens, start, count = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        for r in live:
+            tokens[r.slot, 0], start[r.slot], count[r.slot] = r.tokens[-1], len(r.tokens) - 1, 1
+        args = (self.decode_model.params, self.pools, table, _step_inputs(table, start, count), jnp.asarray(tokens),
+                jnp.asarray(count > 0), *self._sampling(live))
+        if self.cfg.integrity == "strict":
+            err, (self.pools, next_tok, ok) = self._decode_fn(*args)
+            err.throw()
+        else:
+            self.pools, next_tok, ok = self._decode_fn(*args)
+        return np.asarray(next_tok), np.asarray(ok)
+
+    def _sampling(self, reqs: list[Request]):
+        """Per-slot temperature, top-p and the three integers the sampling key is derived from in
+        the step (seed, position of the request in its generate call, token index): the same call
+        gives the same tokens on any engine, and a preempted, recomputed request samples what it
+        would have."""
+        B = self.cfg.max_batch
+        temp, top_p, key_ints = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 3), np.uint32)
+        for r in reqs:
+            temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
+            key_ints[r.slot] = (r.seed % 2**32, r.index, len(r.out))
+        return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
+
+    # ---- jitted functions -------------------------------------------------------------------------
+    def _paged_kv(self, pools, step):
+        c = self.cfg
+        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend)
+
+    @functools.cached_property
+    def _forward_fn(self):
+        module = self.model.module
+
+        def forward(params, pools, step, tokens, temp, top_p, keys):
+            kv = self._paged_kv(pools, step)
+            logits = module.apply({"params": params}, tokens, step.start_B[:, None] + jnp.arange(tokens.shape[1]), kv,
+                                  logits_at=jnp.maximum(step.count_B - 1, 0))
+            return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
+
+        return jax.jit(forward, donate_argnums=1)
+
+    @functools.cached_property
+    def _decode_fn(self):
+        module, integrity = self.decode_model.module, self.cfg.integrity
+
+        def decode(params, pools, table, step, tokens, active, temp, top_p, keys):
+            if integrity == "off":  # no check traced at all
+                ok = active | True
+            else:
+                with jax.named_scope("kv_integrity_check"):
+                    report = pt.verify(table, active)
+                if integrity == "strict":
+                    pt.checked(report)
+                ok = report.ok_B
+                # A failing row neither writes nor reads: its mapping may point into another
+                # request's pages, and this step's KV write would corrupt them.
+                step = dataclasses.replace(step, count_B=jnp.where(ok, step.count_B, 0))
+            kv = self._paged_kv(pools, step)
+            logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv)[:, 0]
+            return kv.new_pools, sample(logits, temp, top_p, keys), ok
+
+        return jax.jit(checkify.checkify(decode) if integrity == "strict" else decode, donate_argnums=1)
+
+    def lowered_decode_text(self, table: pt.PageTable) -> str:
+        """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
+        B = self.cfg.max_batch
+        z = jnp.zeros(B, jnp.int32)
+        args = (self.decode_model.params, self.pools, table, _step_inputs(table, z, z), jnp.zeros((B, 1), jnp.int32),
+                jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
+        return self._decode_fn.lower(*args).as_text(debug_info=True)
+
+
+def _step_inputs(table: pt.PageTable, start, count) -> StepInputs:
+    return StepInputs(table.pages_BN, jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32))
+
+
+def sample(logits_BV, temp_B, top_p_B, key_ints_B3):
+    """Greedy where temperature == 0, else temperature + nucleus (top-p) sampling, per row.
+    key_ints_B3 = (seed, request index, token index) per row, folded into a key here (in the step,
+    so the decode loop makes no per-request host calls)."""
+    greedy = jnp.argmax(logits_BV, axis=-1)
+    scaled = logits_BV / jnp.maximum(temp_B, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p_B[:, None]  # always keeps the top token
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(key_ints_B3)
+    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(temp_B > 0, sampled, greedy).astype(jnp.int32)

@@ -1,0 +1,86 @@
+"""One generation request as the engine tracks it (nano-vllm's Sequence), its Result, and the
+per-request validation that turns bad input into a "rejected" Result instead of an error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]
+    status: Literal["ok", "aborted", "rejected"]
+    reason: str | None = None
+    ttft_s: float | None = None  # time to first token
+    token_latencies_s: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    index: int = 0  # position in its generate() call: with the seed, it fixes the sampling keys
+    out: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None  # batch row while running
+    pages: int = 0  # pages held (host mirror of the page table)
+    cached: int = 0  # tokens whose KV is in the pages
+    t_submit: float = 0.0
+    t_last: float = 0.0
+    ttft: float | None = None
+    latencies: list[float] = dataclasses.field(default_factory=list)
+    result: Result | None = None  # set once: finished, aborted or rejected
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    def accept(self, token: int, now: float, stop_tokens: tuple[int, ...]) -> None:
+        """Append a generated token; finish with "ok" at a stop token or max_new_tokens."""
+        self.out.append(token)
+        if len(self.out) == 1:
+            self.ttft = now - self.t_submit
+        else:
+            self.latencies.append(now - self.t_last)
+        self.t_last = now
+        if token in stop_tokens or len(self.out) >= self.max_new_tokens:
+            self.finish("ok")
+
+    def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
+        self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies))
+
+
+def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int) -> str | None:
+    """Why this request can never be served (None if it can): checked before it is queued."""
+    p = req.prompt
+    if not isinstance(p, list) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
+        return "prompt must be a list of integer token ids"
+    if not p:
+        return "empty prompt"
+    bad = [t for t in p if not 0 <= t < vocab_size]
+    if bad:
+        return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    if not isinstance(req.max_new_tokens, (int, np.integer)) or isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
+        return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
+    for name in ("temperature", "top_p"):
+        v = getattr(req, name)
+        if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not math.isfinite(v):
+            return f"{name} must be a finite number, got {v!r}"
+    if req.temperature < 0 or not 0 < req.top_p <= 1:
+        return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
+    if not isinstance(req.seed, (int, np.integer)):
+        return f"seed must be an integer, got {req.seed!r}"
+    total = len(p) + req.max_new_tokens
+    if total > max_seq_len:
+        return f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total} exceeds the context limit {max_seq_len}"
+    pages = -(-total // page_size)
+    if pages > num_pages:
+        return f"needs {pages} pages, the pool has {num_pages} in all"
+    return None

@@ -1,0 +1,164 @@
+"""Which requests run and which pages they hold (nano-vllm's Scheduler and BlockManager).
+
+`PageManager` drives the functional page table (mixserve/page_table.py) from the host: it
+allocates, shares and releases pages through jitted table updates, mirrors the free count, and
+indexes full prompt pages by a chained hash so that an identical prefix reuses them (ref counts).
+`Scheduler` admits waiting requests while a batch slot and their pages are free, and before each
+decode step makes room for every running request's next token, preempting the youngest when the
+pool is full: the victim is requeued and recomputed from its prompt plus what it generated, so
+nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mixserve import page_table as pt
+from mixserve.request import Request
+
+_allocate_jit = jax.jit(pt.allocate)
+_share_jit = jax.jit(pt.share)
+_release_jit = jax.jit(pt.release)
+
+
+@dataclasses.dataclass
+class Counters:
+    steps: int = 0
+    prefill_chunks: int = 0
+    preemptions: int = 0
+    aborts: int = 0
+    rejections: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_pages_in_use: int = 0
+    shared_pages: int = 0  # pages a request got from another's identical prompt prefix
+    decode_step_s: list[float] = dataclasses.field(default_factory=list)
+
+
+class PageManager:
+    def __init__(self, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
+                 prefix_sharing: bool, counters: Counters):
+        self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, page_size, max_pages_per_seq
+        self.table = pt.init_page_table(num_pages, max_batch, max_pages_per_seq)
+        self.free_pages = num_pages
+        self.prefix_sharing = prefix_sharing
+        self.counters = counters
+        self._prefix_pages: dict[int, int] = {}  # chained page hash -> live physical page
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, req: Request, n: int) -> None:
+        self.table, ok = _allocate_jit(self.table, jnp.int32(req.slot), jnp.int32(n))
+        assert bool(ok), "host page accounting disagrees with the page table"
+        req.pages += n
+        self.free_pages -= n
+        self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.free_pages)
+
+    def share(self, req: Request, pages: list[int]) -> None:
+        """Map another request's live pages (an identical prefix) as req's first pages."""
+        ids = np.zeros(self.max_pages_per_seq, np.int32)
+        ids[: len(pages)] = pages
+        self.table, ok = _share_jit(self.table, jnp.int32(req.slot), jnp.asarray(ids), jnp.int32(len(pages)))
+        assert bool(ok), "prefix index points at a page that is not live"
+        req.pages, req.cached = len(pages), len(pages) * self.page_size
+        self.counters.shared_pages += len(pages)
+
+    def release(self, req: Request) -> None:
+        self.table = _release_jit(self.table, jnp.int32(req.slot))
+        self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
+        refs = np.asarray(self.table.ref_count_P)
+        self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
+        req.slot, req.pages, req.cached = None, 0, 0
+
+    # ---- prefix sharing: full pages of identical token prefixes, as nano-vllm's BlockManager ----
+    def _page_hashes(self, tokens: list[int]) -> list[int]:
+        """One hash per full page of tokens[:-1] (the last token is fed by decode), chained so a
+        page's hash covers the whole prefix before it."""
+        S, hashes, h = self.page_size, [], 0
+        for i in range((len(tokens) - 1) // S):
+            h = hash((h, tuple(tokens[i * S : (i + 1) * S])))
+            hashes.append(h)
+        return hashes
+
+    def shared_prefix(self, req: Request) -> list[int]:
+        pages = []
+        for h in self._page_hashes(req.tokens) if self.prefix_sharing else []:
+            if h not in self._prefix_pages:
+                break
+            pages.append(self._prefix_pages[h])
+        return pages
+
+    def register_prefix(self, req: Request) -> None:
+        """After prefill: index req's full prompt pages for later requests to share."""
+        if not self.prefix_sharing:
+            return
+        row = np.asarray(self.table.pages_BN[req.slot])
+        for i, h in enumerate(self._page_hashes(req.tokens)):
+            self._prefix_pages.setdefault(h, int(row[i]))
+
+
+class Scheduler:
+    def __init__(self, pages: PageManager, max_batch: int, counters: Counters):
+        self.pages, self.max_batch, self.counters = pages, max_batch, counters
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> Iterator[Request]:
+        """Yield each waiting request given a slot and pages (sharing cached full prompt pages).
+        The caller prefills it before the next one is admitted, so that one can share its pages."""
+        free_slots = sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
+        while self.waiting and free_slots:
+            req = self.waiting[0]
+            shared = self.pages.shared_prefix(req)
+            need = self.pages.pages_for(len(req.tokens)) - len(shared)
+            if need > self.pages.free_pages:
+                if not self.running:  # nothing will ever free pages: only leaked pages can cause this
+                    self.waiting.popleft().finish("aborted", f"KV pool exhausted: {self.pages.free_pages} free pages, "
+                                                  f"{need} needed (pages leaked after a detected bookkeeping fault)")
+                    self.counters.aborts += 1
+                    continue
+                return
+            req.slot = free_slots.pop(0)
+            if shared:
+                self.pages.share(req, shared)
+            self.pages.allocate(req, need)
+            self.waiting.popleft()
+            self.running.append(req)
+            yield req
+
+    def make_room_for_decode(self) -> None:
+        """Each running request needs a page for the token it decodes next; preempt the youngest if not."""
+        for req in sorted(self.running, key=lambda r: r.rid):
+            if req.result is not None or req.slot is None:
+                continue
+            while self.pages.pages_for(len(req.tokens)) > req.pages:
+                if self.pages.free_pages > 0:
+                    self.pages.allocate(req, 1)
+                    continue
+                victim = max((r for r in self.running if r.slot is not None and r.result is None), key=lambda r: r.rid)
+                self.pages.release(victim)
+                self.running.remove(victim)
+                self.waiting.appendleft(victim)  # recomputed from prompt + generated tokens when readmitted
+                self.counters.preemptions += 1
+                if victim is req:
+                    break
+
+    def live(self) -> list[Request]:
+        return [r for r in self.running if r.result is None and r.slot is not None]
+
+    def retire_finished(self) -> None:
+        for req in [r for r in self.running if r.result is not None]:
+            self.pages.release(req)
+            self.running.remove(req)
