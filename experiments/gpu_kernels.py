@@ -11,7 +11,8 @@ On an NVIDIA GPU (target: H200, < 8 minutes) it times, at serving shapes:
     same pages (BF16, and FP8 with its per-token scale arrays) and against our
     XLA reference;
   * FP8 / BF16 absorbed MLA decode, Kimi K2 per GPU (64 / 8 = 8 heads, latent
-    576 = 512 + 64, page 64), against the XLA reference (JAX has no MLA op);
+    576 = 512 + 64, page 64), against the XLA reference (JAX has no MLA op),
+    and the sparse variant over GLM-5's DSA top-2048 of the longest context;
   * the INT4 W4A16 expert matmul 7168 x 2048 (group 32), M = 1..64, against
     `jnp.dot` on the BF16 weights and the XLA reference, and the grouped MoE
     version over 48 experts against `lax.ragged_dot` on BF16 weights.
@@ -53,7 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
-    int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla)
+    int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -92,12 +93,13 @@ class Config:
     copy_bytes: int
     samples: int
     target_sample_s: float
+    dsa_top_k: int  # GLM-5's index_topk: tokens the sparse MLA decode attends to
 
 
 GPU = Config(True, "pallas", (1, 16, 64), (4096, 32768), 12, 128, 16, 8, 512, 64, 64,
-             7168, 2048, (1, 8, 64), 32, 48, (8 * 8, 256 * 8), 1 << 30, 7, 0.02)
+             7168, 2048, (1, 8, 64), 32, 48, (8 * 8, 256 * 8), 1 << 30, 7, 0.02, dsa_top_k=2048)
 CPU = Config(False, "interpret", (2,), (48,), 4, 32, 16, 8, 64, 32, 16,
-             256, 64, (1, 16), 32, 4, (6,), 1 << 22, 3, 0.0)
+             256, 64, (1, 16), 32, 4, (6,), 1 << 22, 3, 0.0, dsa_top_k=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +251,7 @@ def mla_rows(bench: Bench, key) -> None:
     h, width, s = cfg.mla_heads, cfg.mla_rank + cfg.mla_rope, cfg.mla_page
     for batch in cfg.batches:
         for context in cfg.contexts:
-            kq, kl, kt, key = jax.random.split(key, 4)
+            kq, kl, kt, ki, key = jax.random.split(key, 5)
             n = context // s
             q = jax.random.normal(kq, (batch, h, width), jnp.bfloat16)
             latent = jax.random.normal(kl, (batch * n, s, width), jnp.float32)
@@ -268,6 +270,25 @@ def mla_rows(bench: Bench, key) -> None:
                 bench.measure(f"MLA {name}", shape, cfg.kernel_backend,
                               functools.partial(op, backend=cfg.kernel_backend), args, nbytes, ref)
                 bench.measure(f"MLA {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
+                if context == max(cfg.contexts):  # GLM-5 DSA decode: top-k of the longest context
+                    _sparse_mla_rows(bench, name, shape, q, pages, table, sc, ki)
+
+
+def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> None:
+    """The sparse (DSA) MLA decode over dsa_top_k random distinct positions per request."""
+    cfg = bench.cfg
+    batch, context = table.shape[0], table.shape[1] * cfg.mla_page
+    top_k = min(cfg.dsa_top_k, context)
+    ids = jax.vmap(lambda k: jax.random.permutation(k, context)[:top_k])(jax.random.split(key, batch))
+    args = (q, pages, table, ids.astype(jnp.int32), jnp.full((batch,), top_k, jnp.int32))
+    op = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=scale,
+                           softmax_scale=q.shape[-1] ** -0.5)
+    nbytes = batch * top_k * q.shape[-1] * pages.dtype.itemsize
+    ref = op(*args, backend="xla")
+    shape = f"{shape} top-k={top_k}"
+    bench.measure(f"MLA sparse {name}", shape, cfg.kernel_backend, functools.partial(op, backend=cfg.kernel_backend),
+                  args, nbytes, ref)
+    bench.measure(f"MLA sparse {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
 
 
 def _int4_weights(key, lead: tuple[int, ...], k: int, n: int, group: int):

@@ -50,7 +50,6 @@ except ImportError as error:
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sm90_compile.md"
 ARCH = 90
-DSA_TOP_K = 2048  # GLM-5's index_topk
 # sm_90 limits (CUDA programming guide, compute capability 9.0).
 REGS_PER_SM = 65536
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
@@ -90,9 +89,9 @@ def cases(cfg: Config) -> list[Case]:
                              spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
             sparse = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0,
                                        softmax_scale=0.1, backend="pallas")
-            out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={DSA_TOP_K}", sparse,
+            out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={cfg.dsa_top_k}", sparse,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
-                             spec((batch, n), jnp.int32), spec((batch, DSA_TOP_K), jnp.int32), spec((batch,), jnp.int32))))
+                             spec((batch, n), jnp.int32), spec((batch, cfg.dsa_top_k), jnp.int32), spec((batch,), jnp.int32))))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))
