@@ -1,7 +1,7 @@
 """Compile every Pallas kernel for the H100/H200 (sm_90a) without a GPU.
 
     pip install -e '.[sm90]'          # Triton 3.6.0, the GPU machine's version
-    python experiments/sm90_compile.py [--sweep] [--out PATH]
+    python experiments/sm90_compile.py [--sweep | --test-shapes] [--out PATH]
 
 Interpret mode runs the kernel bodies with jnp, and `lower_for_cuda` stops at
 Triton IR. This goes the rest of the way that needs no GPU: it takes each
@@ -15,6 +15,8 @@ launch would fail), and spills (local-memory traffic in the inner loop).
 
 --sweep compiles the same IR under other (num_warps, num_stages), which are
 Triton options and change no Pallas code, to pick launch parameters.
+--test-shapes compiles the shapes the kernel tests use instead (what
+experiments/gpu_check.sh runs compiled on a GPU), float32 operands included.
 
 Caveat: JAX on the GPU compiles with the Triton inside its jaxlib, not this
 pip Triton; numbers can differ between versions (see the results file).
@@ -48,7 +50,7 @@ try:
 except ImportError as error:
     raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({error})")
 
-RESULTS = Path(__file__).resolve().parent / "results" / "sm90_compile.md"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ARCH = 90
 # sm_90 limits (CUDA programming guide, compute capability 9.0).
 REGS_PER_SM = 65536
@@ -104,6 +106,43 @@ def cases(cfg: Config) -> list[Case]:
         out.append(Case("MoE INT4", f"T={tokens} E={e} g={g}", moe,
                         (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
                          spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
+    return out
+
+
+def test_cases() -> list[Case]:
+    """The shapes the kernel tests run (tests/test_kernels_*.py), which gpu_check.sh runs compiled:
+    small, odd head and page sizes, and float32 operands, which serving shapes never use."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_kernels_attention as ta
+    import test_kernels_int4 as ti
+
+    spec = jax.ShapeDtypeStruct
+    out = []
+    for x_dtype in (jnp.bfloat16, jnp.float32):
+        for m, k, n, g in ti.DENSE_SHAPES:
+            out.append(Case("INT4 matmul", f"M={m} K={k} N={n} g={g} x {x_dtype.__name__}",
+                            functools.partial(int4_matmul, group_size=g, backend="pallas"),
+                            (spec((m, k), x_dtype), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))))
+        for sizes, k, n, g in ti.MOE_CASES:
+            e = len(sizes)
+            out.append(Case("MoE INT4", f"groups={sizes} K={k} N={n} g={g} x {x_dtype.__name__}",
+                            functools.partial(moe_int4_matmul, group_size=g, backend="pallas"),
+                            (spec((sum(sizes), k), x_dtype), spec((e, k // 8, n), jnp.int32),
+                             spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
+    for kv_dtype, q_dtype in ((jnp.float8_e4m3fn, jnp.bfloat16), (jnp.float32, jnp.float32)):
+        for kvh, g, d, s, n, lengths in ta.GQA_SHAPES:
+            b, pages = len(lengths), spec((kvh, 64, s, d), kv_dtype)
+            out.append(Case("GQA", f"K={kvh} G={g} D={d} S={s} {kv_dtype.__name__}",
+                            functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
+                                              backend="pallas", num_splits=3),
+                            (spec((b, kvh * g, d), q_dtype), pages, pages, spec((b, n), jnp.int32), spec((b,), jnp.int32))))
+        for h, c, rank, s, n, lengths in ta.MLA_SHAPES:
+            b = len(lengths)
+            out.append(Case("MLA", f"H={h} C={c} L={rank} S={s} {kv_dtype.__name__}",
+                            functools.partial(paged_attention_mla, kv_lora_rank=rank, scale=1.0, softmax_scale=0.1,
+                                              backend="pallas", num_splits=2),
+                            (spec((b, h, c), q_dtype), spec((64, s, c), kv_dtype), spec((b, n), jnp.int32),
+                             spec((b,), jnp.int32))))
     return out
 
 
@@ -170,16 +209,18 @@ def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also compile under num_warps 4/8 x num_stages 1..4")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--test-shapes", action="store_true", help="compile the kernel tests' shapes instead")
+    parser.add_argument("--out", type=Path)
     cli = parser.parse_args()
     ptxas_version = subprocess.run([get_ptxas(ARCH).path, "--version"], capture_output=True, text=True).stdout
     ptxas_version = ptxas_version.strip().splitlines()[-1]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# Pallas kernels compiled for sm_90a without a GPU, {stamp}", "",
-        f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__}. "
-        "Shapes: experiments/gpu_kernels.py (GPU config). Produced by `python experiments/sm90_compile.py"
-        + (" --sweep`." if cli.sweep else "`."), "",
+        f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__}. Shapes: "
+        + ("the kernel tests' (tests/test_kernels_*.py)" if cli.test_shapes else "experiments/gpu_kernels.py (GPU config)")
+        + ". Produced by `python experiments/sm90_compile.py" + "".join(
+            f" {flag}" for flag, on in (("--sweep", cli.sweep), ("--test-shapes", cli.test_shapes)) if on) + "`.", "",
         "Blocks/SM: resident blocks per SM allowed by registers (65536 per SM, allocated per warp in units of "
         "256), shared memory (228 KiB per SM, 1 KiB reserved per block), warps (64) and blocks (32); the "
         "limiting resource in brackets. Spills: bytes of spill stores + loads per thread (ptxas -v).", "",
@@ -187,7 +228,7 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     seen: set[str] = set()
-    for case in cases(GPU):
+    for case in test_cases() if cli.test_shapes else cases(GPU):
         for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
             if kernel.ttir in seen:  # e.g. a shape that only changes the grid
                 continue
@@ -199,9 +240,11 @@ def main() -> None:
                 lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
                 print(lines[-1], flush=True)
     lines.append("")
-    cli.out.parent.mkdir(parents=True, exist_ok=True)
-    cli.out.write_text("\n".join(lines))
-    print(f"wrote {cli.out}")
+    out = cli.out or RESULTS_DIR / ("sm90_compile_tests.md" if cli.test_shapes else
+                                    "sm90_compile_sweep.md" if cli.sweep else "sm90_compile.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

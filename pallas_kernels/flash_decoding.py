@@ -30,13 +30,23 @@ _BLOCK_TOKENS = 64
 _TARGET_PROGRAMS = 2 * 132
 # A split streams at least this many times the bytes of the partial it writes.
 _PARTIAL_SHARE = 8
-# Triton launch parameters (ignored by the interpreter); 2 stages overlap the
-# next page gather with the math. Chosen from sm_90a compiles without a GPU
-# (experiments/results/sm90_compile.md): GQA fits 4 warps in ~128 registers
-# with no spills; MLA's [16, 512] f32 accumulator and [64, 576] latent block
-# spill at 4 warps (255 registers, up to 2 KB/thread) and fit at 8 (~170-210).
-GQA_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
-MLA_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=8, num_stages=2)
+
+
+def compiler_params(num_warps: int, dot_dtype) -> plgpu.CompilerParams:
+    """Triton launch parameters (ignored by the interpreter), chosen from sm_90a
+    compiles without a GPU (experiments/results/sm90_compile*.md).
+
+    bf16 operands: 2 stages overlap the next page gather with the math. GQA fits
+    4 warps in ~128 registers; MLA's [16, 512] f32 accumulator and [64, 576]
+    latent block spill at 4 warps (255 registers, up to 2 KB/thread) and fit
+    at 8 (~170-210), so it asks for 8. float32 operands (exactness tests, not a
+    serving format) double every block: MLA's two stages would need 312 KiB of
+    shared memory (the launch fails above 227 KiB), one stage at 8 warps needs
+    168 KiB.
+    """
+    if jnp.dtype(dot_dtype) == jnp.float32:
+        return plgpu.CompilerParams(num_warps=8, num_stages=1)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
 
 KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
 

@@ -182,7 +182,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         ],
         out_specs=fd.partial_specs(3, rows, d),
         out_shape=fd.partial_shapes((b, kvh, plan.num_splits), rows, d),
-        compiler_params=fd.GQA_COMPILER_PARAMS,
+        compiler_params=fd.compiler_params(4, dtype),
         interpret=interpret,
         name="paged_attention_gqa",
     )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)

@@ -199,7 +199,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         ],
         out_specs=fd.partial_specs(2, rows, kv_lora_rank),
         out_shape=fd.partial_shapes((b, plan.num_splits), rows, kv_lora_rank),
-        compiler_params=fd.MLA_COMPILER_PARAMS,
+        compiler_params=fd.compiler_params(8, dtype),
         interpret=interpret,
         name="paged_attention_mla",
     )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B, logit_scale)
