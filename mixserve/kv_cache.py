@@ -250,8 +250,10 @@ class LayerKV:
         if T == 1 and self.kv.backend != "xla":
             # The same lax.top_k choice as top_k_mask, kept as positions for the sparse kernel.
             valid_BS = self._context_mask(1, True)[:, 0]
+            if top_k >= valid_BS.shape[1]:
+                return None  # every cached token is chosen: the dense kernel reads them page by page
             scores_BS = jnp.where(valid_BS, index_scores(q_BTHD, k_ctx, w_BTH, scale)[:, 0], -jnp.inf)
-            chosen_BK = jax.lax.top_k(scores_BS, min(top_k, scores_BS.shape[1]))[1]
+            chosen_BK = jax.lax.top_k(scores_BS, top_k)[1]
             _, lengths_B = self._kernel_table(pool.shape[0])
             return TokenSelection(chosen_BK, jnp.minimum(lengths_B, chosen_BK.shape[1]))
         if T == 1:

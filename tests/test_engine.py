@@ -256,3 +256,17 @@ def test_pallas_kernels_serve_the_same_tokens(model):
     assert "int4_matmul/pallas_call" in text
     assert f"{attention}/pallas_call" in text  # GLM-5: the sparse MLA kernel over the DSA choice
     assert "/pallas_call" not in xla_engine.lowered_decode_text()
+
+
+def test_dsa_choosing_every_token_takes_the_dense_kernel():
+    """When index_topk covers the whole context (max_seq_len <= top-k), the indexer's choice is
+    every cached token: the kernel backend then reads pages with the dense MLA kernel instead of
+    gathering token by token, and serves the same tokens as XLA's masked attention."""
+    glm5 = mixserve.load("tiny-glm5", dtype="float32")
+    assert glm5.config.index_topk == 16
+    ps = prompts(3)[:2]  # 5 and 11 tokens, + 4 new <= 16
+    kw = dict(max_seq_len=16, kv_dtype="fp8_e4m3")
+    ref = engine(glm5, **kw).generate(ps, max_new_tokens=4)
+    dense = engine(dataclasses.replace(glm5, backend="interpret"), attention_backend="interpret", **kw)
+    assert [r.tokens for r in dense.generate(ps, max_new_tokens=4)] == [r.tokens for r in ref]
+    assert all(r.status == "ok" for r in ref)
