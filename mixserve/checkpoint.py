@@ -27,7 +27,7 @@ from tqdm import tqdm
 from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors, load_tensor
 from models.config import ModelConfig
 from models.transformer import Transformer
-from models.weights import BF16, FP8_BLOCK, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
 
 QUANT_PARTS = {"weight_scale_inv": "fp8_block", "weight_packed": "int4", "weight_scale": "int4", "weight_shape": "int4"}
 # Tensors that real checkpoints carry but the text model does not use.

@@ -9,7 +9,6 @@ the same in both cases, so the engine and the reference forward share all model 
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig

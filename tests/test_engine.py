@@ -3,7 +3,6 @@ oversubscription, and the no-op integrity mode."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ per-head scales, and the decode kernels plugged in through the attention backend
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
