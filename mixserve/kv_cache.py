@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from models.config import ModelConfig
-from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask
+from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask, top_k_positions
 from models.weights import saturating_cast
 
 KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
@@ -248,14 +248,12 @@ class LayerKV:
         pool = self._write("index", k_BTD, jnp.float32(1.0), False)
         k_ctx = dequantize_from_pool(self._gather(pool, False), 1.0, jnp.float32)
         if T == 1 and self.kv.backend != "xla":
-            # The same lax.top_k choice as top_k_mask, kept as positions for the sparse kernel.
-            valid_BS = self._context_mask(1, True)[:, 0]
-            if top_k >= valid_BS.shape[1]:
+            # top_k_mask's choice, kept as positions for the sparse kernel.
+            valid_B1S = self._context_mask(1, True)
+            if top_k >= valid_B1S.shape[-1]:
                 return None  # every cached token is chosen: the dense kernel reads them page by page
-            scores_BS = jnp.where(valid_BS, index_scores(q_BTHD, k_ctx, w_BTH, scale)[:, 0], -jnp.inf)
-            chosen_BK = jax.lax.top_k(scores_BS, top_k)[1]
-            _, lengths_B = self._kernel_table(pool.shape[0])
-            return TokenSelection(chosen_BK, jnp.minimum(lengths_B, chosen_BK.shape[1]))
+            chosen_BK = top_k_positions(index_scores(q_BTHD, k_ctx, w_BTH, scale), valid_B1S, top_k)[:, 0]
+            return TokenSelection(chosen_BK, jnp.minimum(jnp.sum(valid_B1S[:, 0], axis=-1), top_k))
         if T == 1:
             keys, valid = k_ctx, self._context_mask(1, True)
         else:

@@ -50,13 +50,19 @@ def index_scores(q_BTHD, k_BSD, w_BTH, scale: float):
     return jnp.einsum("bth,bhts->bts", w_BTH.astype(jnp.float32), scores)
 
 
+def top_k_positions(scores_BTS, valid_BTS, top_k: int):
+    """Positions [B, T, top_k] of the highest valid scores, best first: the valid ones come before
+    any invalid one (those score -inf), so a query with n < top_k valid positions has them first."""
+    return jax.lax.top_k(jnp.where(valid_BTS, scores_BTS, -jnp.inf), top_k)[1]
+
+
 def top_k_mask(scores_BTS, valid_BTS, top_k: int):
     """Boolean mask of the top_k highest valid scores per query (all valid ones if fewer)."""
     S = scores_BTS.shape[-1]
     k = min(top_k, S)
     if k == S:
         return valid_BTS
-    chosen = jax.lax.top_k(jnp.where(valid_BTS, scores_BTS, -jnp.inf), k)[1]
+    chosen = top_k_positions(scores_BTS, valid_BTS, k)
     B, T = scores_BTS.shape[:2]
     picked = jnp.zeros((B, T, S), bool).at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], chosen].set(True)
     return picked & valid_BTS

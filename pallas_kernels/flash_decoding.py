@@ -48,6 +48,7 @@ def compiler_params(num_warps: int, dot_dtype) -> plgpu.CompilerParams:
         return plgpu.CompilerParams(num_warps=8, num_stages=1)
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
 
+
 KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
