@@ -26,10 +26,15 @@ with its error and the run goes on; rows after --budget-s are listed as skipped.
 
 Timing: each op runs `reps` times inside one jitted fori_loop whose input
 depends on the previous result (so XLA can neither hoist nor overlap the
-calls); time per call = loop time / reps, median over samples. The
-dependency adds one tiny elementwise kernel per call (~2 us), identical for
-every implementation, which slightly favours slower peers at the smallest
-shapes. triton.testing.do_bench is not used: it needs PyTorch CUDA events,
+calls); time per call = loop time / reps, median over samples. `reps` is a
+Python int, so XLA knows the trip count: with a traced count, XLA's GPU while
+loop copies the loop predicate to the host and waits for the stream on every
+iteration (WhileThunk), a host round trip per call that would swamp a
+microsecond kernel. The dependency and the sum of the output add a few tiny
+kernels per call. That "harness" is measured too, in the same loop around an
+op that does nothing, interleaved sample by sample with the op; the table
+shows both, and bandwidths and goal ratios use the net time (op minus
+harness). triton.testing.do_bench is not used: it needs PyTorch CUDA events,
 and JAX dispatch is asynchronous to them.
 
 Without a GPU it runs tiny shapes with backends "interpret" and "xla" so that
@@ -41,11 +46,12 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,14 +113,21 @@ class Row:
     kernel: str
     shape: str
     impl: str
-    seconds: float  # nan when the row failed or was skipped (see note)
+    seconds: float  # median per call inside the timing loop; nan when failed or skipped (see note)
     bytes_moved: int
     max_err: float | None = None
     note: str = ""  # why there is no time: the error, or the time budget
+    harness_seconds: float = 0.0  # the same loop around an op that does nothing
+
+    @property
+    def net_seconds(self) -> float:
+        """The op's own time; nan when it is within the harness's (not resolved)."""
+        net = self.seconds - self.harness_seconds
+        return net if net > 0 else float("nan")
 
     @property
     def gb_per_s(self) -> float:
-        return self.bytes_moved / self.seconds / 1e9
+        return self.bytes_moved / self.net_seconds / 1e9
 
 
 class Bench:
@@ -136,35 +149,50 @@ class Bench:
             self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note="skipped: time budget"))
             return
         try:
-            seconds = time_per_call(fn, args, self.cfg)
-            err = None if ref is None else max_err(fn(*args), ref)
+            out = jax.block_until_ready(fn(*args))  # compiles
+            err = None if ref is None else max_err(out, ref)
+            once = _wall_seconds(lambda: fn(*args))
+            timing = time_per_call(fn, args, _reps(once, self.cfg), self.cfg.samples)
         except Exception as error:  # Reported in the table; the other rows still run.
             message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
             print(f"FAILED {kernel} {shape} {impl}: {message}", flush=True)
             self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note=f"FAILED: {message}"))
             return
-        self.rows.append(Row(kernel, shape, impl, seconds, bytes_moved, err))
+        self.rows.append(Row(kernel, shape, impl, timing.seconds, bytes_moved, err,
+                             harness_seconds=timing.harness_seconds))
 
 
-def _median_per_rep(loop: Callable, args: tuple, cfg: Config) -> float:
-    """Median seconds per repetition of loop(reps, *args)."""
-
-    def run(reps: int) -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(loop(reps, *args))
-        return time.perf_counter() - start
-
-    run(1)  # compile and warm up
-    once = max(run(1), 1e-6)
-    reps = max(1, min(1000, int(cfg.target_sample_s / once)))
-    return statistics.median(run(reps) / reps for _ in range(cfg.samples))
+class Timing(NamedTuple):
+    seconds: float  # median per call of the op inside the timing loop
+    harness_seconds: float  # median per call of the loop alone (dependency + sum)
 
 
-def time_per_call(fn: Callable, args: tuple, cfg: Config) -> float:
-    """Median seconds per call of fn(*args); args[0] must be a float array."""
+def _wall_seconds(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    return max(time.perf_counter() - start, 1e-7)
 
-    @jax.jit
-    def loop(reps, *args):
+
+def _reps(once: float, cfg: Config) -> int:
+    """Calls per sample so that a sample lasts about cfg.target_sample_s.
+
+    `once` (a dispatched call, host overhead included) overestimates a call in
+    the loop, so reps errs low; the cap bounds it when `once` is tiny.
+    """
+    return max(3, min(1000, int(cfg.target_sample_s / once)))
+
+
+def _timed_loop(loop: Callable, args: tuple) -> Callable[[], float]:
+    """Compiles and warms jit(loop)(*args); returns a timer of one more run."""
+    compiled = jax.jit(loop)
+    jax.block_until_ready(compiled(*args))
+    return lambda: _wall_seconds(lambda: compiled(*args))
+
+
+def _dependent_calls(fn: Callable, reps: int) -> Callable:
+    """fn applied reps times, each call's first input depending on the last output."""
+
+    def loop(*args):
         def body(_, carry):
             # carry * 0 is not folded for floats (NaN semantics): a true
             # dependency on the previous call. Summing the whole (small)
@@ -172,9 +200,26 @@ def time_per_call(fn: Callable, args: tuple, cfg: Config) -> float:
             first = args[0] + (carry * 0).astype(args[0].dtype)
             return carry + jnp.sum(fn(first, *args[1:]).astype(jnp.float32))
 
+        # reps is a Python int: the trip count is known (see the module docstring).
         return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
 
-    return _median_per_rep(loop, args, cfg)
+    return loop
+
+
+def _harness_only(first, *rest):
+    return first
+
+
+def time_per_call(fn: Callable, args: tuple, reps: int, samples: int) -> Timing:
+    """Median seconds per call of fn(*args) in the timing loop, and of the loop
+    alone, sampled alternately; args[0] must be a float array."""
+    op = _timed_loop(_dependent_calls(fn, reps), args)
+    harness = _timed_loop(_dependent_calls(_harness_only, reps), args)
+    op_s, harness_s = [], []
+    for _ in range(samples):  # interleaved, so that drift on a shared machine hits both
+        op_s.append(op() / reps)
+        harness_s.append(harness() / reps)
+    return Timing(statistics.median(op_s), statistics.median(harness_s))
 
 
 def max_err(a: jax.Array, b: jax.Array) -> float:
@@ -183,13 +228,12 @@ def max_err(a: jax.Array, b: jax.Array) -> float:
 
 def copy_bandwidth(cfg: Config) -> float:
     """Bytes/s of reading and writing cfg.copy_bytes once (x <- x + 1 in place)."""
-
-    @jax.jit
-    def loop(reps, x):
-        return jax.lax.fori_loop(0, reps, lambda _, x: x + 1, x)
-
     x = jnp.zeros((cfg.copy_bytes // 4,), jnp.float32)
-    return 2 * cfg.copy_bytes / _median_per_rep(loop, (x,), cfg)
+    add_one = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(add_one(x))
+    reps = _reps(_wall_seconds(lambda: add_one(x)), cfg)
+    run = _timed_loop(lambda x: jax.lax.fori_loop(0, reps, lambda _, x: x + 1, x), (x,))
+    return 2 * cfg.copy_bytes / statistics.median(run() / reps for _ in range(cfg.samples))
 
 
 def _scattered_pages(key, batch: int, pages_per_seq: int) -> jax.Array:
@@ -345,12 +389,18 @@ def _verdict(value: float, target: float) -> str:
     return "met" if value >= target else "MISSED"
 
 
+def _speedup(peer: Row, ours: Row) -> float:
+    """Net-time ratio peer / ours; nan when either is within the harness."""
+    return peer.net_seconds / ours.net_seconds
+
+
 def goal_lines(rows: list[Row], copy_bw: float, kernel_backend: str) -> list[str]:
     """One line per goal: the measured worst case and whether it meets the target.
 
-    Only timed rows count; a goal whose rows all failed or were skipped says so.
+    Only timed rows count, with net times (op minus harness); a goal whose rows
+    all failed, were skipped or were not resolved from the harness says so.
     """
-    timed = [r for r in rows if not r.note]
+    timed = [r for r in rows if not r.note and math.isfinite(r.net_seconds)]
     ours = [r for r in timed if r.impl == kernel_backend]
     by_key = {(r.kernel, r.shape, r.impl): r for r in timed}
     lines = []
@@ -361,7 +411,7 @@ def goal_lines(rows: list[Row], copy_bw: float, kernel_backend: str) -> list[str
         lines.append(f"{GOALS[0]}: worst {100 * share:.0f}% ({worst.kernel} {worst.shape}), {_verdict(share, 0.8)}")
     else:
         lines.append(f"{GOALS[0]}: not measured (no timed FP8 kernel row)")
-    ratios = [(by_key[("GQA bf16", r.shape, "jax paged_attention")].seconds / r.seconds, r.shape)
+    ratios = [(_speedup(by_key[("GQA bf16", r.shape, "jax paged_attention")], r), r.shape)
               for r in ours if r.kernel == "GQA fp8" and ("GQA bf16", r.shape, "jax paged_attention") in by_key]
     if ratios:
         ratio, shape = min(ratios)
@@ -374,7 +424,7 @@ def goal_lines(rows: list[Row], copy_bw: float, kernel_backend: str) -> list[str
         m = int(r.shape.split()[0].removeprefix("M=")) if r.kernel == "INT4 matmul" else None
         dot = by_key.get(("INT4 matmul", r.shape, "bf16 jnp.dot"))
         if m in targets and dot is not None:
-            speedup = dot.seconds / r.seconds
+            speedup = _speedup(dot, r)
             speedups.append(f"{speedup:.2f}x at M={m} ({_verdict(speedup, targets[m])})")
     lines.append(f"{GOALS[2]}: " + (", ".join(speedups) if speedups else "not measured (no timed pair of rows)"))
     return lines
@@ -388,15 +438,21 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
         out += ["**No GPU: tiny shapes, kernels in the Pallas interpreter. These CPU times are NOT kernel "
                 "performance; this run only shows that the script works.**", ""]
     out += [f"Device-to-device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", "",
-            "| kernel | shape | impl | median us | GB/s | % copy BW | max abs err vs xla |",
-            "|---|---|---|---:|---:|---:|---:|"]
+            "Times are medians per call in a loop of dependent calls; \"harness\" is that loop around an "
+            "op that does nothing, and \"net\" = op - harness, which GB/s and the goals use "
+            "(\"-\": not resolved from the harness).", "",
+            "| kernel | shape | impl | median us | harness us | net us | GB/s | % copy BW | max abs err vs xla |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.note:
-            out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.note} | | | |")
+            out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.note} | | | | | |")
             continue
         err = "" if r.max_err is None else f"{r.max_err:.2e}"
-        out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.seconds * 1e6:.1f} | {r.gb_per_s:.1f} | "
-                   f"{100 * r.gb_per_s * 1e9 / copy_bw:.0f} | {err} |")
+        resolved = math.isfinite(r.net_seconds)
+        net = f"{r.net_seconds * 1e6:.1f}" if resolved else "-"
+        bandwidth = f"{r.gb_per_s:.1f} | {100 * r.gb_per_s * 1e9 / copy_bw:.0f}" if resolved else "- | -"
+        out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.seconds * 1e6:.1f} | {r.harness_seconds * 1e6:.1f} | "
+                   f"{net} | {bandwidth} | {err} |")
     heading = "Goals (measured):" if on_gpu else "Goals (CPU run: the numbers below do NOT measure them):"
     out += ["", heading] + [f"- {line}" for line in goals] + [""]
     return "\n".join(out)
@@ -421,7 +477,8 @@ def main() -> None:
     start = time.perf_counter()
     bench = Bench(cfg, cli.budget_s)
     copy_bw = copy_bandwidth(cfg)
-    for part in (gqa_rows, mla_rows, int4_rows, moe_rows):
+    # The matmuls first: few rows, so a tight budget cannot skip the INT4 goal.
+    for part in (int4_rows, moe_rows, gqa_rows, mla_rows):
         key, sub = jax.random.split(key)
         part(bench, sub)
         print(f"{part.__name__} done after {time.perf_counter() - start:.0f} s", flush=True)

@@ -52,3 +52,32 @@ def test_gpu_benchmark_reports_a_failing_or_late_row_and_goes_on():
     assert all("not measured" in line for line in goals), goals
     table = gk.markdown(bench.rows, 1e9, goals, "cpu", on_gpu=False)
     assert "| FAILED: RuntimeError: Triton compile error: out of resource |" in table
+
+
+def test_gpu_benchmark_loop_has_a_known_trip_count():
+    """A traced trip count makes XLA's GPU while loop sync with the host on every
+    iteration; the benchmark's loop must compile with its count known."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+
+    x = jnp.ones((4, 8), jnp.float32)
+    loop = gk._dependent_calls(lambda x, w: x @ w, reps=37)
+    hlo = jax.jit(loop).lower(x, x.T).compile().as_text()
+    assert '"known_trip_count":{"n":"37"}' in hlo
+
+
+def test_gpu_benchmark_uses_net_times_and_flags_unresolved_rows():
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+
+    shape = "M=1 K=4 N=4 g=32"
+    ours = gk.Row("INT4 matmul", shape, "pallas", 5e-6, 8000, 0.0, harness_seconds=3e-6)
+    dot = gk.Row("INT4 matmul", shape, "bf16 jnp.dot", 11e-6, 32000, harness_seconds=3e-6)
+    assert abs(ours.gb_per_s - 4.0) < 1e-9  # 8000 B in 5 - 3 us
+    assert "4.00x at M=1 (met)" in gk.goal_lines([ours, dot], 1e12, "pallas")[2]  # (11-3) / (5-3)
+    lost = gk.Row("INT4 matmul", shape, "pallas", 2e-6, 8000, 0.0, harness_seconds=3e-6)
+    assert "not measured" in gk.goal_lines([lost, dot], 1e12, "pallas")[2]
+    assert "| 2.0 | 3.0 | - | - | - |" in gk.markdown([lost], 1e12, [], "cpu", on_gpu=False)
