@@ -39,12 +39,13 @@ class Engine:
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
-                 prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None):
+                 prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
+                 min_attended_tokens: int = 256):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
-        if page_size <= 0 or max_batch <= 0 or prefill_chunk <= 0:
-            raise ValueError("page_size, max_batch and prefill_chunk must be positive")
+        if page_size <= 0 or max_batch <= 0 or prefill_chunk <= 0 or min_attended_tokens <= 0:
+            raise ValueError("page_size, max_batch, prefill_chunk and min_attended_tokens must be positive")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
         if decode_model is not None and decode_model.config != cfg:
@@ -58,7 +59,9 @@ class Engine:
         if num_pages <= 0:
             raise ValueError(f"the KV budget holds no page ({self.bytes_per_token * page_size} bytes per page)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
-        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
+        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.max_pages_per_seq = math.ceil(self.max_seq_len / page_size)
         k_scale, v_scale = jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)
         if cfg.attention_kind == "mla" and (k_scale.ndim or v_scale.ndim):
@@ -82,7 +85,7 @@ class Engine:
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity))
+            self.attention_backend, integrity, min_attended_tokens))
         self._next_rid = 0
 
     # ---- public ---------------------------------------------------------------------------------

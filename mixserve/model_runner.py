@@ -7,6 +7,12 @@ decode when it is on:
   strict  the same check raised as an error through jax.experimental.checkify
 The model reaches the pools only through PagedKV (mixserve/kv_cache.py), which also picks the
 attention kernels (attention_backend).
+
+A step sees only the first `attended_pages` columns of the page table: enough for its longest row,
+rounded up to a power of two. The XLA attention gathers and masks every column it is given, so
+with the whole table (max_seq_len / page_size columns: 8192 for Kimi's 131072 positions at page 16)
+a short request would pay for the longest one possible; the powers of two keep the compiled shapes
+to a handful.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class RunnerConfig:
     v_scale: jax.Array
     attention_backend: str
     integrity: str
+    min_attended_tokens: int  # the smallest attended width, in tokens (see attended_pages)
 
 
 class ModelRunner:
@@ -55,7 +62,8 @@ class ModelRunner:
             chunk[req.slot, :n] = tokens[req.cached : req.cached + n]
             start[req.slot], count[req.slot] = req.cached, n
             self.pools, next_tok = self._forward_fn(
-                self.model.params, self.pools, _step_inputs(table, start, count), jnp.asarray(chunk), *self._sampling([req]))
+                self.model.params, self.pools, _step_inputs(table, start, count), jnp.asarray(chunk),
+                *self._sampling([req]), width=self._width(table, start + count))
             req.cached += n
             chunks += 1
         return int(next_tok[req.slot]), chunks
@@ -68,11 +76,12 @@ class ModelRunner:
             tokens[r.slot, 0], start[r.slot], count[r.slot] = r.tokens[-1], len(r.tokens) - 1, 1
         args = (self.decode_model.params, self.pools, table, _step_inputs(table, start, count), jnp.asarray(tokens),
                 jnp.asarray(count > 0), *self._sampling(live))
+        width = self._width(table, start + count)
         if self.cfg.integrity == "strict":
-            err, (self.pools, next_tok, ok) = self._decode_fn(*args)
+            err, (self.pools, next_tok, ok) = self._decode_fn(*args, width=width)
             err.throw()
         else:
-            self.pools, next_tok, ok = self._decode_fn(*args)
+            self.pools, next_tok, ok = self._decode_fn(*args, width=width)
         return np.asarray(next_tok), np.asarray(ok)
 
     def _sampling(self, reqs: list[Request]):
@@ -87,28 +96,33 @@ class ModelRunner:
             key_ints[r.slot] = (r.seed % 2**32, r.index, len(r.out))
         return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
 
-    # ---- jitted functions -------------------------------------------------------------------------
-    def _paged_kv(self, pools, step):
+    def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
         c = self.cfg
+        return attended_pages(int(np.max(end_B)), c.page_size, table.max_pages_per_seq, c.min_attended_tokens)
+
+    # ---- jitted functions -------------------------------------------------------------------------
+    def _paged_kv(self, pools, step, width: int):
+        c = self.cfg
+        step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
         return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend)
 
     @functools.cached_property
     def _forward_fn(self):
         module = self.model.module
 
-        def forward(params, pools, step, tokens, temp, top_p, keys):
-            kv = self._paged_kv(pools, step)
+        def forward(params, pools, step, tokens, temp, top_p, keys, *, width):
+            kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens, step.start_B[:, None] + jnp.arange(tokens.shape[1]), kv,
                                   logits_at=jnp.maximum(step.count_B - 1, 0))
             return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
 
-        return jax.jit(forward, donate_argnums=1)
+        return jax.jit(forward, donate_argnums=1, static_argnames="width")
 
     @functools.cached_property
     def _decode_fn(self):
         module, integrity = self.decode_model.module, self.cfg.integrity
 
-        def decode(params, pools, table, step, tokens, active, temp, top_p, keys):
+        def decode(params, pools, table, step, tokens, active, temp, top_p, keys, *, width):
             if integrity == "off":  # no check traced at all
                 ok = active | True
             else:
@@ -120,11 +134,12 @@ class ModelRunner:
                 # A failing row neither writes nor reads: its mapping may point into another
                 # request's pages, and this step's KV write would corrupt them.
                 step = dataclasses.replace(step, count_B=jnp.where(ok, step.count_B, 0))
-            kv = self._paged_kv(pools, step)
+            kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv)[:, 0]
             return kv.new_pools, sample(logits, temp, top_p, keys), ok
 
-        return jax.jit(checkify.checkify(decode) if integrity == "strict" else decode, donate_argnums=1)
+        step_fn = checkify.checkify(decode) if integrity == "strict" else decode
+        return jax.jit(step_fn, donate_argnums=1, static_argnames="width")
 
     def lowered_decode_text(self, table: pt.PageTable) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
@@ -132,7 +147,14 @@ class ModelRunner:
         z = jnp.zeros(B, jnp.int32)
         args = (self.decode_model.params, self.pools, table, _step_inputs(table, z, z), jnp.zeros((B, 1), jnp.int32),
                 jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
-        return self._decode_fn.lower(*args).as_text(debug_info=True)
+        return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
+
+
+def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int) -> int:
+    """Page-table columns a step attends over when its longest row ends at `tokens` tokens: a
+    power of two of pages covering max(tokens, min_tokens), at most the whole table."""
+    needed = -(-max(tokens, min_tokens) // page_size)
+    return min(1 << (needed - 1).bit_length(), max_pages)
 
 
 def _step_inputs(table: pt.PageTable, start, count) -> StepInputs:
