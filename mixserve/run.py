@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-memory", default="4MiB", help="KV pool budget, e.g. 4MiB, 1GiB, or bytes")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt")
+    p.add_argument("--max-seq-len", type=int, help="context limit per request, prompt + generated tokens "
+                   "(SGLang's --context-length, vLLM's --max-model-len); default and maximum: the model's "
+                   "max_position_embeddings. Longer requests are rejected, each with its reason")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=int, default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
     budget = parse_memory(args.kv_memory)
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
     engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
-                    max_batch=args.concurrency, integrity=args.integrity, attention_backend=backend,
+                    max_batch=args.concurrency, integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                     decode_model=None if args.decode_weights == args.prefill_weights else decode_model)
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model))}
     if args.decode_weights != args.prefill_weights:
@@ -116,6 +119,7 @@ def main(argv=None) -> dict:
         "weight_sets": weight_sets,
         "kv_bytes_per_token": engine.bytes_per_token,
         "pool_tokens": engine.capacity_tokens,
+        "max_seq_len": engine.max_seq_len,
         "pool_tokens_at_same_memory": capacity,
         "prefill_tok_per_s": c.prefill_tokens / c.prefill_s if c.prefill_s else None,
         "decode_tok_per_s": c.decode_tokens / c.decode_s if c.decode_s else None,

@@ -31,7 +31,8 @@ def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
 def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
-                 "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend"):
+                 "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
+                 "--max-seq-len"):
         assert flag in out
 
 
@@ -45,3 +46,13 @@ def test_backend_flag_reaches_the_kernels(capsys):
     capsys.readouterr()
     assert kernels["backend"] == "interpret" and auto["backend"] == "xla"
     assert [r["tokens"] for r in kernels["requests"]] == [r["tokens"] for r in auto["requests"]]
+
+
+def test_max_seq_len_rejects_only_the_request_that_exceeds_it(capsys):
+    report = run.main(["--json", "--max-seq-len", "12", "--max-new-tokens", "4", "--prompt", "12345678",
+                       "--prompt", "123456789"])
+    capsys.readouterr()
+    assert report["max_seq_len"] == 12
+    ok, rejected = report["requests"]
+    assert ok["status"] == "ok" and len(ok["tokens"]) == 4
+    assert rejected["status"] == "rejected" and "13 exceeds the context limit 12" in rejected["reason"]
