@@ -1,6 +1,6 @@
-"""Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill and the
-batched decode step, each jitted over a fixed max_batch, with the integrity check traced into
-decode when it is on:
+"""Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of one
+request (one row: the other slots' rows would be padding) and the batched decode step over a fixed
+max_batch, with the integrity check traced into decode when it is on:
   off     no check is traced into the step at all
   check   a batched verify() of the page table before the step touches the pages; a failing row
           writes and reads nothing this step, and the engine aborts its request with the reason
@@ -54,19 +54,19 @@ class ModelRunner:
         """Cache every token of req not yet in its pages, one chunk at a time, and sample its next
         token from the last position (so prefill's weights choose it, as in disaggregated
         serving). Returns (token, chunks run)."""
-        tokens, B, C = req.tokens, self.cfg.max_batch, self.cfg.prefill_chunk
+        tokens, C = req.tokens, self.cfg.prefill_chunk
         chunks = 0
         while req.cached < len(tokens):
             n = min(C, len(tokens) - req.cached)
-            chunk, start, count = np.zeros((B, C), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-            chunk[req.slot, :n] = tokens[req.cached : req.cached + n]
-            start[req.slot], count[req.slot] = req.cached, n
-            self.pools, next_tok = self._forward_fn(
-                self.model.params, self.pools, _step_inputs(table, start, count), jnp.asarray(chunk),
-                *self._sampling([req]), width=self._width(table, start + count))
+            chunk = np.zeros((1, C), np.int32)
+            chunk[0, :n] = tokens[req.cached : req.cached + n]
+            start, count = np.array([req.cached], np.int32), np.array([n], np.int32)
+            self.pools, next_tok = self._prefill_fn(
+                self.model.params, self.pools, table.pages_BN, np.int32(req.slot), start, count, jnp.asarray(chunk),
+                *self._sampling([req], [0], 1), width=self._width(table, start + count))
             req.cached += n
             chunks += 1
-        return int(next_tok[req.slot]), chunks
+        return int(next_tok[0]), chunks
 
     def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
         """One step for every live request (one token each) -> (next token, integrity ok) per slot."""
@@ -75,7 +75,7 @@ class ModelRunner:
         for r in live:
             tokens[r.slot, 0], start[r.slot], count[r.slot] = r.tokens[-1], len(r.tokens) - 1, 1
         args = (self.decode_model.params, self.pools, table, _step_inputs(table, start, count), jnp.asarray(tokens),
-                jnp.asarray(count > 0), *self._sampling(live))
+                jnp.asarray(count > 0), *self._sampling(live, [r.slot for r in live], B))
         width = self._width(table, start + count)
         if self.cfg.integrity == "strict":
             err, (self.pools, next_tok, ok) = self._decode_fn(*args, width=width)
@@ -84,16 +84,16 @@ class ModelRunner:
             self.pools, next_tok, ok = self._decode_fn(*args, width=width)
         return np.asarray(next_tok), np.asarray(ok)
 
-    def _sampling(self, reqs: list[Request]):
-        """Per-slot temperature, top-p and the three integers the sampling key is derived from in
+    @staticmethod
+    def _sampling(reqs: list[Request], rows: list[int], batch: int):
+        """Per-row temperature, top-p and the three integers the sampling key is derived from in
         the step (seed, position of the request in its generate call, token index): the same call
         gives the same tokens on any engine, and a preempted, recomputed request samples what it
-        would have."""
-        B = self.cfg.max_batch
-        temp, top_p, key_ints = np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros((B, 3), np.uint32)
-        for r in reqs:
-            temp[r.slot], top_p[r.slot] = r.temperature, r.top_p
-            key_ints[r.slot] = (r.seed % 2**32, r.index, len(r.out))
+        would have. reqs[i] goes to row rows[i] of `batch` rows."""
+        temp, top_p, key_ints = np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros((batch, 3), np.uint32)
+        for r, row in zip(reqs, rows):
+            temp[row], top_p[row] = r.temperature, r.top_p
+            key_ints[row] = (r.seed % 2**32, r.index, len(r.out))
         return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
@@ -107,16 +107,18 @@ class ModelRunner:
         return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend)
 
     @functools.cached_property
-    def _forward_fn(self):
+    def _prefill_fn(self):
         module = self.model.module
 
-        def forward(params, pools, step, tokens, temp, top_p, keys, *, width):
+        def prefill(params, pools, pages_BN, slot, start_1, count_1, tokens_1C, temp, top_p, keys, *, width):
+            # One row: the request's own page-table row (other slots would only add padding rows).
+            step = StepInputs(jax.lax.dynamic_slice_in_dim(pages_BN, slot, 1), start_1, count_1)
             kv = self._paged_kv(pools, step, width)
-            logits = module.apply({"params": params}, tokens, step.start_B[:, None] + jnp.arange(tokens.shape[1]), kv,
-                                  logits_at=jnp.maximum(step.count_B - 1, 0))
+            positions_1C = start_1[:, None] + jnp.arange(tokens_1C.shape[1])
+            logits = module.apply({"params": params}, tokens_1C, positions_1C, kv, logits_at=jnp.maximum(count_1 - 1, 0))
             return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
 
-        return jax.jit(forward, donate_argnums=1, static_argnames="width")
+        return jax.jit(prefill, donate_argnums=1, static_argnames="width")
 
     @functools.cached_property
     def _decode_fn(self):
