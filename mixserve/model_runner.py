@@ -115,7 +115,9 @@ class ModelRunner:
             step = StepInputs(jax.lax.dynamic_slice_in_dim(pages_BN, slot, 1), start_1, count_1)
             kv = self._paged_kv(pools, step, width)
             positions_1C = start_1[:, None] + jnp.arange(tokens_1C.shape[1])
-            logits = module.apply({"params": params}, tokens_1C, positions_1C, kv, logits_at=jnp.maximum(count_1 - 1, 0))
+            valid_1C = jnp.arange(tokens_1C.shape[1])[None, :] < count_1[:, None]
+            logits = module.apply({"params": params}, tokens_1C, positions_1C, kv, logits_at=jnp.maximum(count_1 - 1, 0),
+                                  valid_BT=valid_1C)
             return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
 
         return jax.jit(prefill, donate_argnums=1, static_argnames="width")
@@ -137,7 +139,8 @@ class ModelRunner:
                 # request's pages, and this step's KV write would corrupt them.
                 step = dataclasses.replace(step, count_B=jnp.where(ok, step.count_B, 0))
             kv = self._paged_kv(pools, step, width)
-            logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv)[:, 0]
+            logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv,
+                                  valid_BT=step.count_B[:, None] > 0)[:, 0]
             return kv.new_pools, sample(logits, temp, top_p, keys), ok
 
         step_fn = checkify.checkify(decode) if integrity == "strict" else decode

@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
     backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTD, cos, sin, kv, index_mask=None):
+    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None):
         cfg = self.cfg
         common = dict(dtype=self.dtype, backend=self.backend)
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="input_layernorm")(x_BTD)
@@ -42,10 +42,10 @@ class DecoderLayer(nn.Module):
         x_BTD = x_BTD + attn
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="post_attention_layernorm")(x_BTD)
         if cfg.is_moe_layer(self.layer):
-            mlp = MoE(cfg, self.plan.experts, self.plan.linear, name="mlp", **common)
+            mlp_out = MoE(cfg, self.plan.experts, self.plan.linear, name="mlp", **common)(h, valid_BT)
         else:
-            mlp = GatedMLP(cfg.intermediate_size, self.plan.linear, name="mlp", **common)
-        return x_BTD + mlp(h), index_mask
+            mlp_out = GatedMLP(cfg.intermediate_size, self.plan.linear, name="mlp", **common)(h)
+        return x_BTD + mlp_out, index_mask
 
 
 class Transformer(nn.Module):
@@ -54,6 +54,8 @@ class Transformer(nn.Module):
     `kv` decides how attention sees the past: NoCache() for a plain causal forward, or a paged
     pool (mixserve.kv_cache) in the engine. `logits_at` (optional int [B]) keeps one position per
     row, so decode and chunked prefill do not pay for the full vocabulary projection of every token.
+    `valid_BT` (optional bool) marks the real tokens of a padded batch: padding tokens take no
+    routed expert, so they cannot make a MoE layer read the weights of experts no real token chose.
     """
 
     cfg: ModelConfig
@@ -62,7 +64,7 @@ class Transformer(nn.Module):
     backend: str = "xla"
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None):
+    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None):
         cfg = self.cfg
         kv = NoCache() if kv is None else kv
         if positions_BT is None:
@@ -77,7 +79,7 @@ class Transformer(nn.Module):
         index_mask = None
         for i in range(cfg.num_layers):
             layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, name=f"layers_{i}")
-            x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask)
+            x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
