@@ -39,8 +39,9 @@ def expert_groups(experts_TK: jax.Array, valid_T: jax.Array | None, num_experts:
     """(order, group_sizes_E): the T*K (token, choice) rows sorted by expert, and rows per expert.
 
     A padding token (valid_T False: an idle batch slot, the tail of a prefill chunk) joins no
-    group: its rows sort after every real row, where the grouped matmuls return zeros, so no
-    expert's weights are read for padding alone. Measured on tiny-kimi widened to 64 experts,
+    group: its rows sort after every real row, where the grouped matmuls return zeros. The INT4
+    grouped kernel streams only experts with rows, so it reads no weights for padding alone (the
+    XLA paths dequantize every expert whatever the routing). Measured on tiny-kimi widened to 64 experts,
     top-8: one live request among 8 decode slots had 8 active experts per layer, 14-16 with the
     idle slots routed (they share one input, token 0 at position 0); a 64-token prefill chunk
     holding 1 real token, 8 against 13-17.

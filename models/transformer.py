@@ -55,7 +55,7 @@ class Transformer(nn.Module):
     pool (mixserve.kv_cache) in the engine. `logits_at` (optional int [B]) keeps one position per
     row, so decode and chunked prefill do not pay for the full vocabulary projection of every token.
     `valid_BT` (optional bool) marks the real tokens of a padded batch: padding tokens take no
-    routed expert, so they cannot make a MoE layer read the weights of experts no real token chose.
+    routed expert, so they cannot make the INT4 MoE kernel read experts no real token chose.
     """
 
     cfg: ModelConfig

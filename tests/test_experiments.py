@@ -68,6 +68,12 @@ def test_gpu_benchmark_loop_has_a_known_trip_count():
     loop = gk._dependent_calls(lambda x, w: x @ w, reps=37)
     hlo = jax.jit(loop).lower(x, x.T).compile().as_text()
     assert '"known_trip_count":{"n":"37"}' in hlo
+    # The harness keeps its work in the loop: one reduction over the input, one over an
+    # output-sized buffer (XLA folds nothing away: x * 0 is not 0 for floats).
+    harness = gk._dependent_calls(gk._harness_only, reps=37)
+    hlo = jax.jit(harness).lower(x, x.T, jnp.ones((4, 4), jnp.float32)).compile().as_text()
+    assert '"known_trip_count":{"n":"37"}' in hlo
+    assert hlo.count("while/body/closed_call/reduce_sum") >= 2
 
 
 def test_gpu_benchmark_uses_net_times_and_flags_unresolved_rows():
