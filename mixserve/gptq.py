@@ -201,7 +201,7 @@ def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path
         if isinstance(mod, (Linear, LatentUpProjection)):
             add((*mod.path, "kernel"), _xtx(args[0]), jnp.float32(np.prod(args[0].shape[:-1])))
         elif isinstance(mod, RoutedExperts):
-            x_TD, _, experts_TK = args
+            x_TD, _, experts_TK, *_ = args  # calibration batches hold no padding (valid_T is None)
             for proj, (xtx, count) in _expert_grams(mod, x_TD, experts_TK).items():
                 add((*mod.path, proj), xtx, count)
         return out
