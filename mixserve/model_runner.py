@@ -62,7 +62,7 @@ class ModelRunner:
             chunk[0, :n] = tokens[req.cached : req.cached + n]
             start, count = np.array([req.cached], np.int32), np.array([n], np.int32)
             self.pools, next_tok = self._prefill_fn(
-                self.model.params, self.pools, table.pages_BN, np.int32(req.slot), start, count, jnp.asarray(chunk),
+                self.model.params, self.pools, table.pages_BN, np.int32(req.slot), start, count, chunk,
                 *self._sampling([req], [0], 1), width=self._width(table, start + count))
             req.cached += n
             chunks += 1

@@ -41,12 +41,12 @@ def expert_groups(experts_TK: jax.Array, valid_T: jax.Array | None, num_experts:
     A padding token (valid_T False: an idle batch slot, the tail of a prefill chunk) joins no
     group: its rows sort after every real row, where the grouped matmuls return zeros. The INT4
     grouped kernel streams only experts with rows, so it reads no weights for padding alone (the
-    XLA paths dequantize every expert whatever the routing). Measured on tiny-kimi widened to 64 experts,
-    top-8: one live request among 8 decode slots had 8 active experts per layer, 14-16 with the
-    idle slots routed (they share one input, token 0 at position 0); a 64-token prefill chunk
-    holding 1 real token, 8 against 13-17.
+    XLA paths dequantize every expert whatever the routing). Measured on tiny-kimi widened to 64
+    experts, top-8: one live request among 8 decode slots had 8 active experts per layer, 14-16
+    with the idle slots routed (they share one input, token 0 at position 0); a 64-token prefill
+    chunk holding 1 real token, 8 against 13-17.
     """
-    num_tokens, k = experts_TK.shape
+    k = experts_TK.shape[1]
     flat_experts = experts_TK.reshape(-1)
     if valid_T is not None:
         flat_experts = jnp.where(jnp.repeat(valid_T, k), flat_experts, num_experts)  # bincount drops it
