@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
 from pallas_kernels import (  # noqa: E402
-    int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
 
 try:
@@ -134,13 +134,13 @@ def test_cases() -> list[Case]:
             b, pages = len(lengths), spec((kvh, 64, s, d), kv_dtype)
             out.append(Case("GQA", f"K={kvh} G={g} D={d} S={s} {kv_dtype.__name__}",
                             functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
-                                              backend="pallas", num_splits=3),
+                                              backend="pallas", tuning=AttentionTuning(num_splits=3)),
                             (spec((b, kvh * g, d), q_dtype), pages, pages, spec((b, n), jnp.int32), spec((b,), jnp.int32))))
         for h, c, rank, s, n, lengths in ta.MLA_SHAPES:
             b = len(lengths)
             out.append(Case("MLA", f"H={h} C={c} L={rank} S={s} {kv_dtype.__name__}",
                             functools.partial(paged_attention_mla, kv_lora_rank=rank, scale=1.0, softmax_scale=0.1,
-                                              backend="pallas", num_splits=2),
+                                              backend="pallas", tuning=AttentionTuning(num_splits=2)),
                             (spec((b, h, c), q_dtype), spec((64, s, c), kv_dtype), spec((b, n), jnp.int32),
                              spec((b,), jnp.int32))))
     return out

@@ -35,16 +35,19 @@ Tensor names end in their axes, one capital letter per axis:
 """
 
 from pallas_kernels.backend import BACKENDS, Backend, resolve_backend
+from pallas_kernels.flash_decoding import AttentionTuning
 from pallas_kernels.int4_matmul import (
-    dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
+    Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
     unpack_int4)
 from pallas_kernels.moe_int4_matmul import moe_int4_matmul
 from pallas_kernels.paged_attention_gqa import paged_attention_gqa
 from pallas_kernels.paged_attention_mla import paged_attention_mla, sparse_paged_attention_mla
 
 __all__ = [
+    "AttentionTuning",
     "BACKENDS",
     "Backend",
+    "Int4Tuning",
     "dequantize_int4",
     "from_compressed_tensors",
     "int4_matmul",

@@ -12,6 +12,7 @@ elementwise math and reductions.
 """
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -22,31 +23,49 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import mma
 
-# Tokens per inner step (unless a page is larger): every dot then has a token
-# dim >= 16 (the smallest Triton MMA tile) even at page size 8, and it is the
-# block FlashMLA uses. Untuned: see experiments/gpu_kernels.py.
-_BLOCK_TOKENS = 64
 # Two waves of programs over the 132 SMs of an H100/H200.
 _TARGET_PROGRAMS = 2 * 132
 # A split streams at least this many times the bytes of the partial it writes.
 _PARTIAL_SHARE = 8
 
 
-def compiler_params(num_warps: int, dot_dtype) -> plgpu.CompilerParams:
-    """Triton launch parameters (ignored by the interpreter), chosen from sm_90a
-    compiles without a GPU (experiments/results/sm90_compile*.md).
+@dataclasses.dataclass(frozen=True)
+class AttentionTuning:
+    """Launch choices of the paged attention kernels; the result does not depend
+    on them (tests/test_kernels_attention.py). Defaults: see experiments/gpu_kernels.py
+    --sweep for how they were measured.
 
-    bf16 operands: 2 stages overlap the next page gather with the math. GQA fits
+    block_tokens: tokens per inner step (unless a page is larger); >= 16 keeps
+      every dot at least one MMA tile even at page size 8.
+    num_splits: split-K programs per request (None: fill the GPU, plan_splits).
+    num_warps: None takes the kernel's own default (GQA 4, MLA 8).
+    num_stages: software-pipelining depth of the page gathers.
+    mask_every_block: apply the length mask to every block, not only the
+      blocks that can hold tokens past the length (kept to A/B the cost).
+    """
+
+    block_tokens: int = 64
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    mask_every_block: bool = False
+
+
+def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> plgpu.CompilerParams:
+    """Triton launch parameters (ignored by the interpreter).
+
+    Defaults from sm_90a compiles without a GPU (experiments/results/sm90_compile*.md):
+    bf16 operands, 2 stages overlap the next page gather with the math. GQA fits
     4 warps in ~128 registers; MLA's [16, 512] f32 accumulator and [64, 576]
     latent block spill at 4 warps (255 registers, up to 2 KB/thread) and fit
     at 8 (~170-210), so it asks for 8. float32 operands (exactness tests, not a
     serving format) double every block: MLA's two stages would need 312 KiB of
-    shared memory (the launch fails above 227 KiB), one stage at 8 warps needs
-    168 KiB.
+    shared memory (the launch fails above 227 KiB), so f32 always runs one
+    stage at 8 warps (168 KiB).
     """
     if jnp.dtype(dot_dtype) == jnp.float32:
         return plgpu.CompilerParams(num_warps=8, num_stages=1)
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    return plgpu.CompilerParams(num_warps=tuning.num_warps or default_warps, num_stages=tuning.num_stages)
 
 
 KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -66,20 +85,22 @@ class SplitPlan:
 
 
 def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
-                kv_bytes_per_token: int, partial_bytes: int, num_splits: int | None = None) -> SplitPlan:
+                kv_bytes_per_token: int, partial_bytes: int,
+                tuning: AttentionTuning = AttentionTuning()) -> SplitPlan:
     """Picks the split so that parallel_programs * num_splits fills the GPU.
 
     Each split also writes a partial of partial_bytes (read again by the
     combine), so a split must stream at least _PARTIAL_SHARE times that much
     KV cache, or small batches would spend their bandwidth on partials.
-    An explicit num_splits (tuning, tests) overrides the heuristic.
+    An explicit tuning.num_splits (tuning, tests) overrides the heuristic.
     """
     # Not capped by num_slots: a short table is padded instead, keeping the
     # token block >= 16 for the MMA.
-    pages_per_block = max(1, _BLOCK_TOKENS // page_size)
+    pages_per_block = max(1, tuning.block_tokens // page_size)
     num_blocks = -(-num_slots // pages_per_block)
     block_bytes = pages_per_block * page_size * kv_bytes_per_token
     min_blocks_per_split = -(-_PARTIAL_SHARE * partial_bytes // block_bytes)
+    num_splits = tuning.num_splits
     if num_splits is None:
         wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
         num_splits = min(wanted, num_blocks // min_blocks_per_split)
@@ -137,21 +158,23 @@ def empty_partial(rows: int, value_dim: int) -> SoftmaxPartial:
 
 
 def online_softmax_step(
-    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array
+    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array | None, values_TV: jax.Array
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
-    Invalid tokens (past the request's length) get probability exactly 0 and
+    valid_T None: every token of the block is below the length. Otherwise
+    invalid tokens (past the request's length) get probability exactly 0 and
     their values are zeroed too: a stale cache slot may hold NaN/Inf bit
     patterns (fp8 e4m3fn has a NaN encoding), and 0 * NaN would poison acc.
     values_TV is in the dot operand dtype; the probabilities are rounded to it
     for the tensor-core dot (as FlashAttention does) but summed in f32.
     """
-    logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+    if valid_T is not None:
+        logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+        values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
     max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
     rescale_R = jnp.exp(state.max_R - max_R)
     p_RT = jnp.exp(logits_RT - max_R[:, None])
-    values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
     acc_RV = state.acc_RV * rescale_R[:, None] + mma.dot_nn(p_RT.astype(values_TV.dtype), values_TV)
     sum_R = state.sum_R * rescale_R + jnp.sum(p_RT, axis=1)
     return SoftmaxPartial(acc_RV, max_R, sum_R)
@@ -159,28 +182,35 @@ def online_softmax_step(
 
 def attend_split(
     slots_ref, length: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
-    rows: int, value_dim: int, logits_and_values: Callable,
+    rows: int, value_dim: int, logits_and_values: Callable, *, mask_every_block: bool = False,
 ) -> SoftmaxPartial:
     """Online softmax over the token blocks of one split of one request.
 
     slots_ref holds this split's page ids; logits_and_values(pages) gathers
     those pages and returns (logits [R, T] f32, values [T, V]). The loop stops
     at the request's last page, so blocks past the length cost no HBM traffic.
+    Blocks wholly below the length skip the mask (a select per value element,
+    which for FP8 pages is as much ALU work as the dequantization); only the
+    split's last block or so is masked, in a second loop.
     """
     first_slot = split * plan.pages_per_split
+    first_token = first_slot * page_size
     used_slots = (length + page_size - 1) // page_size - first_slot
     num_blocks = jnp.clip(
         (used_slots + plan.pages_per_block - 1) // plan.pages_per_block, 0, plan.blocks_per_split)
     block_tokens = plan.pages_per_block * page_size
+    full_blocks = 0 if mask_every_block else jnp.clip((length - first_token) // block_tokens, 0, num_blocks)
 
-    def body(block, state):
+    def body(block, state, *, masked: bool):
         pages = slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
         logits_RT, values_TV = logits_and_values(pages)
-        first_token = (first_slot + block * plan.pages_per_block) * page_size
-        valid_T = first_token + jnp.arange(block_tokens) < length
+        valid_T = first_token + block * block_tokens + jnp.arange(block_tokens) < length if masked else None
         return online_softmax_step(state, logits_RT, valid_T, values_TV)
 
-    return lax.fori_loop(0, num_blocks, body, empty_partial(rows, value_dim))
+    state = empty_partial(rows, value_dim)
+    if not mask_every_block:
+        state = lax.fori_loop(0, full_blocks, functools.partial(body, masked=False), state)
+    return lax.fori_loop(full_blocks, num_blocks, functools.partial(body, masked=True), state)
 
 
 def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref) -> None:

@@ -47,18 +47,36 @@ from pallas_kernels.backend import resolve_backend
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
 _BLOCK_M_CAP = 64
-_BLOCK_N_CAP = 128
-_BLOCK_K_CAP = 256
-_TARGET_PROGRAMS = 2 * 132  # two waves over the SMs of an H100/H200
 
 
-def _compiler_params(block_m: int) -> plgpu.CompilerParams:
-    """Triton launch parameters (ignored by the interpreter), from sm_90a
+@dataclasses.dataclass(frozen=True)
+class Int4Tuning:
+    """Launch choices of the INT4 kernels; the result does not depend on them
+    (tests/test_kernels_int4.py). Measured: experiments/gpu_kernels.py --sweep.
+
+    block_n / block_k: output columns per program / input features per inner
+      step (capped by powers of two dividing N and K).
+    num_warps: None takes 8 for tiles of >= 32 rows, else 4 (see _compiler_params).
+    num_stages: weight blocks in flight.
+    target_programs: split-K grows until the grid has about this many programs
+      (2 waves over the 132 SMs of an H100/H200).
+    """
+
+    block_n: int = 128
+    block_k: int = 256
+    num_warps: int | None = None
+    num_stages: int = 3
+    target_programs: int = 2 * 132
+
+
+def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
+    """Triton launch parameters (ignored by the interpreter). Defaults from sm_90a
     compiles without a GPU (experiments/results/sm90_compile.md): 3 stages keep
     three weight blocks in flight; 32- and 64-row tiles (accumulator plus eight
     unpacked planes) spill at 4 warps (255 registers, 80 B-1 KB/thread) and fit at 8
     (~160), while 16-row tiles fit 4 warps in ~195 with two blocks per SM."""
-    return plgpu.CompilerParams(num_warps=8 if block_m >= 32 else 4, num_stages=3)
+    warps = tuning.num_warps or (8 if block_m >= 32 else 4)
+    return plgpu.CompilerParams(num_warps=warps, num_stages=tuning.num_stages)
 
 
 def pack_int4(values_KN: jax.Array) -> jax.Array:
@@ -120,8 +138,12 @@ def check_int4_operands(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Ar
 
 
 def int4_matmul(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, *,
-                group_size: int, backend: str | None = None) -> jax.Array:
-    """y = x @ dequantize(packed, scales), f32 accumulation, returned in x's dtype."""
+                group_size: int, backend: str | None = None,
+                tuning: Int4Tuning = Int4Tuning()) -> jax.Array:
+    """y = x @ dequantize(packed, scales), f32 accumulation, returned in x's dtype.
+
+    tuning: the kernel's launch choices (tiles, warps, split-K); not the result.
+    """
     backend = resolve_backend(backend)
     if packed_QN.ndim != 2:
         raise ValueError(f"packed weights must be [K/8, N], got {packed_QN.shape}")
@@ -129,7 +151,7 @@ def int4_matmul(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, *,
     if backend == "xla":
         return _reference(x_MK, packed_QN, scales_GN, group_size=group_size)
     return _dense_kernel(x_MK, packed_QN, scales_GN, group_size=group_size,
-                         interpret=backend == "interpret")
+                         interpret=backend == "interpret", tuning=tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
@@ -139,8 +161,8 @@ def _reference(x_MK, packed_QN, scales_GN, *, group_size: int):
     return y_MN.astype(x_MK.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "interpret"))
-def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))
+def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: bool, tuning: Int4Tuning):
     m = x_MK.shape[0]
     if m == 0:
         return jnp.zeros((0, packed_QN.shape[-1]), x_MK.dtype)
@@ -149,7 +171,7 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
     # Padding rows of x are zero, so their output rows are zero and a tile
     # may store only the first next_pow2(m) rows (see _int4_kernel).
     out_rows = min(block_m, pl.next_power_of_2(m))
-    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles)
+    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles, tuning)
     starts_W = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     schedule = TileSchedule(
         expert_W=jnp.zeros((num_tiles,), jnp.int32),
@@ -169,6 +191,7 @@ class Int4Tiling:
     block_n: int  # output columns per program
     block_k: int  # input features per inner step (block_k / 8 packed rows)
     num_splits: int  # split-K programs per (tile, column block)
+    tuning: Int4Tuning  # for the launch parameters
 
     def blocks_per_split(self, k: int) -> int:
         return k // self.block_k // self.num_splits
@@ -191,15 +214,16 @@ def tile_rows(rows: int) -> int:
     return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
 
 
-def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int) -> Int4Tiling:
-    """Block sizes, and split-K wide enough to give the GPU ~2 waves of programs."""
-    block_n = mma.pow2_divisor(n, _BLOCK_N_CAP)
-    block_k = mma.pow2_divisor(k, _BLOCK_K_CAP)
+def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int,
+                tuning: Int4Tuning) -> Int4Tiling:
+    """Block sizes, and split-K wide enough for ~tuning.target_programs programs."""
+    block_n = mma.pow2_divisor(n, tuning.block_n)
+    block_k = mma.pow2_divisor(k, tuning.block_k)
     programs = num_tiles * (n // block_n)
     k_blocks = k // block_k
-    wanted = -(-_TARGET_PROGRAMS // programs)
+    wanted = -(-tuning.target_programs // programs)
     num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
-    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits)
+    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
 
 
 def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
@@ -269,7 +293,7 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
         ],
         out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
         out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), jnp.float32),
-        compiler_params=_compiler_params(tiling.block_m),
+        compiler_params=_compiler_params(tiling.block_m, tiling.tuning),
         interpret=interpret,
         name="int4_matmul",
     )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_planes_8MQ, packed_EQN, scales_EGN)

@@ -24,16 +24,16 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.int4_matmul import (
-    TileSchedule, check_int4_operands, dequantize_int4, int4_tiles, plan_tiling, tile_rows)
+    Int4Tuning, TileSchedule, check_int4_operands, dequantize_int4, int4_tiles, plan_tiling, tile_rows)
 
 
 def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
                     group_sizes_E: jax.Array, *, group_size: int,
-                    backend: str | None = None) -> jax.Array:
+                    backend: str | None = None, tuning: Int4Tuning = Int4Tuning()) -> jax.Array:
     """Row t of y uses the expert whose group contains t; f32 accumulation, x's dtype.
 
     Rows past sum(group_sizes_E) belong to no expert and are zero (as in
-    lax.ragged_dot).
+    lax.ragged_dot). tuning: the kernel's launch choices; not the result.
     """
     backend = resolve_backend(backend)
     if packed_EQN.ndim != 3:
@@ -44,7 +44,7 @@ def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Arra
     if backend == "xla":
         return _reference(x_TK, packed_EQN, scales_EGN, group_sizes_E, group_size=group_size)
     return _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, group_size=group_size,
-                   interpret=backend == "interpret")
+                   interpret=backend == "interpret", tuning=tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
@@ -95,15 +95,16 @@ def expert_tile_schedule(group_sizes_E: jax.Array, num_rows: int, block_m: int, 
     return schedule, owner
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "interpret"))
-def _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))
+def _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int, interpret: bool,
+            tuning: Int4Tuning):
     t, k = x_TK.shape
     num_experts, _, n = packed_EQN.shape
     if t == 0:
         return jnp.zeros((0, n), x_TK.dtype)
     block_m = tile_rows(-(-t // num_experts))  # rows of an average expert
     num_tiles = -(-t // block_m) + min(num_experts, t)
-    tiling = plan_tiling(block_m, block_m, n, k, num_tiles)
+    tiling = plan_tiling(block_m, block_m, n, k, num_tiles, tuning)
     schedule, owner = expert_tile_schedule(group_sizes_E, t, block_m, num_tiles)
     x_padded = jnp.pad(x_TK, ((0, block_m), (0, 0)))  # a tile may start at any row < T
     y_tiles = int4_tiles(x_padded, packed_EQN, scales_EGN, schedule, tiling,

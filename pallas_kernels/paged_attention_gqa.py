@@ -52,11 +52,11 @@ def paged_attention_gqa(
     v_scale,
     softmax_scale: float,
     backend: str | None = None,
-    num_splits: int | None = None,
+    tuning: fd.AttentionTuning = fd.AttentionTuning(),
 ) -> jax.Array:
     """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens.
 
-    num_splits overrides the split-K heuristic of the kernel (tuning, tests).
+    tuning: the kernel's launch choices (block size, splits, warps); not the result.
     """
     backend = resolve_backend(backend)
     _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B)
@@ -70,7 +70,7 @@ def paged_attention_gqa(
     fd.check_kernel_page_size(k_pages_KPSD.shape[2])
     return _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
                    k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret",
-                   num_splits=num_splits)
+                   tuning=tuning)
 
 
 def _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B) -> None:
@@ -130,7 +130,7 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
 
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, mask_every_block: bool):
     """One (request, KV head, split) grid step.
 
     Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
@@ -150,27 +150,28 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
-                            rows, head_dim, logits_and_values)
+                            rows, head_dim, logits_and_values, mask_every_block=mask_every_block)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
-            k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, num_splits: int | None):
+            k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, tuning: fd.AttentionTuning):
     b, h, d = q_BHD.shape
     kvh, _, page_size, _ = k_pages_KPSD.shape
     g = h // kvh
     rows = mma.padded_rows(g)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh,
                           kv_bytes_per_token=2 * d * k_pages_KPSD.dtype.itemsize,
-                          partial_bytes=rows * (d + 2) * 4, num_splits=num_splits)
+                          partial_bytes=rows * (d + 2) * 4, tuning=tuning)
     dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype)
     q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(dtype), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
-        functools.partial(_gqa_kernel, plan=plan, page_size=page_size),
+        functools.partial(_gqa_kernel, plan=plan, page_size=page_size,
+                          mask_every_block=tuning.mask_every_block),
         grid=(b, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),
@@ -182,7 +183,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         ],
         out_specs=fd.partial_specs(3, rows, d),
         out_shape=fd.partial_shapes((b, kvh, plan.num_splits), rows, d),
-        compiler_params=fd.compiler_params(4, dtype),
+        compiler_params=fd.compiler_params(tuning, 4, dtype),
         interpret=interpret,
         name="paged_attention_gqa",
     )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)

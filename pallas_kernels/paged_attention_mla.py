@@ -51,11 +51,11 @@ def paged_attention_mla(
     scale,
     softmax_scale: float,
     backend: str | None = None,
-    num_splits: int | None = None,
+    tuning: fd.AttentionTuning = fd.AttentionTuning(),
 ) -> jax.Array:
     """softmax(q latent^T * softmax_scale) latent[:, :L] per request.
 
-    num_splits overrides the split-K heuristic of the kernel (tuning, tests).
+    tuning: the kernel's launch choices (block size, splits, warps); not the result.
     """
     backend = resolve_backend(backend)
     _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
@@ -68,7 +68,7 @@ def paged_attention_mla(
                           kv_lora_rank=kv_lora_rank)
     fd.check_kernel_page_size(latent_pages_PSC.shape[1])
     return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", num_splits=num_splits)
+                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning)
 
 
 def sparse_paged_attention_mla(
@@ -82,7 +82,7 @@ def sparse_paged_attention_mla(
     scale,
     softmax_scale: float,
     backend: str | None = None,
-    num_splits: int | None = None,
+    tuning: fd.AttentionTuning = fd.AttentionTuning(),
 ) -> jax.Array:
     """paged_attention_mla over each request's chosen tokens only (DSA decode).
 
@@ -100,7 +100,7 @@ def sparse_paged_attention_mla(
     return paged_attention_mla(
         q_BHC, latent_pages_PSC.reshape(p * s, 1, c), pages_BK * s + ids_BK % s,
         jnp.clip(counts_B, 0, token_ids_BK.shape[1]), kv_lora_rank=kv_lora_rank, scale=scale,
-        softmax_scale=softmax_scale, backend=backend, num_splits=num_splits)
+        softmax_scale=softmax_scale, backend=backend, tuning=tuning)
 
 
 def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:
@@ -143,7 +143,8 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
 
 
 def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, mask_every_block: bool,
+                kv_lora_rank: int):
     """One (request, split) grid step.
 
     Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
@@ -170,25 +171,26 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
         return logits_RT * logit_scale, latent_TL
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
-                            rows, kv_lora_rank, logits_and_values)
+                            rows, kv_lora_rank, logits_and_values, mask_every_block=mask_every_block)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "tuning"))
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
-            kv_lora_rank: int, interpret: bool, num_splits: int | None):
+            kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning):
     b, h, c = q_BHC.shape
     page_size = latent_pages_PSC.shape[1]
     rows = mma.padded_rows(h)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
                           kv_bytes_per_token=c * latent_pages_PSC.dtype.itemsize,
-                          partial_bytes=rows * (kv_lora_rank + 2) * 4, num_splits=num_splits)
+                          partial_bytes=rows * (kv_lora_rank + 2) * 4, tuning=tuning)
     dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype)
     q_BRC = jnp.pad(q_BHC.astype(dtype), ((0, 0), (0, rows - h), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
-        functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank),
+        functools.partial(_mla_kernel, plan=plan, page_size=page_size,
+                          mask_every_block=tuning.mask_every_block, kv_lora_rank=kv_lora_rank),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),
@@ -199,7 +201,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         ],
         out_specs=fd.partial_specs(2, rows, kv_lora_rank),
         out_shape=fd.partial_shapes((b, plan.num_splits), rows, kv_lora_rank),
-        compiler_params=fd.compiler_params(8, dtype),
+        compiler_params=fd.compiler_params(tuning, 8, dtype),
         interpret=interpret,
         name="paged_attention_mla",
     )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B, logit_scale)

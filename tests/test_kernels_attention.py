@@ -36,6 +36,7 @@ from conftest import KERNEL_BACKEND
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
+from pallas_kernels.flash_decoding import AttentionTuning
 
 # Unit roundoff, half the spacing at 1: bf16 keeps 8 significant bits, so 2^-8. It read 2^-9
 # until 2026-11-29, which halved every bf16 bound; one seed rounded an output of -4.1106 to
@@ -195,27 +196,30 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
     _check_close(out, _gqa_expected(args, cache), F32_TOL * _max_abs_v(args), seed, "gqa reference")
 
 
-# num_splits None = the kernel's heuristic (one split at these tiny sizes);
-# explicit values make split boundaries fall inside and past the requests.
+# Default tuning = the kernel's split heuristic (one split at these tiny sizes);
+# explicit num_splits make split boundaries fall inside and past the requests,
+# other block sizes move the masked tail block, and mask_every_block is the
+# other masking path.
 @pytest.mark.parametrize(
-    "shape, kv_dtype, q_dtype, per_head, num_splits",
+    "shape, kv_dtype, q_dtype, per_head, tuning",
     [
-        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, 2),
-        (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True, None),
-        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, None),
-        (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, 3),
-        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, 3),
-        (GQA_SHAPES[2], jnp.float32, jnp.float32, False, 2),
-        (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, 4),
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(num_splits=2)),
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(block_tokens=16, num_splits=3)),
+        (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True, AttentionTuning()),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(mask_every_block=True)),
+        (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, AttentionTuning(num_splits=3)),
+        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
+        (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
+        (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(num_splits=4)),
     ],
 )
-def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, num_splits):
+def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, tuning):
     seed = _seed()
     kvh, g, d, s, n, lengths = shape
     args, cache = _gqa_inputs(_rng(seed), batch=len(lengths), kv_heads=kvh, group=g, head_dim=d,
                               page_size=s, num_slots=n, lengths=lengths, kv_dtype=kv_dtype,
                               q_dtype=q_dtype, per_head=per_head)
-    got = paged_attention_gqa(**args, backend=KERNEL_BACKEND, num_splits=num_splits)
+    got = paged_attention_gqa(**args, backend=KERNEL_BACKEND, tuning=tuning)
     assert got.shape == args["q_BHD"].shape and got.dtype == q_dtype
     ref = _as_np(paged_attention_gqa(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _max_abs_v(args)
@@ -336,20 +340,21 @@ def test_mla_reference_matches_float64(shape):
 
 
 @pytest.mark.parametrize(
-    "shape, kv_dtype, q_dtype, num_splits",
+    "shape, kv_dtype, q_dtype, tuning",
     [
-        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, 2),
-        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, None),
-        (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, 1),
-        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, 3),
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
+        (MLA_SHAPES[0], jnp.bfloat16, jnp.bfloat16, AttentionTuning(block_tokens=32, mask_every_block=True)),
+        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning()),
+        (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(num_splits=1)),
+        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
     ],
 )
-def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, num_splits):
+def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     seed = _seed()
     h, c, rank, s, n, lengths = shape
     args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
                               lengths=lengths, kv_dtype=kv_dtype, q_dtype=q_dtype)
-    got = paged_attention_mla(**args, backend=KERNEL_BACKEND, num_splits=num_splits)
+    got = paged_attention_mla(**args, backend=KERNEL_BACKEND, tuning=tuning)
     assert got.shape == (len(lengths), h, rank) and got.dtype == q_dtype
     ref = _as_np(paged_attention_mla(**args, backend="xla"))
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _mla_max_abs_v(args)
@@ -396,7 +401,7 @@ def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dty
     # The reference returns q's dtype: with bf16 q add that one rounding, u_bf16 |out| <= u_bf16 max|v|.
     rounding = U_BF16 if q_dtype == jnp.bfloat16 else 0.0
     _check_close(ref, expected, (F32_TOL + rounding) * v_max, seed, "sparse mla reference vs float64")
-    got = sparse_paged_attention_mla(**sparse, backend=KERNEL_BACKEND, num_splits=2)
+    got = sparse_paged_attention_mla(**sparse, backend=KERNEL_BACKEND, tuning=AttentionTuning(num_splits=2))
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * v_max
     _check_close(got, _as_np(ref), tol, seed, "sparse mla kernel vs reference")
 

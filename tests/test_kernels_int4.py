@@ -33,7 +33,7 @@ import pytest
 from conftest import KERNEL_BACKEND
 
 from pallas_kernels import (
-    dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
+    Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
     to_compressed_tensors, unpack_int4)
 from pallas_kernels.backend import triton_kernels_for_cuda
 from pallas_kernels.int4_matmul import tile_rows
@@ -142,9 +142,14 @@ def _check(got, ref, magnitude, rel_bound, seed, what):
 DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 128, 16, 128)]
 
 
-@pytest.mark.parametrize("shape", DENSE_SHAPES)
+# Small blocks and a high program target: more split-K partials and column blocks.
+SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4096)
+
+
+@pytest.mark.parametrize("shape, tuning", [(shape, Int4Tuning()) for shape in DENSE_SHAPES]
+                         + [(DENSE_SHAPES[0], SMALL_TILES), (DENSE_SHAPES[2], SMALL_TILES)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
-def test_int4_matmul_kernel_matches_reference(shape, x_dtype):
+def test_int4_matmul_kernel_matches_reference(shape, tuning, x_dtype):
     seed = _seed()
     rng = np.random.default_rng(seed)
     m, k, n, g = shape
@@ -158,7 +163,7 @@ def test_int4_matmul_kernel_matches_reference(shape, x_dtype):
     ref = int4_matmul(x, packed, scales, group_size=g, backend="xla")
     if x_dtype == jnp.float32:
         _check(ref, _f64(x) @ w, magnitude, F32_TOL, seed, "reference vs float64")
-    got = int4_matmul(x, packed, scales, group_size=g, backend=KERNEL_BACKEND)
+    got = int4_matmul(x, packed, scales, group_size=g, backend=KERNEL_BACKEND, tuning=tuning)
     assert got.shape == (m, n) and got.dtype == x_dtype
     _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs reference")
     rel = np.max(np.abs(_f64(got) - _f64(ref))) / np.max(np.abs(_f64(ref)))
@@ -223,9 +228,9 @@ MOE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("case, tuning", [(case, Int4Tuning()) for case in MOE_CASES] + [(MOE_CASES[1], SMALL_TILES)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
-def test_moe_int4_kernel_matches_reference(case, x_dtype):
+def test_moe_int4_kernel_matches_reference(case, tuning, x_dtype):
     seed = _seed()
     rng = np.random.default_rng(seed)
     group_sizes, k, n, g = case
@@ -235,7 +240,7 @@ def test_moe_int4_kernel_matches_reference(case, x_dtype):
     if x_dtype == jnp.float32:
         ref = moe_int4_matmul(x, packed, scales, sizes, group_size=g, backend="xla")
         _check(ref, expected, magnitude, F32_TOL, seed, "reference vs float64")
-    got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend=KERNEL_BACKEND)
+    got = moe_int4_matmul(x, packed, poisoned, sizes, group_size=g, backend=KERNEL_BACKEND, tuning=tuning)
     assert got.shape == (x.shape[0], n) and got.dtype == x_dtype
     _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs float64")
 
