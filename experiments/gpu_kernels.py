@@ -24,19 +24,29 @@ is written to experiments/results/ (or --out) after every kernel family. A row
 that fails (a compile error interpret mode could not show) is listed as FAILED
 with its error and the run goes on; rows after --budget-s are listed as skipped.
 
-Timing: each op runs `reps` times inside one jitted fori_loop whose input
-depends on the previous result (so XLA can neither hoist nor overlap the
-calls); time per call = loop time / reps, median over samples. `reps` is a
-Python int, so XLA knows the trip count: with a traced count, XLA's GPU while
-loop copies the loop predicate to the host and waits for the stream on every
-iteration (WhileThunk), a host round trip per call that would swamp a
-microsecond kernel. The dependency and the sum of the output add a few tiny
-kernels per call. That "harness" is measured too: the same loop, with the
-op replaced by one that computes nothing but still reads the input and hands
-an output-sized buffer to the sum (see _harness_only), interleaved sample by
-sample with the op; the table shows both, and bandwidths and goal ratios use
-the net time (op minus harness). triton.testing.do_bench is not used: it needs PyTorch CUDA events,
-and JAX dispatch is asynchronous to them.
+Timing on a GPU: CUPTI kernel durations (jax.experimental.mosaic.gpu.profiler
+.measure), summed over the kernels one call launches (a call may be several:
+INT4's x permute, kernel and split-K sum; attention's kernel and combine), so
+the time is device time alone, without launch gaps or host dispatch. Each
+sample runs the op on `copies` copies of its inputs in turn, together at least
+256 MB (the H200's L2 is 50-60 MB), so no call finds its weights or pages in L2
+from the call before; time per call = sample / copies, median over samples.
+This replaced, after the first H200 run (experiments/results/
+gpu_kernels_h200_2026-11-29.md), the fallback below, which measured the host:
+an op that does nothing took 8-160 us per call in that loop, more than most
+kernels, so the small shapes could not be resolved.
+
+Fallback (no CUPTI, and on CPU): each op runs `reps` times inside one jitted
+fori_loop whose input depends on the previous result; time per call = loop
+time / reps, median over samples. `reps` is a Python int, so XLA knows the
+trip count (a traced count makes XLA's GPU while loop sync with the host on
+every iteration). The loop's own cost ("harness": the same loop around an op
+that computes nothing but reads the input and hands an output-sized buffer to
+the sum, see _harness_only) is measured alternately and subtracted.
+
+--sweep adds a tuning table: the kernels' launch choices (AttentionTuning,
+Int4Tuning) at a few serving shapes, each row with its error against the XLA
+reference, which is how the defaults were chosen.
 
 Without a GPU it runs tiny shapes with backends "interpret" and "xla" so that
 the script keeps working; those CPU times say nothing about kernel speed.
@@ -61,7 +71,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
-    int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -118,7 +128,8 @@ class Row:
     bytes_moved: int
     max_err: float | None = None
     note: str = ""  # why there is no time: the error, or the time budget
-    harness_seconds: float = 0.0  # the same loop around an op that does nothing
+    harness_seconds: float = 0.0  # the same loop around an op that does nothing (loop timing)
+    method: str = "loop"  # "cupti": kernel time alone; "loop": see the module docstring
 
     @property
     def net_seconds(self) -> float:
@@ -139,10 +150,12 @@ class Bench:
     listed as skipped, so one device run always returns a whole table.
     """
 
-    def __init__(self, cfg: Config, budget_s: float):
+    def __init__(self, cfg: Config, budget_s: float, cupti_measure: Callable | None = None):
         self.cfg = cfg
         self.rows: list[Row] = []
         self.deadline = time.perf_counter() + budget_s
+        self.cupti_measure = cupti_measure  # None: loop timing
+        self.log: list[str] = []  # per-kernel CUPTI breakdown of each row
 
     def measure(self, kernel: str, shape: str, impl: str, fn: Callable, args: tuple, bytes_moved: int,
                 ref: jax.Array | None = None) -> None:
@@ -152,20 +165,81 @@ class Bench:
         try:
             out = jax.block_until_ready(fn(*args))  # compiles
             err = None if ref is None else max_err(out, ref)
-            once = _wall_seconds(lambda: fn(*args))
-            timing = time_per_call(fn, args, _reps(once, self.cfg), self.cfg.samples)
+            timing = self._time(fn, args)
         except Exception as error:  # Reported in the table; the other rows still run.
             message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
             print(f"FAILED {kernel} {shape} {impl}: {message}", flush=True)
             self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note=f"FAILED: {message}"))
             return
         self.rows.append(Row(kernel, shape, impl, timing.seconds, bytes_moved, err,
-                             harness_seconds=timing.harness_seconds))
+                             harness_seconds=timing.harness_seconds, method=timing.method))
+        if timing.kernels:
+            self.log.append(f"{kernel} {shape} {impl}: " + ", ".join(
+                f"{name} {us:.1f} us" for name, us in timing.kernels))
+
+    def _time(self, fn: Callable, args: tuple) -> "Timing":
+        if self.cupti_measure is not None:
+            return cupti_time_per_call(fn, args, self.cfg.samples, self.cupti_measure)
+        once = _wall_seconds(lambda: fn(*args))
+        return time_per_call(fn, args, _reps(once, self.cfg), self.cfg.samples)
 
 
 class Timing(NamedTuple):
-    seconds: float  # median per call of the op inside the timing loop
-    harness_seconds: float  # median per call of the loop alone (dependency + sum)
+    seconds: float  # median per call of the op (loop timing: inside the timing loop)
+    harness_seconds: float = 0.0  # loop timing: median per call of the loop alone
+    method: str = "loop"
+    kernels: tuple[tuple[str, float], ...] = ()  # CUPTI: (kernel name, median us per call)
+
+
+# The inputs of one sample span at least this many bytes, so that no call finds
+# its inputs in L2 (50-60 MB on an H200) from the call before.
+ROTATION_BYTES = 256 << 20
+MAX_COPIES = 64
+
+
+def rotation_copies(args: tuple) -> int:
+    nbytes = sum(a.nbytes for a in args if isinstance(a, jax.Array))
+    return max(1, min(MAX_COPIES, -(-ROTATION_BYTES // max(nbytes, 1))))
+
+
+def cupti_time_per_call(fn: Callable, args: tuple, samples: int, measure: Callable) -> Timing:
+    """Median device time per call of fn(*args) from CUPTI kernel records.
+
+    measure is jax.experimental.mosaic.gpu.profiler.measure (tests pass a fake
+    with its interface): measure(f, aggregate=False, iterations=n)(*a) runs f
+    n times after a warm-up and returns (out, [[(kernel, ms), ...] per run]).
+    """
+    copies = rotation_copies(args)
+    arg_sets = [args] + [tuple(jnp.array(a, copy=True) for a in args) for _ in range(copies - 1)]
+    all_calls = jax.jit(lambda sets: [fn(*one) for one in sets])
+    _, runs = measure(all_calls, aggregate=False, iterations=max(samples, 2))(arg_sets)
+    if not runs:
+        raise RuntimeError("CUPTI recorded no kernel")
+    seconds = statistics.median(sum(ms for _, ms in run) for run in runs) / 1e3 / copies
+    per_name: dict[str, list[float]] = {}
+    for run in runs:
+        totals: dict[str, float] = {}
+        for name, ms in run:
+            totals[name] = totals.get(name, 0.0) + ms
+        for name, ms in totals.items():
+            per_name.setdefault(name, []).append(ms)
+    kernels = sorted(((name, statistics.median(ms) * 1e3 / copies) for name, ms in per_name.items()),
+                     key=lambda item: -item[1])
+    return Timing(seconds, method="cupti", kernels=tuple(kernels))
+
+
+def cupti_measure_or_none() -> Callable | None:
+    """profiler.measure when CUPTI works here (probed on a tiny op), else None."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(jax.jit(lambda x: x + 1), aggregate=False, iterations=2)(jnp.ones((1024,)))
+        if not runs or not runs[0]:
+            raise RuntimeError("no kernel records")
+        return profiler.measure
+    except Exception as error:  # Reported; the loop timing still measures.
+        print(f"CUPTI timing unavailable ({type(error).__name__}: {error}); using loop timing", flush=True)
+        return None
 
 
 def _wall_seconds(call: Callable[[], object]) -> float:
@@ -236,14 +310,16 @@ def max_err(a: jax.Array, b: jax.Array) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
-def copy_bandwidth(cfg: Config) -> float:
-    """Bytes/s of reading and writing cfg.copy_bytes once (x <- x + 1 in place)."""
-    x = jnp.zeros((cfg.copy_bytes // 4,), jnp.float32)
+def copy_bandwidth(bench: Bench) -> float:
+    """Bytes/s of reading and writing cfg.copy_bytes once (x + 1), timed like the ops."""
+    x = jnp.ones((bench.cfg.copy_bytes // 4,), jnp.float32)
+    if bench.cupti_measure is not None:
+        return 2 * bench.cfg.copy_bytes / bench._time(lambda x: x + 1, (x,)).seconds
     add_one = jax.jit(lambda x: x + 1)
     jax.block_until_ready(add_one(x))
-    reps = _reps(_wall_seconds(lambda: add_one(x)), cfg)
+    reps = _reps(_wall_seconds(lambda: add_one(x)), bench.cfg)
     run = _timed_loop(lambda x: jax.lax.fori_loop(0, reps, lambda _, x: x + 1, x), (x,))
-    return 2 * cfg.copy_bytes / statistics.median(run() / reps for _ in range(cfg.samples))
+    return 2 * bench.cfg.copy_bytes / statistics.median(run() / reps for _ in range(bench.cfg.samples))
 
 
 def _scattered_pages(key, batch: int, pages_per_seq: int) -> jax.Array:
@@ -257,33 +333,64 @@ def _fp8(x: jax.Array) -> tuple[jax.Array, float]:
     return (x / scale).astype(jnp.float8_e4m3fn), scale
 
 
+def _ragged_lengths(key, batch: int, context: int) -> jax.Array:
+    """Lengths a little under the context (0-63 short): most requests end
+    inside a page and inside a kernel block, so the masked tail is measured
+    and checked too."""
+    return context - jax.random.randint(key, (batch,), 0, 64, jnp.int32)
+
+
+class GqaCase(NamedTuple):
+    q: jax.Array  # [B, H, D] bf16
+    pages: dict  # name ("bf16", "fp8") -> (k_pages, v_pages, scale)
+    table: jax.Array
+    lengths: jax.Array
+
+
+def _gqa_case(cfg: Config, key, batch: int, context: int, names=("bf16", "fp8")) -> GqaCase:
+    h, d, s = cfg.gqa_q_heads, cfg.gqa_head_dim, cfg.gqa_page
+    kq, kk, kv, kt, kl = jax.random.split(key, 5)
+    n = context // s
+    k = jax.random.normal(kk, (1, batch * n, s, d), jnp.float32)
+    v = jax.random.normal(kv, (1, batch * n, s, d), jnp.float32)
+    pages = {}
+    if "bf16" in names:
+        pages["bf16"] = (k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), 1.0)
+    if "fp8" in names:
+        (k8, scale), (v8, _) = _fp8(k), _fp8(v)
+        pages["fp8"] = (k8, v8, scale)
+    return GqaCase(jax.random.normal(kq, (batch, h, d), jnp.bfloat16), pages,
+                   _scattered_pages(kt, batch, n), _ragged_lengths(kl, batch, context))
+
+
+def _gqa_op(cfg: Config, scale: float, tuning: AttentionTuning = AttentionTuning()) -> Callable:
+    return functools.partial(paged_attention_gqa, k_scale=scale, v_scale=scale,
+                             softmax_scale=cfg.gqa_head_dim**-0.5, tuning=tuning)
+
+
+def _gqa_bytes(case: GqaCase, kp: jax.Array) -> int:
+    return 2 * int(jnp.sum(case.lengths)) * kp.shape[-1] * kp.dtype.itemsize
+
+
 def gqa_rows(bench: Bench, key) -> None:
     cfg = bench.cfg
-    h, d, s = cfg.gqa_q_heads, cfg.gqa_head_dim, cfg.gqa_page
+    d = cfg.gqa_head_dim
     for batch in cfg.batches:
         for context in cfg.contexts:
-            kq, kk, kv, kt, key = jax.random.split(key, 5)
-            n = context // s
-            q = jax.random.normal(kq, (batch, h, d), jnp.bfloat16)
-            k = jax.random.normal(kk, (1, batch * n, s, d), jnp.float32)
-            v = jax.random.normal(kv, (1, batch * n, s, d), jnp.float32)
-            table = _scattered_pages(kt, batch, n)
-            lengths = jnp.full((batch,), context, jnp.int32)
-            k8, scale = _fp8(k)
-            v8, _ = _fp8(v)
-            kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-            del k, v
+            key, sub = jax.random.split(key)
+            case = _gqa_case(cfg, sub, batch, context)
             shape = f"B={batch} ctx={context}"
-            for name, kp, vp, ks in (("bf16", kb, vb, 1.0), ("fp8", k8, v8, scale)):
-                kv_bytes = 2 * batch * context * d * kp.dtype.itemsize
-                op = functools.partial(paged_attention_gqa, k_scale=ks, v_scale=ks, softmax_scale=d**-0.5)
-                args = (q, kp, vp, table, lengths)
+            for name, (kp, vp, ks) in case.pages.items():
+                kv_bytes = _gqa_bytes(case, kp)
+                op = _gqa_op(cfg, ks)
+                args = (case.q, kp, vp, case.table, case.lengths)
                 ref = op(*args, backend="xla")
                 bench.measure(f"GQA {name}", shape, cfg.kernel_backend,
                               functools.partial(op, backend=cfg.kernel_backend), args, kv_bytes, ref)
                 bench.measure(f"GQA {name}", shape, "xla", functools.partial(op, backend="xla"), args, kv_bytes)
                 if jax_paged is not None:
-                    _jax_op_row(bench, name, shape, q * d**-0.5, kp, vp, table, lengths, ks, kv_bytes, ref)
+                    _jax_op_row(bench, name, shape, case.q * d**-0.5, kp, vp, case.table, case.lengths, ks,
+                                kv_bytes, ref)
 
 
 def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, scale, kv_bytes, ref) -> None:
@@ -300,32 +407,53 @@ def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, sca
                   kv_bytes, ref)
 
 
+class MlaCase(NamedTuple):
+    q: jax.Array  # [B, H, C] bf16
+    pages: dict  # name ("bf16", "fp8") -> (latent pages, scale)
+    table: jax.Array
+    lengths: jax.Array
+
+
+def _mla_case(cfg: Config, key, batch: int, context: int, names=("bf16", "fp8")) -> MlaCase:
+    width, s = cfg.mla_rank + cfg.mla_rope, cfg.mla_page
+    kq, kl, kt, kn = jax.random.split(key, 4)
+    n = context // s
+    latent = jax.random.normal(kl, (batch * n, s, width), jnp.float32)
+    pages = {}
+    if "bf16" in names:
+        pages["bf16"] = (latent.astype(jnp.bfloat16), 1.0)
+    if "fp8" in names:
+        pages["fp8"] = _fp8(latent)
+    return MlaCase(jax.random.normal(kq, (batch, cfg.mla_heads, width), jnp.bfloat16), pages,
+                   _scattered_pages(kt, batch, n), _ragged_lengths(kn, batch, context))
+
+
+def _mla_op(cfg: Config, scale: float, tuning: AttentionTuning = AttentionTuning()) -> Callable:
+    return functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=scale,
+                             softmax_scale=(cfg.mla_rank + cfg.mla_rope) ** -0.5, tuning=tuning)
+
+
+def _mla_bytes(case: MlaCase, pages: jax.Array) -> int:
+    return int(jnp.sum(case.lengths)) * pages.shape[-1] * pages.dtype.itemsize
+
+
 def mla_rows(bench: Bench, key) -> None:
     cfg = bench.cfg
-    h, width, s = cfg.mla_heads, cfg.mla_rank + cfg.mla_rope, cfg.mla_page
     for batch in cfg.batches:
         for context in cfg.contexts:
-            kq, kl, kt, ki, key = jax.random.split(key, 5)
-            n = context // s
-            q = jax.random.normal(kq, (batch, h, width), jnp.bfloat16)
-            latent = jax.random.normal(kl, (batch * n, s, width), jnp.float32)
-            table = _scattered_pages(kt, batch, n)
-            lengths = jnp.full((batch,), context, jnp.int32)
-            l8, scale = _fp8(latent)
-            lb = latent.astype(jnp.bfloat16)
-            del latent
-            for name, pages, sc in (("bf16", lb, 1.0), ("fp8", l8, scale)):
-                op = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=sc,
-                                       softmax_scale=width**-0.5)
-                args = (q, pages, table, lengths)
+            key, sub, ki = jax.random.split(key, 3)
+            case = _mla_case(cfg, sub, batch, context)
+            shape = f"B={batch} ctx={context}"
+            for name, (pages, sc) in case.pages.items():
+                op = _mla_op(cfg, sc)
+                args = (case.q, pages, case.table, case.lengths)
                 ref = op(*args, backend="xla")
-                nbytes = batch * context * width * pages.dtype.itemsize
-                shape = f"B={batch} ctx={context}"
+                nbytes = _mla_bytes(case, pages)
                 bench.measure(f"MLA {name}", shape, cfg.kernel_backend,
                               functools.partial(op, backend=cfg.kernel_backend), args, nbytes, ref)
                 bench.measure(f"MLA {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
                 if context == max(cfg.contexts):  # GLM-5 DSA decode: top-k of the longest context
-                    _sparse_mla_rows(bench, name, shape, q, pages, table, sc, ki)
+                    _sparse_mla_rows(bench, name, shape, case.q, pages, case.table, sc, ki)
 
 
 def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> None:
@@ -440,6 +568,28 @@ def goal_lines(rows: list[Row], copy_bw: float, kernel_backend: str) -> list[str
     return lines
 
 
+_TIMING_NOTE = {
+    True: "us: median device time per call from CUPTI kernel records (all kernels of the call, "
+          "inputs rotated through 256 MB so that L2 holds none of them); GB/s and the goals use it.",
+    False: "us: net time per call = median in a loop of dependent calls (\"timing\" column) minus the "
+           "same loop around an op that does nothing (harness); GB/s and the goals use it "
+           "(\"-\": not resolved from the harness).",
+}
+
+
+def _table_row(r: Row, copy_bw: float) -> str:
+    if r.note:
+        return f"| {r.kernel} | {r.shape} | {r.impl} | {r.note} | | | | |"
+    err = "" if r.max_err is None else f"{r.max_err:.2e}"
+    timing = "cupti" if r.method == "cupti" else (
+        f"loop {r.seconds * 1e6:.1f}, harness {r.harness_seconds * 1e6:.1f}")
+    if not math.isfinite(r.net_seconds):
+        return f"| {r.kernel} | {r.shape} | {r.impl} | - | {timing} | - | - | {err} |"
+    share = 100 * r.gb_per_s * 1e9 / copy_bw
+    return (f"| {r.kernel} | {r.shape} | {r.impl} | {r.net_seconds * 1e6:.1f} | {timing} | "
+            f"{r.gb_per_s:.1f} | {share:.0f} | {err} |")
+
+
 def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_gpu: bool) -> str:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     versions = f"jax {jax.__version__}, jaxlib {importlib.metadata.version('jaxlib')}"
@@ -447,24 +597,96 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
     if not on_gpu:
         out += ["**No GPU: tiny shapes, kernels in the Pallas interpreter. These CPU times are NOT kernel "
                 "performance; this run only shows that the script works.**", ""]
-    out += [f"Device-to-device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", "",
-            "Times are medians per call in a loop of dependent calls; \"harness\" is that loop around an "
-            "op that does nothing, and \"net\" = op - harness, which GB/s and the goals use "
-            "(\"-\": not resolved from the harness).", "",
-            "| kernel | shape | impl | median us | harness us | net us | GB/s | % copy BW | max abs err vs xla |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if r.note:
-            out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.note} | | | | | |")
-            continue
-        err = "" if r.max_err is None else f"{r.max_err:.2e}"
-        resolved = math.isfinite(r.net_seconds)
-        net = f"{r.net_seconds * 1e6:.1f}" if resolved else "-"
-        bandwidth = f"{r.gb_per_s:.1f} | {100 * r.gb_per_s * 1e9 / copy_bw:.0f}" if resolved else "- | -"
-        out.append(f"| {r.kernel} | {r.shape} | {r.impl} | {r.seconds * 1e6:.1f} | {r.harness_seconds * 1e6:.1f} | "
-                   f"{net} | {bandwidth} | {err} |")
+    methods = sorted({r.method for r in rows if not r.note})
+    out += [f"Device-to-device copy bandwidth: {copy_bw / 1e9:.1f} GB/s", "", _TIMING_NOTE[tuple(methods) == ("cupti",)], "",
+            "| kernel | shape | impl | us | timing | GB/s | % copy BW | max abs err vs xla |",
+            "|---|---|---|---:|---|---:|---:|---:|"]
+    out += [_table_row(r, copy_bw) for r in rows]
     heading = "Goals (measured):" if on_gpu else "Goals (CPU run: the numbers below do NOT measure them):"
     out += ["", heading] + [f"- {line}" for line in goals] + [""]
+    return "\n".join(out)
+
+
+# The sweep: launch choices at a few serving shapes (FP8 attention, the product's format).
+ATTENTION_SWEEP = {
+    "GQA": (AttentionTuning(), AttentionTuning(mask_every_block=True), AttentionTuning(num_stages=3),
+            AttentionTuning(num_warps=8), AttentionTuning(block_tokens=128), AttentionTuning(block_tokens=128, num_warps=8),
+            AttentionTuning(block_tokens=128, num_stages=3), AttentionTuning(block_tokens=32, num_stages=4),
+            AttentionTuning(block_tokens=256, num_warps=8)),
+    "MLA": (AttentionTuning(), AttentionTuning(mask_every_block=True), AttentionTuning(num_warps=4),
+            AttentionTuning(block_tokens=32), AttentionTuning(block_tokens=32, num_stages=3),
+            AttentionTuning(num_stages=3), AttentionTuning(block_tokens=128, num_stages=1),
+            AttentionTuning(block_tokens=16, num_warps=4, num_stages=4)),
+}
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(num_stages=4), Int4Tuning(block_k=128), Int4Tuning(block_k=512),
+              Int4Tuning(block_n=64), Int4Tuning(block_n=256, num_warps=8), Int4Tuning(target_programs=4 * 132),
+              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(num_warps=4), Int4Tuning(num_warps=8))
+
+
+def tuning_label(tuning) -> str:
+    """The fields that differ from the defaults, or "default"."""
+    default = type(tuning)()
+    changed = [f"{f.name}={getattr(tuning, f.name)}" for f in dataclasses.fields(tuning)
+               if getattr(tuning, f.name) != getattr(default, f.name)]
+    return " ".join(changed) or "default"
+
+
+def sweep_rows(bench: Bench, key) -> None:
+    """Each launch choice at its shapes, with its error against the XLA reference."""
+    cfg = bench.cfg
+    backend = cfg.kernel_backend
+    m_values = (min(cfg.matmul_ms), max(cfg.matmul_ms))
+    k, n, g = cfg.matmul_k, cfg.matmul_n, cfg.group_size
+    kw, key = jax.random.split(key)
+    packed, scales, _ = _int4_weights(kw, (), k, n, g)
+    for m in m_values:
+        kx, key = jax.random.split(key)
+        args = (jax.random.normal(kx, (m, k), jnp.bfloat16), packed, scales)
+        ref = int4_matmul(*args, group_size=g, backend="xla")
+        for tuning in INT4_SWEEP:
+            op = functools.partial(int4_matmul, group_size=g, backend=backend, tuning=tuning)
+            bench.measure("INT4 matmul", f"M={m} K={k} N={n} g={g}", tuning_label(tuning), op, args,
+                          packed.size * 4 + scales.size * 2, ref)
+    contexts = (max(cfg.contexts),)  # the bandwidth-bound end
+    batches = sorted({min(cfg.batches), max(cfg.batches)})
+    for batch in batches:
+        for context in contexts:
+            key, sub = jax.random.split(key)
+            case = _gqa_case(cfg, sub, batch, context, names=("fp8",))
+            kp, vp, ks = case.pages["fp8"]
+            args = (case.q, kp, vp, case.table, case.lengths)
+            ref = _gqa_op(cfg, ks)(*args, backend="xla")
+            for tuning in ATTENTION_SWEEP["GQA"]:
+                bench.measure("GQA fp8", f"B={batch} ctx={context}", tuning_label(tuning),
+                              functools.partial(_gqa_op(cfg, ks, tuning), backend=backend), args,
+                              _gqa_bytes(case, kp), ref)
+            del case, args
+            key, sub = jax.random.split(key)
+            case = _mla_case(cfg, sub, batch, context, names=("fp8",))
+            pages, sc = case.pages["fp8"]
+            args = (case.q, pages, case.table, case.lengths)
+            ref = _mla_op(cfg, sc)(*args, backend="xla")
+            for tuning in ATTENTION_SWEEP["MLA"]:
+                bench.measure("MLA fp8", f"B={batch} ctx={context}", tuning_label(tuning),
+                              functools.partial(_mla_op(cfg, sc, tuning), backend=backend), args,
+                              _mla_bytes(case, pages), ref)
+
+
+def sweep_markdown(rows: list[Row], copy_bw: float) -> str:
+    out = ["", "## Tuning sweep", "",
+           "The kernels' launch choices (AttentionTuning, Int4Tuning; \"impl\" lists the fields that differ from "
+           "the defaults) at a few shapes, timed as above. Attention: FP8 pages, lengths 0-63 under the context.", "",
+           "| kernel | shape | impl | us | timing | GB/s | % copy BW | max abs err vs xla |",
+           "|---|---|---|---:|---|---:|---:|---:|"]
+    out += [_table_row(r, copy_bw) for r in rows]
+    best = {}
+    for r in rows:
+        if not r.note and math.isfinite(r.net_seconds):
+            key = (r.kernel, r.shape)
+            if key not in best or r.net_seconds < best[key].net_seconds:
+                best[key] = r
+    out += ["", "Fastest per shape:"] + [f"- {r.kernel} {r.shape}: {r.impl}, {r.net_seconds * 1e6:.1f} us"
+                                          for r in best.values()] + [""]
     return "\n".join(out)
 
 
@@ -473,6 +695,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the markdown table here (default on GPU: experiments/results/)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="start no new row after this many seconds; later rows are listed as skipped")
+    parser.add_argument("--sweep", action="store_true", help="add the tuning sweep after the benchmark")
+    parser.add_argument("--sweep-budget-s", type=float, default=150.0,
+                        help="the sweep's own budget, counted from its start")
     cli = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     cfg = GPU if on_gpu else CPU
@@ -485,17 +710,33 @@ def main() -> None:
         out = RESULTS_DIR / f"gpu_kernels-{safe_device}-{datetime.date.today().isoformat()}.md"
     key = jax.random.key(0)
     start = time.perf_counter()
-    bench = Bench(cfg, cli.budget_s)
-    copy_bw = copy_bandwidth(cfg)
+    cupti = cupti_measure_or_none() if on_gpu else None
+    bench = Bench(cfg, cli.budget_s, cupti)
+    copy_bw = copy_bandwidth(bench)
+    text = ""
+
+    def report(part: str, benches: list[Bench]) -> None:
+        nonlocal text
+        print(f"{part} done after {time.perf_counter() - start:.0f} s", flush=True)
+        for b in benches:
+            print("\n".join(b.log), flush=True)
+            b.log.clear()
+        text = markdown(bench.rows, copy_bw, goal_lines(bench.rows, copy_bw, cfg.kernel_backend), device, on_gpu)
+        if len(benches) > 1 or benches[0] is not bench:
+            text += sweep_markdown(benches[-1].rows, copy_bw)
+        if out is not None:  # after every part, so a run killed later still leaves a table
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+
     # The matmuls first: few rows, so a tight budget cannot skip the INT4 goal.
     for part in (int4_rows, moe_rows, gqa_rows, mla_rows):
         key, sub = jax.random.split(key)
         part(bench, sub)
-        print(f"{part.__name__} done after {time.perf_counter() - start:.0f} s", flush=True)
-        text = markdown(bench.rows, copy_bw, goal_lines(bench.rows, copy_bw, cfg.kernel_backend), device, on_gpu)
-        if out is not None:  # after every part, so a run killed later still leaves a table
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text)
+        report(part.__name__, [bench])
+    if cli.sweep:
+        sweep = Bench(cfg, cli.sweep_budget_s, cupti)
+        sweep_rows(sweep, key)
+        report("sweep_rows", [bench, sweep])
     print(text)
     if out is not None:
         print(f"wrote {out}")

@@ -87,4 +87,59 @@ def test_gpu_benchmark_uses_net_times_and_flags_unresolved_rows():
     assert "4.00x at M=1 (met)" in gk.goal_lines([ours, dot], 1e12, "pallas")[2]  # (11-3) / (5-3)
     lost = gk.Row("INT4 matmul", shape, "pallas", 2e-6, 8000, 0.0, harness_seconds=3e-6)
     assert "not measured" in gk.goal_lines([lost, dot], 1e12, "pallas")[2]
-    assert "| 2.0 | 3.0 | - | - | - |" in gk.markdown([lost], 1e12, [], "cpu", on_gpu=False)
+    assert "| - | loop 2.0, harness 3.0 | - | - |" in gk.markdown([lost], 1e12, [], "cpu", on_gpu=False)
+
+
+def test_cupti_timing_rotates_inputs_and_divides_by_the_copies():
+    """The CUPTI path, with a fake profiler of profiler.measure's interface: each
+    sample runs the op once per copy of the inputs (copies span >= 256 MB, so L2
+    is cold), and the time per call is the sample's kernel total / copies."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+
+    seen = {}
+
+    def fake_measure(f, *, aggregate, iterations):
+        assert not aggregate and iterations >= 2
+
+        def run(arg_sets):
+            seen["buffers"] = {a.unsafe_buffer_pointer() for one in arg_sets for a in one}
+            outs = jax.block_until_ready(f(arg_sets))
+            calls = len(outs)
+            # Per run: one "kern" of 3 ms and one "sum" of 1 ms per call; runs differ.
+            return outs, [[("kern", 3.0 + r), ("sum", 1.0)] * calls for r in range(iterations)]
+        return run
+
+    w = jnp.ones((1024, 1024), jnp.float32)  # 4 MiB: 64 copies span 256 MiB
+    x = jnp.ones((2, 1024), jnp.float32)
+    assert gk.rotation_copies((x, w)) == 64  # ceil(256 MiB / (4 MiB + 8 KiB))
+    timing = gk.cupti_time_per_call(lambda x, w: x @ w, (x, w), samples=5, measure=fake_measure)
+    copies = gk.rotation_copies((x, w))
+    assert len(seen["buffers"]) == 2 * copies  # every copy its own buffers
+    # Median run: kern 3 + 2 ms, sum 1 ms, each per call: 6 ms per call.
+    assert abs(timing.seconds - 6e-3) < 1e-12 and timing.method == "cupti"
+    assert timing.kernels == (("kern", 5000.0), ("sum", 1000.0))
+    assert gk.rotation_copies((jnp.ones((1 << 28,), jnp.uint8),)) == 1
+
+
+def test_tuning_sweep_runs_and_names_the_fastest(monkeypatch):
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+    from pallas_kernels import AttentionTuning, Int4Tuning
+
+    monkeypatch.setattr(gk, "INT4_SWEEP", (Int4Tuning(), Int4Tuning(block_n=32)))
+    monkeypatch.setattr(gk, "ATTENTION_SWEEP", {"GQA": (AttentionTuning(), AttentionTuning(block_tokens=32)),
+                                                "MLA": (AttentionTuning(mask_every_block=True),)})
+    import jax
+
+    bench = gk.Bench(gk.CPU, budget_s=600)
+    gk.sweep_rows(bench, jax.random.key(0))
+    impls = [(r.kernel, r.impl) for r in bench.rows]
+    assert impls.count(("INT4 matmul", "block_n=32")) == 2 and ("GQA fp8", "block_tokens=32") in impls
+    assert ("MLA fp8", "mask_every_block=True") in impls
+    assert all(not r.note and r.max_err < 0.05 for r in bench.rows), [(r.impl, r.note, r.max_err) for r in bench.rows]
+    text = gk.sweep_markdown(bench.rows, 1e9)
+    assert "Fastest per shape:" in text and "- MLA fp8 B=2 ctx=48: mask_every_block=True" in text
