@@ -56,7 +56,7 @@ class Int4Tuning:
 
     block_n / block_k: output columns per program / input features per inner
       step (capped by powers of two dividing N and K).
-    num_warps: None takes 8 for tiles of >= 32 rows, else 4 (see _compiler_params).
+    num_warps: None takes 8 for 16-row tiles, else 4 (measured, see _compiler_params).
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
       (2 waves over the 132 SMs of an H100/H200).
@@ -70,12 +70,17 @@ class Int4Tuning:
 
 
 def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
-    """Triton launch parameters (ignored by the interpreter). Defaults from sm_90a
-    compiles without a GPU (experiments/results/sm90_compile.md): 3 stages keep
-    three weight blocks in flight; 32- and 64-row tiles (accumulator plus eight
-    unpacked planes) spill at 4 warps (255 registers, 80 B-1 KB/thread) and fit at 8
-    (~160), while 16-row tiles fit 4 warps in ~195 with two blocks per SM."""
-    warps = tuning.num_warps or (8 if block_m >= 32 else 4)
+    """Triton launch parameters (ignored by the interpreter).
+
+    Warps measured on the H200 (CUPTI kernel time, K=7168 N=2048 g=32;
+    experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md): 16-row
+    tiles (M=1) 11.6 us at 8 warps against 12.7 at 4; 64-row tiles (M=64)
+    19.4 us at 4 warps against 24.7 at 8, although sm_90a compiles show those
+    tiles spilling at 4 warps (experiments/results/sm90_compile.md). 32-row
+    tiles were not measured and follow the 64-row ones. 3 stages keep three
+    weight blocks in flight (4 measured no faster).
+    """
+    warps = tuning.num_warps or (8 if block_m <= 16 else 4)
     return plgpu.CompilerParams(num_warps=warps, num_stages=tuning.num_stages)
 
 

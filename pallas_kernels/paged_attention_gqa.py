@@ -130,7 +130,7 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
 
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, mask_every_block: bool):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int):
     """One (request, KV head, split) grid step.
 
     Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
@@ -150,7 +150,7 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
-                            rows, head_dim, logits_and_values, mask_every_block=mask_every_block)
+                            rows, head_dim, logits_and_values)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
@@ -170,8 +170,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
-        functools.partial(_gqa_kernel, plan=plan, page_size=page_size,
-                          mask_every_block=tuning.mask_every_block),
+        functools.partial(_gqa_kernel, plan=plan, page_size=page_size),
         grid=(b, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),

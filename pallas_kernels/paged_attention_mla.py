@@ -143,8 +143,7 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
 
 
 def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, mask_every_block: bool,
-                kv_lora_rank: int):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int):
     """One (request, split) grid step.
 
     Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
@@ -171,7 +170,7 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
         return logits_RT * logit_scale, latent_TL
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
-                            rows, kv_lora_rank, logits_and_values, mask_every_block=mask_every_block)
+                            rows, kv_lora_rank, logits_and_values)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
@@ -189,8 +188,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
-        functools.partial(_mla_kernel, plan=plan, page_size=page_size,
-                          mask_every_block=tuning.mask_every_block, kv_lora_rank=kv_lora_rank),
+        functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),

@@ -198,15 +198,14 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
 
 # Default tuning = the kernel's split heuristic (one split at these tiny sizes);
 # explicit num_splits make split boundaries fall inside and past the requests,
-# other block sizes move the masked tail block, and mask_every_block is the
-# other masking path.
+# and other block sizes move the block boundaries against the lengths.
 @pytest.mark.parametrize(
     "shape, kv_dtype, q_dtype, per_head, tuning",
     [
         (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(num_splits=2)),
         (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(block_tokens=16, num_splits=3)),
         (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True, AttentionTuning()),
-        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(mask_every_block=True)),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(block_tokens=32)),
         (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, AttentionTuning(num_splits=3)),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
@@ -343,7 +342,7 @@ def test_mla_reference_matches_float64(shape):
     "shape, kv_dtype, q_dtype, tuning",
     [
         (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
-        (MLA_SHAPES[0], jnp.bfloat16, jnp.bfloat16, AttentionTuning(block_tokens=32, mask_every_block=True)),
+        (MLA_SHAPES[0], jnp.bfloat16, jnp.bfloat16, AttentionTuning(block_tokens=32, num_splits=2)),
         (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning()),
         (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(num_splits=1)),
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
