@@ -17,6 +17,11 @@ launch would fail), and spills (local-memory traffic in the inner loop).
 Triton options and change no Pallas code, to pick launch parameters.
 --test-shapes compiles the shapes the kernel tests use instead (what
 experiments/gpu_check.sh runs compiled on a GPU), float32 operands included.
+--sass disassembles each kernel (cuobjdump, beside ptxas in Triton's wheel) and
+reports its inner loop: instructions per thread per iteration, by kind
+(conversions, MMA, spills). For a kernel bound by instruction issue rather
+than bandwidth, that count is what a variant must cut; it is how the FP8
+attention's scalar f16 -> bf16 conversions were found.
 
 Caveat: JAX on the GPU compiles with the Triton inside its jaxlib, not this
 pip Triton; numbers can differ between versions (see the results file).
@@ -39,6 +44,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
+from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
@@ -71,26 +77,30 @@ class Case:
 
 
 def cases(cfg: Config) -> list[Case]:
-    """The benchmark's kernels at its smallest and largest work per program."""
+    """The benchmark's kernels at its smallest and largest work per program, and
+    FP8 attention with float16 dots (AttentionTuning.fp8_dots)."""
     spec = jax.ShapeDtypeStruct
     out = []
-    for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn)):
+    f16 = AttentionTuning(fp8_dots="float16")
+    for name, dtype, tuning in (("bf16", jnp.bfloat16, AttentionTuning()), ("fp8", jnp.float8_e4m3fn, AttentionTuning()),
+                                ("fp8 f16-dots", jnp.float8_e4m3fn, f16)):
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             n = context // cfg.gqa_page
             pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)
-            gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas")
+            gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas",
+                                    tuning=tuning)
             out.append(Case(f"GQA {name}", f"B={batch} ctx={context}", gqa,
                             (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
                              spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
             n = context // cfg.mla_page
             width = cfg.mla_rank + cfg.mla_rope
             mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0, softmax_scale=0.1,
-                                    backend="pallas")
+                                    backend="pallas", tuning=tuning)
             out.append(Case(f"MLA {name}", f"B={batch} ctx={context}", mla,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
                              spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
             sparse = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0,
-                                       softmax_scale=0.1, backend="pallas")
+                                       softmax_scale=0.1, backend="pallas", tuning=tuning)
             out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={cfg.dsa_top_k}", sparse,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
                              spec((batch, n), jnp.int32), spec((batch, cfg.dsa_top_k), jnp.int32), spec((batch,), jnp.int32))))
@@ -171,14 +181,18 @@ class Compiled:
         return limits[limiter], limiter
 
 
+def _triton_compile(kernel: TritonKernelIR, num_warps: int, num_stages: int, tmp: str):
+    path = Path(tmp) / f"{kernel.name}.ttir"  # the suffix tells Triton which stage the text is
+    path.write_text(kernel.ttir)
+    return triton.compile(str(path), target=GPUTarget("cuda", ARCH, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
 def compile_sm90(kernel: TritonKernelIR, num_warps: int, num_stages: int) -> Compiled:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{kernel.name}.ttir"  # the suffix tells Triton which stage the text is
-        path.write_text(kernel.ttir)
         try:
-            compiled = triton.compile(str(path), target=GPUTarget("cuda", ARCH, 32),
-                                      options={"num_warps": num_warps, "num_stages": num_stages})
+            compiled = _triton_compile(kernel, num_warps, num_stages, tmp)
         except Exception as error:  # A compile error is a result here, not a crash.
             message = " ".join(str(error).split())[:200]
             return Compiled(num_warps, num_stages, 0, 0, 0, time.perf_counter() - start, message)
@@ -190,6 +204,23 @@ def compile_sm90(kernel: TritonKernelIR, num_warps: int, num_stages: int) -> Com
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return Compiled(num_warps, num_stages, registers, int(spills.group(1)) + int(spills.group(2)),
                     compiled.metadata.shared, time.perf_counter() - start)
+
+
+def loop_mix(kernel: TritonKernelIR) -> LoopMix:
+    """The inner-loop instruction mix of the kernel compiled at its own warps and stages."""
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = _triton_compile(kernel, kernel.num_warps, kernel.num_stages, tmp)
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        cuobjdump = Path(get_ptxas(ARCH).path).with_name("cuobjdump")
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return LoopMix.of(inner_loop(sass))
+
+
+def sass_row(case: Case, mix: LoopMix) -> str:
+    kinds = " | ".join(str(mix.kinds[k]) for k in SASS_KINDS)
+    conversions = ", ".join(f"{n} {op}" for op, n in sorted(mix.conversions.items(), key=lambda item: -item[1]))
+    return f"| {case.kernel} | {case.shape} | {mix.instructions} | {kinds} | {conversions} |"
 
 
 def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
@@ -206,41 +237,70 @@ def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
             f"{c.spill_bytes} | {c.smem / 1024:.1f} | {blocks} ({limiter}) | {c.seconds:.1f} | {', '.join(flags)} |")
 
 
+def sass_table(case_list: list[Case]) -> list[str]:
+    lines = ["| kernel | shape | loop instrs | " + " | ".join(SASS_KINDS) + " | conversions |",
+             "|---|---|---:|" + "---:|" * len(SASS_KINDS) + "---|"]
+    seen: set[str] = set()
+    for case in case_list:
+        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
+            if kernel.ttir not in seen:  # e.g. a shape that only changes the grid
+                seen.add(kernel.ttir)
+                lines.append(sass_row(case, loop_mix(kernel)))
+                print(lines[-1], flush=True)
+    return lines
+
+
+def compile_table(case_list: list[Case], sweep: bool) -> list[str]:
+    lines = ["| kernel | shape | warps | stages | programs | regs | spill B | smem KiB | blocks/SM | compile s | flags |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+    seen: set[str] = set()
+    for case in case_list:
+        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
+            if kernel.ttir in seen:
+                continue
+            seen.add(kernel.ttir)
+            options = [(kernel.num_warps, kernel.num_stages)]
+            if sweep:
+                options += [(w, s) for w in (4, 8) for s in (1, 2, 3, 4) if (w, s) != options[0]]
+            for num_warps, num_stages in options:
+                lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also compile under num_warps 4/8 x num_stages 1..4")
     parser.add_argument("--test-shapes", action="store_true", help="compile the kernel tests' shapes instead")
+    parser.add_argument("--sass", action="store_true", help="report each kernel's inner-loop instruction mix instead")
     parser.add_argument("--out", type=Path)
     cli = parser.parse_args()
     ptxas_version = subprocess.run([get_ptxas(ARCH).path, "--version"], capture_output=True, text=True).stdout
     ptxas_version = ptxas_version.strip().splitlines()[-1]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    flags = "".join(f" {flag}" for flag, on in (("--sweep", cli.sweep), ("--test-shapes", cli.test_shapes),
+                                                 ("--sass", cli.sass)) if on)
     lines = [
         f"# Pallas kernels compiled for sm_90a without a GPU, {stamp}", "",
         f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__}. Shapes: "
         + ("the kernel tests' (tests/test_kernels_*.py)" if cli.test_shapes else "experiments/gpu_kernels.py (GPU config)")
-        + ". Produced by `python experiments/sm90_compile.py" + "".join(
-            f" {flag}" for flag, on in (("--sweep", cli.sweep), ("--test-shapes", cli.test_shapes)) if on) + "`.", "",
-        "Blocks/SM: resident blocks per SM allowed by registers (65536 per SM, allocated per warp in units of "
-        "256), shared memory (228 KiB per SM, 1 KiB reserved per block), warps (64) and blocks (32); the "
-        "limiting resource in brackets. Spills: bytes of spill stores + loads per thread (ptxas -v).", "",
-        "| kernel | shape | warps | stages | programs | regs | spill B | smem KiB | blocks/SM | compile s | flags |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        + f". Produced by `python experiments/sm90_compile.py{flags}`.", "",
     ]
-    seen: set[str] = set()
-    for case in test_cases() if cli.test_shapes else cases(GPU):
-        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
-            if kernel.ttir in seen:  # e.g. a shape that only changes the grid
-                continue
-            seen.add(kernel.ttir)
-            options = [(kernel.num_warps, kernel.num_stages)]
-            if cli.sweep:
-                options += [(w, s) for w in (4, 8) for s in (1, 2, 3, 4) if (w, s) != options[0]]
-            for num_warps, num_stages in options:
-                lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
-                print(lines[-1], flush=True)
+    case_list = test_cases() if cli.test_shapes else cases(GPU)
+    if cli.sass:
+        lines += ["Inner loop of each kernel's SASS (the longest span closed by a backward branch), at the kernel's "
+                  "own warps and stages: instructions per thread per iteration, and how many are tensor-core MMAs, "
+                  "type conversions (scalar F2F/I2F and packed F2FP), byte permutes and register spills "
+                  "(LDL/STL). A static count: it says what each iteration issues, not how long it takes.", ""]
+        lines += sass_table(case_list)
+    else:
+        lines += ["Blocks/SM: resident blocks per SM allowed by registers (65536 per SM, allocated per warp in "
+                  "units of 256), shared memory (228 KiB per SM, 1 KiB reserved per block), warps (64) and blocks "
+                  "(32); the limiting resource in brackets. Spills: bytes of spill stores + loads per thread "
+                  "(ptxas -v).", ""]
+        lines += compile_table(case_list, cli.sweep)
     lines.append("")
-    out = cli.out or RESULTS_DIR / ("sm90_compile_tests.md" if cli.test_shapes else
+    out = cli.out or RESULTS_DIR / ("sm90_sass.md" if cli.sass else "sm90_compile_tests.md" if cli.test_shapes else
                                     "sm90_compile_sweep.md" if cli.sweep else "sm90_compile.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))

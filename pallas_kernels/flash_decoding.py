@@ -12,6 +12,7 @@ elementwise math and reductions.
 """
 
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -39,12 +40,19 @@ class AttentionTuning:
     num_splits: split-K programs per request (None: fill the GPU, plan_splits).
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
+    fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
+      "bfloat16" or "float16" (see compute_dtype; not yet timed on a GPU).
     """
 
     block_tokens: int = 64
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
+    fp8_dots: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.fp8_dots not in ("bfloat16", "float16"):
+            raise ValueError(f"fp8_dots must be 'bfloat16' or 'float16', got {self.fp8_dots!r}")
 
 
 def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> plgpu.CompilerParams:
@@ -122,17 +130,67 @@ def split_page_table(page_table_BN: jax.Array, lengths_B: jax.Array, page_size: 
     return table.reshape(b, plan.num_splits, plan.pages_per_split), lengths_B
 
 
-def compute_dtype(q_dtype, kv_dtype) -> jnp.dtype:
+def compute_dtype(q_dtype, kv_dtype, tuning: AttentionTuning) -> jnp.dtype:
     """Operand dtype of the in-kernel dots; accumulation is always float32.
 
     fp8 (e4m3 and e5m2) and bf16 values are exactly representable in bf16, so
     casting pages to bf16 is an exact dequantization that keeps tensor-core
     speed; the per-tensor/per-head scale is applied to the f32 logits and the
     f32 output instead. Any float32 operand makes the whole dot float32.
+
+    fp8 values are exact in float16 too, and on sm_90 e4m3 -> f16 is one
+    packed unpack per two values, while e4m3 -> bf16 adds a scalar
+    f16 -> bf16 conversion per value (128 F2F.BF16.F16 per thread per block
+    in the GQA kernel's SASS; experiments/results/sm90_sass.md).
+    tuning.fp8_dots="float16" runs the dots in f16: the query is scaled into
+    f16's range first (scaled_query) and the probabilities are rounded to
+    f16 (relative 2^-11 down to 2^-14, absolute 2^-25 below; bf16 rounds
+    relative 2^-9).
     """
-    if jnp.float32 in (jnp.dtype(q_dtype), jnp.dtype(kv_dtype)):
+    q_dtype, kv_dtype = jnp.dtype(q_dtype), jnp.dtype(kv_dtype)
+    if jnp.float32 in (q_dtype, kv_dtype):
         return jnp.dtype(jnp.float32)
+    if tuning.fp8_dots == "float16" and kv_dtype.itemsize == 1:
+        return jnp.dtype(jnp.float16)
     return jnp.dtype(jnp.bfloat16)
+
+
+def kernel_query_dtype(dot_dtype, q_dtype) -> jnp.dtype:
+    """The dtype q enters the kernel in: float16 dots scale it there first."""
+    return jnp.dtype(q_dtype) if jnp.dtype(dot_dtype) == jnp.float16 else jnp.dtype(dot_dtype)
+
+
+# Largest |q| after scaling lies in [2^14, 2^15): below f16's max (65504).
+_F16_QUERY_EXPONENT = 14
+
+
+def scaled_query(views_RX: tuple[jax.Array, ...], dot_dtype) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
+    """Column views of q [R, X_i] in the dot dtype, and per row the factor
+    that undoes their scaling on the logits (None when q is only cast).
+
+    float16 holds only |x| <= 65504, so each row is scaled by a power of two s
+    that brings its largest entry (over all views) into [2^14, 2^15): exact (a
+    bf16 value has 8 significant bits, f16 11) except for entries below 2^-28
+    of the row's largest, which lose bits (f16 subnormals), a logit error
+    under 2^-38 * max|q| * sum|k|. s and 1/s are built from exponent bits (no
+    exp2/log2 rounding); a row whose largest entry is below 2^-112 gets
+    1/s = 0, so its logits are 0 instead of below 2^-100.
+    """
+    if jnp.dtype(dot_dtype) != jnp.float16:
+        return tuple(v.astype(dot_dtype) for v in views_RX), None
+    views_RX = tuple(v.astype(jnp.float32) for v in views_RX)
+    amax_R = functools.reduce(jnp.maximum, (jnp.max(jnp.abs(v), axis=1) for v in views_RX))
+    exponent_R = (lax.bitcast_convert_type(amax_R, jnp.int32) >> 23) & 0xFF  # biased
+    # s = 2^(14 - (exponent - 127)), as a biased exponent field in [1, 254].
+    s_field_R = jnp.clip(_F16_QUERY_EXPONENT + 254 - exponent_R, 1, 254)
+    s_R = lax.bitcast_convert_type(s_field_R << 23, jnp.float32)
+    inverse_R = lax.bitcast_convert_type((254 - s_field_R) << 23, jnp.float32)
+    return tuple((v * s_R[:, None]).astype(jnp.float16) for v in views_RX), inverse_R
+
+
+def row_logit_scale(logit_scale: jax.Array, unscale_R: jax.Array | None) -> jax.Array:
+    """The logit scale, times each row's unscaling factor from scaled_query."""
+    return logit_scale if unscale_R is None else (logit_scale * unscale_R)[:, None]
 
 
 class SoftmaxPartial(NamedTuple):

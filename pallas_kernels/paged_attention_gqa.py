@@ -130,23 +130,23 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
 
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, dot_dtype):
     """One (request, KV head, split) grid step.
 
     Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
     split's page ids [pages_per_split], length [1], logit scale [1];
     outputs acc [R, D], max [R], sum [R].
     """
-    q_RD = q_ref[...]
+    (q_RD,), unscale_R = fd.scaled_query((q_ref[...],), dot_dtype)
     rows, head_dim = q_RD.shape
-    logit_scale = logit_scale_ref[0]
+    logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
     block_tokens = plan.pages_per_block * page_size
 
     def logits_and_values(pages):
-        # Exact dequantization (fp8/bf16 -> bf16, or -> f32); the scales are
-        # applied to the f32 logits here and to the combined f32 output.
-        k_TD = k_pages_ref[pages].reshape(block_tokens, head_dim).astype(q_RD.dtype)
-        v_TD = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(q_RD.dtype)
+        # Exact dequantization (fp8/bf16 -> bf16, fp8 -> f16, or -> f32); the
+        # scales are applied to the f32 logits here and to the combined f32 output.
+        k_TD = k_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
+        v_TD = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
@@ -164,13 +164,14 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh,
                           kv_bytes_per_token=2 * d * k_pages_KPSD.dtype.itemsize,
                           partial_bytes=rows * (d + 2) * 4, tuning=tuning)
-    dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype)
-    q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(dtype), ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype, tuning)
+    q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(fd.kernel_query_dtype(dtype, q_BHD.dtype)),
+                     ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
-        functools.partial(_gqa_kernel, plan=plan, page_size=page_size),
+        functools.partial(_gqa_kernel, plan=plan, page_size=page_size, dot_dtype=dtype),
         grid=(b, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),

@@ -143,7 +143,8 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
 
 
 def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int,
+                dot_dtype):
     """One (request, split) grid step.
 
     Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
@@ -153,14 +154,15 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
     rows, width = q_ref.shape
     rope_dim = width - kv_lora_rank
     block_tokens = plan.pages_per_block * page_size
-    logit_scale = logit_scale_ref[0]
     # Two power-of-two column views of the non-power-of-two latent width.
-    q_RL = q_ref[:, pl.ds(0, kv_lora_rank)]
-    q_RR = q_ref[:, pl.ds(kv_lora_rank, rope_dim)] if rope_dim else None
+    views = (q_ref[:, pl.ds(0, kv_lora_rank)], q_ref[:, pl.ds(kv_lora_rank, rope_dim)]) if rope_dim else (q_ref[...],)
+    scaled, unscale_R = fd.scaled_query(views, dot_dtype)
+    q_RL, q_RR = scaled[0], (scaled[1] if rope_dim else None)
+    logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
 
     def columns(pages, start: int, size: int):
         block = latent_ref[pages, :, pl.ds(start, size)]
-        return block.reshape(block_tokens, size).astype(q_RL.dtype)  # exact dequantization
+        return block.reshape(block_tokens, size).astype(dot_dtype)  # exact dequantization
 
     def logits_and_values(pages):
         latent_TL = columns(pages, 0, kv_lora_rank)
@@ -183,12 +185,13 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
                           kv_bytes_per_token=c * latent_pages_PSC.dtype.itemsize,
                           partial_bytes=rows * (kv_lora_rank + 2) * 4, tuning=tuning)
-    dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype)
-    q_BRC = jnp.pad(q_BHC.astype(dtype), ((0, 0), (0, rows - h), (0, 0)))
+    dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype, tuning)
+    q_BRC = jnp.pad(q_BHC.astype(fd.kernel_query_dtype(dtype, q_BHC.dtype)), ((0, 0), (0, rows - h), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
-        functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank),
+        functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank,
+                          dot_dtype=dtype),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),

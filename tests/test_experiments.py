@@ -143,3 +143,27 @@ def test_tuning_sweep_runs_and_names_the_fastest(monkeypatch):
     assert all(not r.note and r.max_err < 0.05 for r in bench.rows), [(r.impl, r.note, r.max_err) for r in bench.rows]
     text = gk.sweep_markdown(bench.rows, 1e9)
     assert "Fastest per shape:" in text and "- MLA fp8 B=2 ctx=48: num_stages=3" in text
+
+
+def test_sass_inner_loop_and_its_instruction_mix():
+    """experiments/sm90_compile.py --sass: the loop is the span a backward branch
+    closes (not the straight-line code around it), predicated opcodes count."""
+    sys.path.insert(0, ROOT)
+    from experiments.sass_loop import LoopMix, inner_loop
+
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R15], desc[UR10][R4.64] ;
+        /*0020*/                   F2FP.F16.E4M3.UNPACK_B R2, R3 ;
+        /*0030*/                   F2F.BF16.F16 R4, R2 ;
+        /*0040*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0050*/              @!P0 STL [R1], R9 ;
+        /*0060*/               @P1 BRA 0x20 ;
+        /*0070*/                   BRA 0x70 ;
+        /*0080*/                   EXIT ;
+    """
+    body = inner_loop(listing)
+    assert body == ["F2FP.F16.E4M3.UNPACK_B", "F2F.BF16.F16", "HMMA.16816.F32.BF16", "STL", "BRA"]
+    mix = LoopMix.of(body)
+    assert mix.instructions == 5 and mix.kinds == {"MMA": 1, "convert": 2, "permute": 0, "spill": 1}
+    assert mix.conversions == {"F2FP.F16.E4M3.UNPACK_B": 1, "F2F.BF16.F16": 1}

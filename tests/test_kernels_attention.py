@@ -22,6 +22,12 @@ Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-8, e4m3 2^-4):
     <= u_bf16 max|v|. Both outputs are then rounded to bf16 (<= u_bf16 |out|
     each, |out| <= max|v|), so |kernel - ref| <= 3 u_bf16 max|v| (plus the
     1e-5 max|v| f32 slack for second-order terms).
+  - bf16 q with AttentionTuning(fp8_dots="float16") over fp8 pages: the dots
+    run in f16 (fp8 values are exact there; q is scaled by a power of two per
+    row, exact but for entries 2^-28 below the row's largest). p rounds to f16:
+    relative 2^-11 down to 2^-14, absolute <= 2^-25 below, so
+    |sum_i (f16(p_i) - p_i) v_i| <= (2^-11 + T 2^-25) max|v| (sum p >= 1: the
+    largest p is 1) < u_bf16 max|v| for T < 2^16: the bf16 bound holds.
 * FP8 vs BF16 on the same unquantized values: see test_fp8_within_e4m3_bound.
 """
 
@@ -207,6 +213,8 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[0], jnp.bfloat16, jnp.float32, True, AttentionTuning()),
         (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(block_tokens=32)),
         (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, AttentionTuning(num_splits=3)),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(fp8_dots="float16")),
+        (GQA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, False, AttentionTuning(fp8_dots="float16", num_splits=2)),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
         (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(num_splits=4)),
@@ -345,6 +353,8 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[0], jnp.bfloat16, jnp.bfloat16, AttentionTuning(block_tokens=32, num_splits=2)),
         (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning()),
         (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(num_splits=1)),
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(fp8_dots="float16", num_splits=2)),
+        (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(fp8_dots="float16")),
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
     ],
 )
@@ -359,6 +369,36 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _mla_max_abs_v(args)
     _check_close(got, ref, tol, seed, "mla kernel vs reference")
     assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
+
+
+def test_float16_dots_scale_queries_of_any_magnitude():
+    """fp8_dots="float16" holds q in f16 (max 65504): rows of q as large as 1e6
+    and as small as 1e-25 and 1e-36 must give the reference's output, GQA and
+    MLA. Casting q to f16 unscaled turns the 1e6 rows into inf (NaN output)."""
+    seed = _seed()
+    rng = _rng(seed)
+    magnitudes = np.array([1e6, 3e4, 1.0, 1e-25, 1e-36])
+    tuning = AttentionTuning(fp8_dots="float16")
+    args, _ = _gqa_inputs(rng, batch=3, kv_heads=1, group=5, head_dim=32, page_size=8, num_slots=6,
+                          lengths=(40, 7, 33), kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32, per_head=False)
+    q = _as_np(args["q_BHD"]) * magnitudes[None, :, None]
+    args = dict(args, q_BHD=jnp.asarray(q, jnp.bfloat16))
+    got = paged_attention_gqa(**args, backend=KERNEL_BACKEND, tuning=tuning)
+    _check_close(got, _as_np(paged_attention_gqa(**args, backend="xla")), BF16_TOL * _max_abs_v(args), seed,
+                 "gqa float16 dots vs reference")
+    h, c, rank, s, n, lengths = MLA_SHAPES[0]
+    args, _ = _mla_inputs(rng, heads=5, width=c, rank=rank, page_size=s, num_slots=n, lengths=lengths,
+                          kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32)
+    q = _as_np(args["q_BHC"]) * magnitudes[None, :, None]
+    args = dict(args, q_BHC=jnp.asarray(q, jnp.bfloat16))
+    got = paged_attention_mla(**args, backend=KERNEL_BACKEND, tuning=tuning)
+    _check_close(got, _as_np(paged_attention_mla(**args, backend="xla")), BF16_TOL * _mla_max_abs_v(args), seed,
+                 "mla float16 dots vs reference")
+
+
+def test_attention_tuning_rejects_an_unknown_dot_dtype():
+    with pytest.raises(ValueError, match="fp8_dots"):
+        AttentionTuning(fp8_dots="float8")
 
 
 @pytest.mark.parametrize(

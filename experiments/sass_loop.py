@@ -1,0 +1,46 @@
+"""The inner loop of a kernel's SASS listing (cuobjdump -sass), and its instruction mix.
+
+Used by experiments/sm90_compile.py --sass; pure text processing, so it is
+tested without a GPU or Triton (tests/test_experiments.py).
+"""
+
+import dataclasses
+import re
+
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
+# Instruction kinds reported per loop iteration (SASS opcode prefixes).
+SASS_KINDS = {
+    "MMA": ("HMMA", "HGMMA"),
+    "convert": ("F2F", "I2F", "F2I", "I2I"),  # the F2F prefix covers packed F2FP too
+    "permute": ("PRMT",),
+    "spill": ("LDL", "STL"),
+}
+
+
+def inner_loop(sass: str) -> list[str]:
+    """Opcodes (with modifiers) of the longest address span closed by a backward branch."""
+    listing = [(int(m.group(1), 16), m.group(2) + m.group(3), m.group(4))
+               for m in map(_SASS_LINE.match, sass.splitlines()) if m]
+    best: list[str] = []
+    for address, opcode, operands in listing:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
+        if target and int(target.group(1), 16) < address:
+            body = [op for a, op, _ in listing if int(target.group(1), 16) <= a <= address]
+            best = max(best, body, key=len)
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopMix:
+    instructions: int  # per thread per iteration
+    kinds: dict[str, int]  # SASS_KINDS -> count
+    conversions: dict[str, int]  # each conversion opcode, with its modifiers -> count
+
+    @classmethod
+    def of(cls, body: list[str]) -> "LoopMix":
+        kinds = {kind: sum(op.startswith(prefixes) for op in body) for kind, prefixes in SASS_KINDS.items()}
+        conversions: dict[str, int] = {}
+        for op in body:
+            if op.startswith(SASS_KINDS["convert"]):
+                conversions[op] = conversions.get(op, 0) + 1
+        return cls(len(body), kinds, conversions)
