@@ -631,17 +631,19 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 
 
 # The sweep: launch choices at a few serving shapes (FP8 attention, the product's format).
-# Measured on the H200 in run 2 (experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md);
-# the next run tries float16 dots over FP8 pages (15-20% fewer instructions
-# per loop iteration, no scalar conversions: experiments/results/sm90_sass.md),
-# block sizes with the every-block mask, and MoE tiles.
+# Measured on the H200 in run 2 (experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md).
+# The next run tries float16 dots over FP8 pages (15-20% fewer instructions per
+# loop iteration, no scalar conversions: experiments/results/sm90_sass.md), the
+# old split rule (partial_share=8) against the new default, block sizes with
+# the every-block mask, and MoE tiles.
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(fp8_dots="float16"), AttentionTuning(block_tokens=128),
-            AttentionTuning(fp8_dots="float16", block_tokens=128), AttentionTuning(block_tokens=128, num_stages=3),
-            AttentionTuning(block_tokens=256, num_warps=8), AttentionTuning(num_stages=3)),
-    "MLA": (AttentionTuning(), AttentionTuning(fp8_dots="float16"), AttentionTuning(block_tokens=128, num_stages=1),
-            AttentionTuning(fp8_dots="float16", block_tokens=128, num_stages=1), AttentionTuning(block_tokens=32),
-            AttentionTuning(num_stages=3)),
+    "GQA": (AttentionTuning(), AttentionTuning(fp8_dots="float16"), AttentionTuning(partial_share=8),
+            AttentionTuning(block_tokens=128), AttentionTuning(fp8_dots="float16", block_tokens=128),
+            AttentionTuning(block_tokens=128, num_stages=3), AttentionTuning(num_stages=3)),
+    "MLA": (AttentionTuning(), AttentionTuning(fp8_dots="float16"), AttentionTuning(partial_share=8),
+            AttentionTuning(block_tokens=128, num_stages=1), AttentionTuning(fp8_dots="float16", block_tokens=128,
+                                                                             num_stages=1),
+            AttentionTuning(block_tokens=32), AttentionTuning(num_stages=3)),
 }
 INT4_SWEEP = (Int4Tuning(), Int4Tuning(num_warps=4), Int4Tuning(num_warps=8), Int4Tuning(block_k=128),
               Int4Tuning(block_n=256), Int4Tuning(block_n=64, target_programs=4 * 132),

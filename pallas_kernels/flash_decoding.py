@@ -25,8 +25,6 @@ from pallas_kernels import mma
 
 # Two waves of programs over the 132 SMs of an H100/H200.
 _TARGET_PROGRAMS = 2 * 132
-# A split streams at least this many times the bytes of the partial it writes.
-_PARTIAL_SHARE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +40,14 @@ class AttentionTuning:
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
       "bfloat16" or "float16" (see compute_dtype; not yet timed on a GPU).
+    partial_share: a split streams at least this many times the bytes of the
+      partial it writes (plan_splits). It was 8 until the H200 showed small
+      batches bound by blocks per program, not bytes: at B=1, MLA took 55-57
+      us for 8 blocks per program whether the context was 4k (8 programs)
+      or 32k (64 programs), and 31-38 us for 4 blocks per program (bf16 pages,
+      sparse and dense); experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md.
+      At 1, B=1 splits down to 1-2 blocks per program; larger batches were
+      already held to ~2 waves of programs. Not yet timed at 1.
     """
 
     block_tokens: int = 64
@@ -49,6 +55,7 @@ class AttentionTuning:
     num_warps: int | None = None
     num_stages: int = 2
     fp8_dots: str = "bfloat16"
+    partial_share: int = 1
 
     def __post_init__(self):
         if self.fp8_dots not in ("bfloat16", "float16"):
@@ -94,8 +101,8 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
     """Picks the split so that parallel_programs * num_splits fills the GPU.
 
     Each split also writes a partial of partial_bytes (read again by the
-    combine), so a split must stream at least _PARTIAL_SHARE times that much
-    KV cache, or small batches would spend their bandwidth on partials.
+    combine), so a split streams at least tuning.partial_share times that
+    much KV cache.
     An explicit tuning.num_splits (tuning, tests) overrides the heuristic.
     """
     # Not capped by num_slots: a short table is padded instead, keeping the
@@ -103,7 +110,7 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
     pages_per_block = max(1, tuning.block_tokens // page_size)
     num_blocks = -(-num_slots // pages_per_block)
     block_bytes = pages_per_block * page_size * kv_bytes_per_token
-    min_blocks_per_split = -(-_PARTIAL_SHARE * partial_bytes // block_bytes)
+    min_blocks_per_split = -(-tuning.partial_share * partial_bytes // block_bytes)
     num_splits = tuning.num_splits
     if num_splits is None:
         wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))

@@ -478,20 +478,27 @@ def test_triton_kernels_for_cuda_names_a_function_without_kernels():
 
 
 def test_split_heuristic_at_gpu_shapes():
-    """Many programs at batch 1, few splits at batch 64, and every split streams
-    at least 8x the bytes of the partial it writes."""
+    """Batch 1 splits down to 1-2 blocks per program (the H200 showed its time
+    growing with blocks per program), batch 64 keeps few splits, and every
+    split streams at least partial_share times the bytes of its partial."""
     from pallas_kernels.flash_decoding import plan_splits
 
     gqa = dict(kv_bytes_per_token=2 * 128, partial_bytes=16 * 130 * 4)  # fp8 K + V, D = 128
     mla = dict(kv_bytes_per_token=576, partial_bytes=16 * 514 * 4)  # fp8 latent, L = 512
-    cases = [(32768, 16, 1, gqa), (32768, 16, 64, gqa), (4096, 64, 1, mla), (32768, 64, 1, mla)]
-    plans = {}
-    for context, page, batch, sizes in cases:
-        plan = plans[context, batch, page] = plan_splits(context // page, page, batch, **sizes)
-        streamed = plan.pages_per_split * page * sizes["kv_bytes_per_token"]
-        assert streamed >= 8 * sizes["partial_bytes"], plan
-    assert plans[32768, 1, 16].num_splits >= 64
-    assert plans[32768, 64, 16].num_splits <= 8
+    cases = [(32768, 16, 1, gqa), (32768, 16, 64, gqa), (4096, 64, 1, mla), (32768, 64, 1, mla), (4096, 64, 64, mla)]
+    for share in (1, 8):
+        tuning = AttentionTuning(partial_share=share)
+        plans = {}
+        for context, page, batch, sizes in cases:
+            plan = plans[context, batch, page] = plan_splits(context // page, page, batch, **sizes, tuning=tuning)
+            streamed = plan.pages_per_split * page * sizes["kv_bytes_per_token"]
+            assert streamed >= share * sizes["partial_bytes"], plan
+        assert plans[32768, 64, 16].num_splits <= 8 and plans[4096, 64, 64].num_splits <= 8
+        if share == 1:
+            assert plans[4096, 1, 64].blocks_per_split == 1 and plans[32768, 1, 64].blocks_per_split <= 2
+            assert plans[32768, 1, 16].num_splits >= 2 * 132 - 8
+        else:  # the old rule: 8 blocks per program for MLA at batch 1
+            assert plans[4096, 1, 64].blocks_per_split == 8 and plans[32768, 1, 64].blocks_per_split == 8
 
 
 def test_interpreter_poisons_outputs():
