@@ -218,6 +218,8 @@ def loop_mix(kernel: TritonKernelIR) -> LoopMix:
 
 
 def sass_row(case: Case, mix: LoopMix) -> str:
+    if not mix.instructions:  # e.g. one block per program: the compiler dropped the loop
+        return f"| {case.kernel} | {case.shape} | no loop |" + " |" * len(SASS_KINDS) + " |"
     kinds = " | ".join(str(mix.kinds[k]) for k in SASS_KINDS)
     conversions = ", ".join(f"{n} {op}" for op, n in sorted(mix.conversions.items(), key=lambda item: -item[1]))
     return f"| {case.kernel} | {case.shape} | {mix.instructions} | {kinds} | {conversions} |"
