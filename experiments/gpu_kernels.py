@@ -168,7 +168,7 @@ class Bench:
         try:
             out = jax.block_until_ready(fn(*args))  # compiles
             err = None if ref is None else max_err(out, ref)
-            timing = self._time(fn, args)
+            timing = self.time_call(fn, args)
         except Exception as error:  # Reported in the table; the other rows still run.
             message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
             print(f"FAILED {kernel} {shape} {impl}: {message}", flush=True)
@@ -180,7 +180,8 @@ class Bench:
             self.log.append(f"{kernel} {shape} {impl}: " + ", ".join(
                 f"{name} {us:.1f} us" for name, us in timing.kernels))
 
-    def _time(self, fn: Callable, args: tuple) -> "Timing":
+    def time_call(self, fn: Callable, args: tuple) -> "Timing":
+        """fn(*args) timed by CUPTI when this bench has it, else by the loop."""
         if self.cupti_measure is not None:
             return cupti_time_per_call(fn, args, self.cfg.samples, self.cupti_measure)
         once = _wall_seconds(lambda: fn(*args))
@@ -317,7 +318,7 @@ def copy_bandwidth(bench: Bench) -> float:
     """Bytes/s of reading and writing cfg.copy_bytes once (x + 1), timed like the ops."""
     x = jnp.ones((bench.cfg.copy_bytes // 4,), jnp.float32)
     if bench.cupti_measure is not None:
-        return 2 * bench.cfg.copy_bytes / bench._time(lambda x: x + 1, (x,)).seconds
+        return 2 * bench.cfg.copy_bytes / bench.time_call(lambda x: x + 1, (x,)).seconds
     add_one = jax.jit(lambda x: x + 1)
     jax.block_until_ready(add_one(x))
     reps = _reps(_wall_seconds(lambda: add_one(x)), bench.cfg)

@@ -239,34 +239,35 @@ def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
             f"{c.spill_bytes} | {c.smem / 1024:.1f} | {blocks} ({limiter}) | {c.seconds:.1f} | {', '.join(flags)} |")
 
 
-def sass_table(case_list: list[Case]) -> list[str]:
-    lines = ["| kernel | shape | loop instrs | " + " | ".join(SASS_KINDS) + " | conversions |",
-             "|---|---|---:|" + "---:|" * len(SASS_KINDS) + "---|"]
+def unique_kernels(case_list: list[Case]):
+    """(case, kernel) for each distinct Triton kernel, skipping a shape that only changes the grid."""
     seen: set[str] = set()
     for case in case_list:
         for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
-            if kernel.ttir not in seen:  # e.g. a shape that only changes the grid
+            if kernel.ttir not in seen:
                 seen.add(kernel.ttir)
-                lines.append(sass_row(case, loop_mix(kernel)))
-                print(lines[-1], flush=True)
+                yield case, kernel
+
+
+def sass_table(case_list: list[Case]) -> list[str]:
+    lines = ["| kernel | shape | loop instrs | " + " | ".join(SASS_KINDS) + " | conversions |",
+             "|---|---|---:|" + "---:|" * len(SASS_KINDS) + "---|"]
+    for case, kernel in unique_kernels(case_list):
+        lines.append(sass_row(case, loop_mix(kernel)))
+        print(lines[-1], flush=True)
     return lines
 
 
 def compile_table(case_list: list[Case], sweep: bool) -> list[str]:
     lines = ["| kernel | shape | warps | stages | programs | regs | spill B | smem KiB | blocks/SM | compile s | flags |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
-    seen: set[str] = set()
-    for case in case_list:
-        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
-            if kernel.ttir in seen:
-                continue
-            seen.add(kernel.ttir)
-            options = [(kernel.num_warps, kernel.num_stages)]
-            if sweep:
-                options += [(w, s) for w in (4, 8) for s in (1, 2, 3, 4) if (w, s) != options[0]]
-            for num_warps, num_stages in options:
-                lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
-                print(lines[-1], flush=True)
+    for case, kernel in unique_kernels(case_list):
+        options = [(kernel.num_warps, kernel.num_stages)]
+        if sweep:
+            options += [(w, s) for w in (4, 8) for s in (1, 2, 3, 4) if (w, s) != options[0]]
+        for num_warps, num_stages in options:
+            lines.append(row(case, kernel, compile_sm90(kernel, num_warps, num_stages)))
+            print(lines[-1], flush=True)
     return lines
 
 
