@@ -78,12 +78,16 @@ class Case:
 
 def cases(cfg: Config) -> list[Case]:
     """The benchmark's kernels at its smallest and largest work per program, and
-    FP8 attention with float16 dots (AttentionTuning.fp8_dots)."""
+    the attention variants: FP8 with float16 dots, and prefetching
+    (AttentionTuning.fp8_dots, .prefetch)."""
     spec = jax.ShapeDtypeStruct
     out = []
-    f16 = AttentionTuning(fp8_dots="float16")
-    for name, dtype, tuning in (("bf16", jnp.bfloat16, AttentionTuning()), ("fp8", jnp.float8_e4m3fn, AttentionTuning()),
-                                ("fp8 f16-dots", jnp.float8_e4m3fn, f16)):
+    variants = [(name, dtype, AttentionTuning(fp8_dots=dots, prefetch=prefetch))
+                for prefetch in (False, True)
+                for name, dtype, dots in (("bf16", jnp.bfloat16, "bfloat16"), ("fp8", jnp.float8_e4m3fn, "bfloat16"),
+                                          ("fp8 f16-dots", jnp.float8_e4m3fn, "float16"))]
+    variants = [(name + " prefetch" * tuning.prefetch, dtype, tuning) for name, dtype, tuning in variants]
+    for name, dtype, tuning in variants:
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             n = context // cfg.gqa_page
             pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)

@@ -23,10 +23,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import mma
 
-# Two waves of programs over the 132 SMs of an H100/H200.
-_TARGET_PROGRAMS = 2 * 132
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionTuning:
     """Launch choices of the paged attention kernels; the result does not depend
@@ -35,7 +31,12 @@ class AttentionTuning:
 
     block_tokens: tokens per inner step (unless a page is larger); >= 16 keeps
       every dot at least one MMA tile even at page size 8.
-    num_splits: split-K programs per request (None: fill the GPU, plan_splits).
+    num_splits: split-K programs per request (None: about target_programs
+      programs in all, plan_splits).
+    target_programs: programs the split heuristic aims for; 2 per SM of an
+      H100/H200 (132 SMs). sm_90a compiles allow 4 GQA programs per SM and 1
+      MLA program (registers; experiments/results/sm90_compile.md), so MLA at
+      B=64 runs 320 programs in 3 waves, the last 42% full. Not yet swept.
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
@@ -48,6 +49,8 @@ class AttentionTuning:
       sparse and dense); experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md.
       At 1, B=1 splits down to 1-2 blocks per program; larger batches were
       already held to ~2 waves of programs. Not yet timed at 1.
+    prefetch: carry the next block through the loop so that its loads
+      overlap this block's math (see attend_split).
     """
 
     block_tokens: int = 64
@@ -56,6 +59,8 @@ class AttentionTuning:
     num_stages: int = 2
     fp8_dots: str = "bfloat16"
     partial_share: int = 1
+    prefetch: bool = False
+    target_programs: int = 2 * 132
 
     def __post_init__(self):
         if self.fp8_dots not in ("bfloat16", "float16"):
@@ -113,7 +118,7 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
     min_blocks_per_split = -(-tuning.partial_share * partial_bytes // block_bytes)
     num_splits = tuning.num_splits
     if num_splits is None:
-        wanted = -(-_TARGET_PROGRAMS // max(parallel_programs, 1))
+        wanted = -(-tuning.target_programs // max(parallel_programs, 1))
         num_splits = min(wanted, num_blocks // min_blocks_per_split)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = -(-num_blocks // num_splits)
@@ -241,17 +246,28 @@ def online_softmax_step(
 
 def attend_split(
     slots_ref, length: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
-    rows: int, value_dim: int, logits_and_values: Callable,
+    rows: int, value_dim: int, gather: Callable, logits_and_values: Callable, prefetch: bool,
 ) -> SoftmaxPartial:
     """Online softmax over the token blocks of one split of one request.
 
-    slots_ref holds this split's page ids; logits_and_values(pages) gathers
-    those pages and returns (logits [R, T] f32, values [T, V]). The loop stops
-    at the request's last page, so blocks past the length cost no HBM traffic.
+    slots_ref holds this split's page ids. gather(pages, live) loads those
+    pages as stored (nothing is read where live is False), and
+    logits_and_values(tiles) turns them into (logits [R, T] f32, values [T, V]).
+    The loop stops at the request's last page, so blocks past the length cost
+    no HBM traffic.
     Every block is masked: one loop with the mask measured faster on the H200
     than an unmasked loop over full blocks plus a masked tail loop (FP8 GQA
     B=64 ctx=32k 357 vs 420 us, MLA 1657 vs 1957 us;
     experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md).
+
+    prefetch (AttentionTuning.prefetch): Triton's pipeliner, given the
+    page-table indirection, keeps one buffer per block and issues the next
+    block's copy at the end of the loop body, right before the wait at the
+    top, so a program never computes while its own loads are in flight
+    (sm_90a SASS, experiments/results/sm90_sass.md). With prefetch the loop
+    carries the next block as loaded values and the page ids of the one after
+    it: block i + 1 is requested before block i's math, and its page ids one
+    iteration earlier still, so neither load waits on the other.
     """
     first_slot = split * plan.pages_per_split
     used_slots = (length + page_size - 1) // page_size - first_slot
@@ -259,14 +275,46 @@ def attend_split(
         (used_slots + plan.pages_per_block - 1) // plan.pages_per_block, 0, plan.blocks_per_split)
     block_tokens = plan.pages_per_block * page_size
 
-    def body(block, state):
-        pages = slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
-        logits_RT, values_TV = logits_and_values(pages)
+    def pages_of(block):
+        # Clamped into this split's slots: a prefetch past the last block
+        # reads valid page ids, and its gather is masked off.
+        block = jnp.clip(block, 0, plan.blocks_per_split - 1)
+        return slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
+
+    def fold(block, tiles, state):
+        logits_RT, values_TV = logits_and_values(tiles)
         first_token = (first_slot + block * plan.pages_per_block) * page_size
         valid_T = first_token + jnp.arange(block_tokens) < length
         return online_softmax_step(state, logits_RT, valid_T, values_TV)
 
-    return lax.fori_loop(0, num_blocks, body, empty_partial(rows, value_dim))
+    empty = empty_partial(rows, value_dim)
+    if not prefetch:
+        return lax.fori_loop(0, num_blocks, lambda block, state: fold(block, gather(pages_of(block), True), state),
+                             empty)
+
+    def body(block, carry):
+        state, tiles, next_pages = carry
+        next_tiles = gather(next_pages, block + 1 < num_blocks)
+        return fold(block, tiles, state), next_tiles, pages_of(block + 2)
+
+    first = (empty, gather(pages_of(0), num_blocks > 0), pages_of(1))
+    return lax.fori_loop(0, num_blocks, body, first)[0]
+
+
+def gather_pages(pages_ref, pages: jax.Array, live, start: int = 0, size: int | None = None) -> jax.Array:
+    """pages_ref[pages, :, start:start + size] as stored [pages, S, size]; where
+    live is False, zeros and no HBM read (a prefetch past a split's last block).
+
+    Every axis is indexed by an array (not a slice): that is the form of masked
+    gather both the Triton lowering and the interpreter accept.
+    """
+    _, page_size, width = pages_ref.shape
+    size = width - start if size is None else size
+    if live is True:
+        return pages_ref[pages, :, pl.ds(start, size)]
+    index = (pages[:, None, None], jnp.arange(page_size)[None, :, None], start + jnp.arange(size)[None, None, :])
+    shape = (pages.shape[0], page_size, size)
+    return plgpu.load(pages_ref.at[index], mask=jnp.broadcast_to(live, shape), other=jnp.zeros(shape, pages_ref.dtype))
 
 
 def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref) -> None:

@@ -130,7 +130,8 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
 
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, dot_dtype):
+                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, dot_dtype,
+                prefetch: bool):
     """One (request, KV head, split) grid step.
 
     Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
@@ -142,15 +143,17 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
     logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
     block_tokens = plan.pages_per_block * page_size
 
-    def logits_and_values(pages):
+    def gather(pages, live):
+        return (fd.gather_pages(k_pages_ref, pages, live), fd.gather_pages(v_pages_ref, pages, live))
+
+    def logits_and_values(tiles):
         # Exact dequantization (fp8/bf16 -> bf16, fp8 -> f16, or -> f32); the
         # scales are applied to the f32 logits here and to the combined f32 output.
-        k_TD = k_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
-        v_TD = v_pages_ref[pages].reshape(block_tokens, head_dim).astype(dot_dtype)
+        k_TD, v_TD = (t.reshape(block_tokens, head_dim).astype(dot_dtype) for t in tiles)
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
-                            rows, head_dim, logits_and_values)
+                            rows, head_dim, gather, logits_and_values, prefetch)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
@@ -171,7 +174,8 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
-        functools.partial(_gqa_kernel, plan=plan, page_size=page_size, dot_dtype=dtype),
+        functools.partial(_gqa_kernel, plan=plan, page_size=page_size, dot_dtype=dtype,
+                          prefetch=tuning.prefetch),
         grid=(b, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),

@@ -144,7 +144,7 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
 
 def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
                 acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int,
-                dot_dtype):
+                dot_dtype, prefetch: bool):
     """One (request, split) grid step.
 
     Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
@@ -160,19 +160,20 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
     q_RL, q_RR = scaled[0], (scaled[1] if rope_dim else None)
     logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
 
-    def columns(pages, start: int, size: int):
-        block = latent_ref[pages, :, pl.ds(start, size)]
-        return block.reshape(block_tokens, size).astype(dot_dtype)  # exact dequantization
+    def gather(pages, live):
+        return tuple(fd.gather_pages(latent_ref, pages, live, start, size)
+                     for start, size in ((0, kv_lora_rank), (kv_lora_rank, rope_dim)) if size)
 
-    def logits_and_values(pages):
-        latent_TL = columns(pages, 0, kv_lora_rank)
+    def logits_and_values(tiles):
+        # Exact dequantization; the scale is applied to the f32 logits and output.
+        latent_TL, *rope = (t.reshape(block_tokens, -1).astype(dot_dtype) for t in tiles)
         logits_RT = mma.dot_nt(q_RL, latent_TL)
-        if rope_dim:
-            logits_RT += mma.dot_nt(q_RR, columns(pages, kv_lora_rank, rope_dim))
+        if rope:
+            logits_RT += mma.dot_nt(q_RR, rope[0])
         return logits_RT * logit_scale, latent_TL
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
-                            rows, kv_lora_rank, logits_and_values)
+                            rows, kv_lora_rank, gather, logits_and_values, prefetch)
     fd.store_partial(state, acc_ref, max_ref, sum_ref)
 
 
@@ -191,7 +192,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
         functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank,
-                          dot_dtype=dtype),
+                          dot_dtype=dtype, prefetch=tuning.prefetch),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),

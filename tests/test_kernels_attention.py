@@ -33,6 +33,7 @@ Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-8, e4m3 2^-4):
 
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,10 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
         (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(num_splits=4)),
+        # Prefetch: splits of 1..n blocks, splits past a request's end and empty requests.
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(prefetch=True, block_tokens=16,
+                                                                               num_splits=3)),
+        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(prefetch=True, num_splits=2)),
     ],
 )
 def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, tuning):
@@ -356,6 +361,8 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(fp8_dots="float16", num_splits=2)),
         (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(fp8_dots="float16")),
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16, num_splits=2)),
+        (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(prefetch=True, fp8_dots="float16")),
     ],
 )
 def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
@@ -402,13 +409,14 @@ def test_attention_tuning_rejects_an_unknown_dot_dtype():
 
 
 @pytest.mark.parametrize(
-    "shape, top_k, kv_dtype, q_dtype",
+    "shape, top_k, kv_dtype, q_dtype, tuning",
     [
-        (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16),
-        (MLA_SHAPES[2], 80, jnp.bfloat16, jnp.float32),  # top-k above some lengths: all their tokens
+        (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
+        # top-k above some lengths: all their tokens
+        (MLA_SHAPES[2], 80, jnp.bfloat16, jnp.float32, AttentionTuning(num_splits=2, block_tokens=16, prefetch=True)),
     ],
 )
-def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dtype):
+def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dtype, tuning):
     """DSA decode. Each request chooses min(top_k, length) random positions; every
     valid token it did NOT choose is NaN in the pool, as are all unused slots, and
     the token ids past the count are garbage (negative, beyond the table), so a
@@ -440,7 +448,7 @@ def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dty
     # The reference returns q's dtype: with bf16 q add that one rounding, u_bf16 |out| <= u_bf16 max|v|.
     rounding = U_BF16 if q_dtype == jnp.bfloat16 else 0.0
     _check_close(ref, expected, (F32_TOL + rounding) * v_max, seed, "sparse mla reference vs float64")
-    got = sparse_paged_attention_mla(**sparse, backend=KERNEL_BACKEND, tuning=AttentionTuning(num_splits=2))
+    got = sparse_paged_attention_mla(**sparse, backend=KERNEL_BACKEND, tuning=tuning)
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * v_max
     _check_close(got, _as_np(ref), tol, seed, "sparse mla kernel vs reference")
 
@@ -470,6 +478,32 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     [kernel] = triton_kernels_for_cuda(sparse, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
                                        spec((4, 64), jnp.int32), spec((4, 2048), jnp.int32), spec((4,), jnp.int32))
     assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
+
+
+def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
+    """AttentionTuning(prefetch=True) at GPU shapes: every page load is masked
+    (the prologue's and the loop's), so a prefetch past a split's last block
+    reads nothing; without prefetch the two loads are unmasked."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+
+    def page_loads(tuning):
+        gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        [kernel] = triton_kernels_for_cuda(gqa, spec((4, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
+                                           spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
+                                           spec((4,), jnp.int32))
+        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        [latent] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
+                                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+        # tt.load %ptr[, %mask, %other] : tensor<...x!tt.ptr<f8E4M3FN>>
+        return [re.search(r"tt\.load ([^:]*):", line).group(1).count(",")
+                for line in kernel.ttir.splitlines() + latent.ttir.splitlines()
+                if "tt.load" in line and "ptr<f8E4M3FN>" in line]
+
+    assert page_loads(AttentionTuning()) == [0] * 4  # GQA k, v; MLA two column views
+    assert page_loads(AttentionTuning(prefetch=True)) == [2] * 8  # each in the prologue and the loop
 
 
 def test_triton_kernels_for_cuda_names_a_function_without_kernels():
