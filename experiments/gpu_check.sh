@@ -6,7 +6,7 @@
 # Uses the machine's python3 and JAX as they are (no install: the lent H200
 # has jax 0.11 + CUDA, pytest and numpy, and no registry). Results go to $OUT
 # when set (the device tool brings that folder back), else experiments/results/gpu/.
-# Worst case about 7.5 minutes (the timeouts below); a healthy run takes less.
+# Worst case about 8 minutes (the timeouts below); a healthy run takes less.
 # A dry run on CPU: PATH=.venv/bin:$PATH MIXSERVE_KERNEL_BACKEND=interpret bash experiments/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,14 +20,14 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } 2>&1 | tee "$out/gpu_env.txt"
 
-# 1. The attention kernel tests on the compiled kernels (their masking changed
-# since the last GPU run; the INT4 kernels changed only launch parameters, which
-# the sweep checks against the reference). The lowering tests read Triton IR out
-# of jaxlib <= 0.10.2's CUDA lowering (CPU CI); newer jaxlibs compile during
-# lowering, which this step exercises anyway.
-MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+# 1. The kernel tests on the compiled kernels: attention (prefetching is new
+# since the last GPU run) and INT4 (its dequantization became bf16 bit
+# arithmetic). The lowering tests read Triton IR out of jaxlib <= 0.10.2's
+# CUDA lowering (CPU CI); newer jaxlibs compile during lowering, which this
+# step exercises anyway.
+MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   -k "not lower_to_triton and not triton_kernels_for_cuda" \
-  tests/test_kernels_attention.py 2>&1 | tee "$out/gpu_tests.txt"
+  tests/test_kernels_attention.py tests/test_kernels_int4.py 2>&1 | tee "$out/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 # 2. The benchmark (CUPTI kernel times), then the tuning sweep, each with its own budget.

@@ -146,15 +146,21 @@ DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 12
 SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4096)
 
 
-@pytest.mark.parametrize("shape, tuning", [(shape, Int4Tuning()) for shape in DENSE_SHAPES]
-                         + [(DENSE_SHAPES[0], SMALL_TILES), (DENSE_SHAPES[2], SMALL_TILES)])
+# Scales are bf16 (what checkpoints store; the kernel's bf16 dequant math) or
+# f32 (its f32 path).
+@pytest.mark.parametrize("shape, tuning, scale_dtype",
+                         [(shape, Int4Tuning(), jnp.bfloat16) for shape in DENSE_SHAPES]
+                         + [(DENSE_SHAPES[0], SMALL_TILES, jnp.bfloat16), (DENSE_SHAPES[2], SMALL_TILES, jnp.bfloat16),
+                            (DENSE_SHAPES[1], Int4Tuning(), jnp.float32)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
-def test_int4_matmul_kernel_matches_reference(shape, tuning, x_dtype):
+def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
     seed = _seed()
     rng = np.random.default_rng(seed)
     m, k, n, g = shape
     values = _values(rng, (k, n))
-    scales = _scales(rng, (k // g, n), jnp.bfloat16)
+    scales = _scales(rng, (k // g, n), jnp.bfloat16).astype(scale_dtype)
+    if scale_dtype == jnp.float32:  # not bf16-representable: rounding them to bf16 is an error
+        scales = scales * jnp.float32(1 + 2 ** -12)
     x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
     packed = pack_int4(jnp.asarray(values))
     w = _dequant_f64(values, scales, g)
