@@ -224,21 +224,23 @@ def empty_partial(rows: int, value_dim: int) -> SoftmaxPartial:
 
 
 def online_softmax_step(
-    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array
+    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array, zero_invalid: bool
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
-    Invalid tokens (past the request's length) get probability exactly 0 and
-    their values are zeroed too: a stale cache slot may hold NaN/Inf bit
-    patterns (fp8 e4m3fn has a NaN encoding), and 0 * NaN would poison acc.
-    values_TV is in the dot operand dtype; the probabilities are rounded to it
-    for the tensor-core dot (as FlashAttention does) but summed in f32.
+    Invalid tokens (past the request's length) get probability exactly 0.
+    Their values must be finite, since 0 * NaN would poison acc: loaded as
+    zeros (gather_pages with a mask), or zeroed here (zero_invalid) when a
+    stale slot was loaded as it is. values_TV is in the dot operand dtype; the
+    probabilities are rounded to it for the tensor-core dot (as
+    FlashAttention does) but summed in f32.
     """
     logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
     max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
     rescale_R = jnp.exp(state.max_R - max_R)
     p_RT = jnp.exp(logits_RT - max_R[:, None])
-    values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
+    if zero_invalid:
+        values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
     acc_RV = state.acc_RV * rescale_R[:, None] + mma.dot_nn(p_RT.astype(values_TV.dtype), values_TV)
     sum_R = state.sum_R * rescale_R + jnp.sum(p_RT, axis=1)
     return SoftmaxPartial(acc_RV, max_R, sum_R)
@@ -250,8 +252,8 @@ def attend_split(
 ) -> SoftmaxPartial:
     """Online softmax over the token blocks of one split of one request.
 
-    slots_ref holds this split's page ids. gather(pages, live) loads those
-    pages as stored (nothing is read where live is False), and
+    slots_ref holds this split's page ids. gather(pages, valid_T) loads
+    those pages as stored (gather_pages; valid_T None: a plain load), and
     logits_and_values(tiles) turns them into (logits [R, T] f32, values [T, V]).
     The loop stops at the request's last page, so blocks past the length cost
     no HBM traffic.
@@ -267,7 +269,9 @@ def attend_split(
     (sm_90a SASS, experiments/results/sm90_sass.md). With prefetch the loop
     carries the next block as loaded values and the page ids of the one after
     it: block i + 1 is requested before block i's math, and its page ids one
-    iteration earlier still, so neither load waits on the other.
+    iteration earlier still, so neither load waits on the other. These loads
+    are masked per token (stale slots read as zeros, nothing read past the
+    split's last block), which also spares zeroing the values in registers.
     """
     first_slot = split * plan.pages_per_split
     used_slots = (length + page_size - 1) // page_size - first_slot
@@ -281,40 +285,51 @@ def attend_split(
         block = jnp.clip(block, 0, plan.blocks_per_split - 1)
         return slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
 
+    def valid_tokens(block):
+        first_token = (first_slot + block * plan.pages_per_block) * page_size
+        return first_token + jnp.arange(block_tokens) < length
+
     def fold(block, tiles, state):
         logits_RT, values_TV = logits_and_values(tiles)
-        first_token = (first_slot + block * plan.pages_per_block) * page_size
-        valid_T = first_token + jnp.arange(block_tokens) < length
-        return online_softmax_step(state, logits_RT, valid_T, values_TV)
+        # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
+        return online_softmax_step(state, logits_RT, valid_tokens(block), values_TV, zero_invalid=not prefetch)
 
     empty = empty_partial(rows, value_dim)
     if not prefetch:
-        return lax.fori_loop(0, num_blocks, lambda block, state: fold(block, gather(pages_of(block), True), state),
+        return lax.fori_loop(0, num_blocks, lambda block, state: fold(block, gather(pages_of(block), None), state),
                              empty)
 
     def body(block, carry):
         state, tiles, next_pages = carry
-        next_tiles = gather(next_pages, block + 1 < num_blocks)
+        # The clamped ids of a block past the split may hold tokens < length
+        # (the next split's): the block test keeps them unread.
+        next_tiles = gather(next_pages, valid_tokens(block + 1) & (block + 1 < num_blocks))
         return fold(block, tiles, state), next_tiles, pages_of(block + 2)
 
-    first = (empty, gather(pages_of(0), num_blocks > 0), pages_of(1))
+    first = (empty, gather(pages_of(0), valid_tokens(0) & (num_blocks > 0)), pages_of(1))
     return lax.fori_loop(0, num_blocks, body, first)[0]
 
 
-def gather_pages(pages_ref, pages: jax.Array, live, start: int = 0, size: int | None = None) -> jax.Array:
-    """pages_ref[pages, :, start:start + size] as stored [pages, S, size]; where
-    live is False, zeros and no HBM read (a prefetch past a split's last block).
+def gather_pages(pages_ref, pages: jax.Array, valid_T: jax.Array | None, start: int = 0,
+                 size: int | None = None) -> jax.Array:
+    """pages_ref[pages, :, start:start + size] as stored [pages, S, size].
 
-    Every axis is indexed by an array (not a slice): that is the form of masked
-    gather both the Triton lowering and the interpreter accept.
+    valid_T [T = pages * S] bool, or None for a plain load: the tokens not
+    valid are zero and unread. A stale slot may hold NaN/Inf bit patterns
+    (fp8 e4m3fn has a NaN encoding), and a value row of NaN poisons the
+    output even at probability 0.
+
+    The masked load indexes every axis by an array (not a slice): that is the
+    form of masked gather both the Triton lowering and the interpreter accept.
     """
     _, page_size, width = pages_ref.shape
     size = width - start if size is None else size
-    if live is True:
+    if valid_T is None:
         return pages_ref[pages, :, pl.ds(start, size)]
     index = (pages[:, None, None], jnp.arange(page_size)[None, :, None], start + jnp.arange(size)[None, None, :])
     shape = (pages.shape[0], page_size, size)
-    return plgpu.load(pages_ref.at[index], mask=jnp.broadcast_to(live, shape), other=jnp.zeros(shape, pages_ref.dtype))
+    mask = jnp.broadcast_to(valid_T.reshape(pages.shape[0], page_size, 1), shape)
+    return plgpu.load(pages_ref.at[index], mask=mask, other=jnp.zeros(shape, pages_ref.dtype))
 
 
 def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref) -> None:

@@ -143,8 +143,8 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
     logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
     block_tokens = plan.pages_per_block * page_size
 
-    def gather(pages, live):
-        return (fd.gather_pages(k_pages_ref, pages, live), fd.gather_pages(v_pages_ref, pages, live))
+    def gather(pages, valid_T):
+        return (fd.gather_pages(k_pages_ref, pages, valid_T), fd.gather_pages(v_pages_ref, pages, valid_T))
 
     def logits_and_values(tiles):
         # Exact dequantization (fp8/bf16 -> bf16, fp8 -> f16, or -> f32); the

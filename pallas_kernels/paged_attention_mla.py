@@ -160,8 +160,8 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
     q_RL, q_RR = scaled[0], (scaled[1] if rope_dim else None)
     logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
 
-    def gather(pages, live):
-        return tuple(fd.gather_pages(latent_ref, pages, live, start, size)
+    def gather(pages, valid_T):
+        return tuple(fd.gather_pages(latent_ref, pages, valid_T, start, size)
                      for start, size in ((0, kv_lora_rank), (kv_lora_rank, rope_dim)) if size)
 
     def logits_and_values(tiles):
