@@ -637,21 +637,22 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # loop iteration, no scalar conversions: experiments/results/sm90_sass.md), the
 # old split rule (partial_share=8) against the new default, block sizes with
 # the every-block mask, and MoE tiles.
-# Untimed choices first (the budget may cut the tail): prefetching, programs
-# to fill the SMs (GQA fits 4 per SM, MLA 1; sm90_compile.md), f16 dots.
+# Untimed choices first (the budget may cut the tail). sm_90a compiles
+# (sm90_compile.md) allow 4 GQA programs per SM (2 with prefetch: its
+# registers) and 1 MLA program; at B=64 the targets below give exactly one
+# wave of programs on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(prefetch=True), AttentionTuning(target_programs=4 * 132),
-            AttentionTuning(prefetch=True, target_programs=4 * 132), AttentionTuning(fp8_dots="float16"),
-            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=4 * 132),
-            AttentionTuning(partial_share=8), AttentionTuning(block_tokens=128)),
-    "MLA": (AttentionTuning(), AttentionTuning(prefetch=True), AttentionTuning(target_programs=132),
-            AttentionTuning(prefetch=True, target_programs=132), AttentionTuning(fp8_dots="float16"),
-            AttentionTuning(fp8_dots="float16", prefetch=True), AttentionTuning(partial_share=8),
+    "GQA": (AttentionTuning(), AttentionTuning(target_programs=512), AttentionTuning(prefetch=True, target_programs=256),
+            AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
+            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256), AttentionTuning(prefetch=True),
+            AttentionTuning(partial_share=8)),
+    "MLA": (AttentionTuning(), AttentionTuning(target_programs=128), AttentionTuning(prefetch=True, target_programs=128),
+            AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=128),
+            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True),
             AttentionTuning(block_tokens=32)),
 }
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(num_warps=4), Int4Tuning(num_warps=8), Int4Tuning(block_k=128),
-              Int4Tuning(block_n=256), Int4Tuning(block_n=64, target_programs=4 * 132),
-              Int4Tuning(block_n=256, num_warps=8))
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(num_warps=4), Int4Tuning(num_warps=8),
+              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=256), Int4Tuning(block_k=128))
 
 
 def tuning_label(tuning) -> str:

@@ -34,9 +34,11 @@ class AttentionTuning:
     num_splits: split-K programs per request (None: about target_programs
       programs in all, plan_splits).
     target_programs: programs the split heuristic aims for; 2 per SM of an
-      H100/H200 (132 SMs). sm_90a compiles allow 4 GQA programs per SM and 1
-      MLA program (registers; experiments/results/sm90_compile.md), so MLA at
-      B=64 runs 320 programs in 3 waves, the last 42% full. Not yet swept.
+      H100/H200 (132 SMs). Programs past what the SMs hold at once run in a
+      second wave: sm_90a compiles allow 4 GQA programs per SM (2 with
+      prefetch, which holds the next block in registers) and 1 MLA program
+      (experiments/results/sm90_compile.md), so MLA at B=64 runs its 320
+      programs in 3 waves, the last 42% full. Not yet swept.
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
