@@ -639,20 +639,24 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # the every-block mask, and MoE tiles.
 # Untimed choices first (the budget may cut the tail). sm_90a compiles
 # (sm90_compile.md) allow 4 GQA programs per SM (2 with prefetch: its
-# registers) and 1 MLA program; at B=64 the targets below give exactly one
+# registers, 215 at 4 warps, 128 at 8) and 1 MLA program; at B=64 the targets below give exactly one
 # wave of programs on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
 ATTENTION_SWEEP = {
     "GQA": (AttentionTuning(), AttentionTuning(target_programs=512), AttentionTuning(prefetch=True, target_programs=256),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
-            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256), AttentionTuning(prefetch=True),
+            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256),
+            AttentionTuning(prefetch=True, num_warps=8, target_programs=256), AttentionTuning(prefetch=True),
             AttentionTuning(partial_share=8)),
     "MLA": (AttentionTuning(), AttentionTuning(target_programs=128), AttentionTuning(prefetch=True, target_programs=128),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=128),
             AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True),
             AttentionTuning(block_tokens=32)),
 }
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(num_warps=4), Int4Tuning(num_warps=8),
-              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=256), Int4Tuning(block_k=128))
+# sm_90a compiles fit one 8-warp INT4 program per SM (134 registers), so the
+# default's 224 programs at M=1 run in 2 waves: target_programs=132 makes 112
+# (one wave), and num_stages=2 needs 128 registers (2 per SM, one wave of 224).
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2), Int4Tuning(num_warps=4),
+              Int4Tuning(num_warps=8), Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=256))
 
 
 def tuning_label(tuning) -> str:
