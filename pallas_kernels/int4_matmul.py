@@ -18,7 +18,9 @@ outside the kernel into 8 stride-8 planes, x_planes[j, m, i] = x[m, 8i + j]
 x_planes[j], and the block product is the sum of 8 dots [BM, BK/8] x
 [BK/8, BN]. Each packed row i lies in one group, i // (group_size/8), so its
 scale row is gathered with one vectorized load and applied before the bf16
-tensor-core dot; the products accumulate in float32.
+tensor-core dot; the products accumulate in float32. Planes j and j + 4 are
+dequantized together, as the two bf16 halves of one int32 built by a shift
+and a mask (_dequantize_planes): no int -> float conversion instructions.
 
 Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
 than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
