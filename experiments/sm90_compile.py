@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import re
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def cases(cfg: Config) -> list[Case]:
 
 def test_cases() -> list[Case]:
     """The shapes the kernel tests run (tests/test_kernels_*.py), which gpu_check.sh runs compiled:
-    small, odd head and page sizes, and float32 operands, which serving shapes never use."""
+    small, odd head and page sizes, and float32 operands, which serving shapes never use;
+    attention with and without prefetch."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_kernels_attention as ta
     import test_kernels_int4 as ti
@@ -143,18 +145,20 @@ def test_cases() -> list[Case]:
                             functools.partial(moe_int4_matmul, group_size=g, backend="pallas"),
                             (spec((sum(sizes), k), x_dtype), spec((e, k // 8, n), jnp.int32),
                              spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
-    for kv_dtype, q_dtype in ((jnp.float8_e4m3fn, jnp.bfloat16), (jnp.float32, jnp.float32)):
+    for (kv_dtype, q_dtype), prefetch in itertools.product(((jnp.float8_e4m3fn, jnp.bfloat16), (jnp.float32, jnp.float32)),
+                                                         (False, True)):
+        label = " prefetch" * prefetch
         for kvh, g, d, s, n, lengths in ta.GQA_SHAPES:
             b, pages = len(lengths), spec((kvh, 64, s, d), kv_dtype)
-            out.append(Case("GQA", f"K={kvh} G={g} D={d} S={s} {kv_dtype.__name__}",
+            out.append(Case("GQA" + label, f"K={kvh} G={g} D={d} S={s} {kv_dtype.__name__}",
                             functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
-                                              backend="pallas", tuning=AttentionTuning(num_splits=3)),
+                                              backend="pallas", tuning=AttentionTuning(num_splits=3, prefetch=prefetch)),
                             (spec((b, kvh * g, d), q_dtype), pages, pages, spec((b, n), jnp.int32), spec((b,), jnp.int32))))
         for h, c, rank, s, n, lengths in ta.MLA_SHAPES:
             b = len(lengths)
-            out.append(Case("MLA", f"H={h} C={c} L={rank} S={s} {kv_dtype.__name__}",
+            out.append(Case("MLA" + label, f"H={h} C={c} L={rank} S={s} {kv_dtype.__name__}",
                             functools.partial(paged_attention_mla, kv_lora_rank=rank, scale=1.0, softmax_scale=0.1,
-                                              backend="pallas", tuning=AttentionTuning(num_splits=2)),
+                                              backend="pallas", tuning=AttentionTuning(num_splits=2, prefetch=prefetch)),
                             (spec((b, h, c), q_dtype), spec((64, s, c), kv_dtype), spec((b, n), jnp.int32),
                              spec((b,), jnp.int32))))
     return out
