@@ -652,11 +652,14 @@ ATTENTION_SWEEP = {
             AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True),
             AttentionTuning(block_tokens=32)),
 }
-# sm_90a compiles fit one 8-warp INT4 program per SM (134 registers), so the
-# default's 224 programs at M=1 run in 2 waves: target_programs=132 makes 112
-# (one wave), and num_stages=2 needs 128 registers (2 per SM, one wave of 224).
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2), Int4Tuning(num_warps=4),
-              Int4Tuning(num_warps=8), Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=256))
+# sm_90a compiles fit one INT4 program per SM at the defaults (M=1: 134
+# registers at 8 warps; M=64: 160 KiB of shared memory), so 224 programs run
+# in 2 waves. One wave: target_programs=132 (112 programs); num_stages=2 (M=1
+# 128 registers, 2 per SM); block_n=64 (M=1 49 registers, 4 per SM; M=64 with
+# 2 stages 84 KiB, 2 per SM, and no spills).
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
+              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=64, num_stages=2),
+              Int4Tuning(num_warps=4), Int4Tuning(num_warps=8))
 
 
 def tuning_label(tuning) -> str:
