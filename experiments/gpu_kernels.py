@@ -631,16 +631,13 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
     return "\n".join(out)
 
 
-# The sweep: launch choices at a few serving shapes (FP8 attention, the product's format).
-# Measured on the H200 in run 2 (experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md).
-# The next run tries float16 dots over FP8 pages (15-20% fewer instructions per
-# loop iteration, no scalar conversions: experiments/results/sm90_sass.md), the
-# old split rule (partial_share=8) against the new default, block sizes with
-# the every-block mask, and MoE tiles.
-# Untimed choices first (the budget may cut the tail). sm_90a compiles
-# (sm90_compile.md) allow 4 GQA programs per SM (2 with prefetch: its
-# registers, 215 at 4 warps, 128 at 8) and 1 MLA program; at B=64 the targets below give exactly one
-# wave of programs on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
+# The sweep: launch choices at a few serving shapes (FP8 attention, the
+# product's format), each beside the defaults; untimed choices first, since the
+# budget may cut the tail (run 2: experiments/results/gpu_kernels_h200_2026-11-29_*).
+# sm_90a compiles (results/sm90_compile.md) allow 4 GQA programs per SM (2 with
+# prefetch: 215 registers at 4 warps, 128 at 8) and 1 MLA program; at B=64 the
+# targets below give one wave on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
+# float16 dots drop the scalar fp8 -> bf16 conversions (results/sm90_sass.md).
 ATTENTION_SWEEP = {
     "GQA": (AttentionTuning(), AttentionTuning(target_programs=512), AttentionTuning(prefetch=True, target_programs=256),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
@@ -767,15 +764,15 @@ def main() -> None:
     copy_bw = copy_bandwidth(bench)
     text = ""
 
-    def report(part: str, benches: list[Bench]) -> None:
+    def report(part: str, sweep: Bench | None = None) -> None:
         nonlocal text
         print(f"{part} done after {time.perf_counter() - start:.0f} s", flush=True)
-        for b in benches:
+        for b in (bench, sweep) if sweep else (bench,):
             print("\n".join(b.log), flush=True)
             b.log.clear()
         text = markdown(bench.rows, copy_bw, goal_lines(bench.rows, copy_bw, cfg.kernel_backend), device, on_gpu)
-        if len(benches) > 1 or benches[0] is not bench:
-            text += sweep_markdown(benches[-1].rows, copy_bw)
+        if sweep:
+            text += sweep_markdown(sweep.rows, copy_bw)
         if out is not None:  # after every part, so a run killed later still leaves a table
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
@@ -789,11 +786,11 @@ def main() -> None:
         bench.deadline = now + (end - now) / left
         key, sub = jax.random.split(key)
         part(bench, sub)
-        report(part.__name__, [bench])
+        report(part.__name__)
     if cli.sweep:
         sweep = Bench(cfg, cli.sweep_budget_s, cupti)
         sweep_rows(sweep, key)
-        report("sweep_rows", [bench, sweep])
+        report("sweep_rows", sweep)
     print(text)
     if out is not None:
         print(f"wrote {out}")
