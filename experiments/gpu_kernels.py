@@ -638,10 +638,14 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # prefetch: 215 registers at 4 warps, 128 at 8) and 1 MLA program; at B=64 the
 # targets below give one wave on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
 # float16 dots drop the scalar fp8 -> bf16 conversions (results/sm90_sass.md).
+# GQA block_tokens=128 measured 370 us against 428 at B=64 in run 2, before
+# every block was masked (now the default, 365 us); with float16 dots its
+# loop issues 0.15 warp instructions per KV byte, against 0.19 at the defaults.
 ATTENTION_SWEEP = {
     "GQA": (AttentionTuning(), AttentionTuning(target_programs=512), AttentionTuning(prefetch=True, target_programs=256),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
             AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256),
+            AttentionTuning(block_tokens=128, fp8_dots="float16"), AttentionTuning(block_tokens=128),
             AttentionTuning(prefetch=True, num_warps=8, target_programs=256), AttentionTuning(prefetch=True),
             AttentionTuning(partial_share=8)),
     "MLA": (AttentionTuning(), AttentionTuning(target_programs=128), AttentionTuning(prefetch=True, target_programs=128),
@@ -653,11 +657,15 @@ ATTENTION_SWEEP = {
 # registers at 8 warps; M=64: 160 KiB of shared memory), so 224 programs run
 # in 2 waves. One wave: target_programs=132 (112 programs); num_stages=2 (M=1
 # 128 registers, 2 per SM); block_n=64 (M=1 49 registers, 4 per SM; M=64 with
-# 2 stages 84 KiB, 2 per SM, and no spills).
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
-              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(block_n=64, num_stages=2),
-              Int4Tuning(num_warps=4), Int4Tuning(num_warps=8))
-
+# 2 stages 84 KiB, 2 per SM, and no spills). gather_x drops the x permute
+# kernel (1.6 us of run 2's 15.5 at M=1); at M=1 it compiles to 128 registers
+# (2 per SM), and with block_n=64 and 2 stages to 78 (3 per SM); at M=64 it
+# spills at 4 warps and fits 8 (156 registers). The MoE sweep runs the first
+# MOE_SWEEP_SIZE choices.
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(gather_x=True), Int4Tuning(gather_x=True, block_n=64, num_stages=2),
+              Int4Tuning(block_n=64, num_stages=2), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
+              Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(gather_x=True, num_warps=8))
+MOE_SWEEP_SIZE = 4
 
 def tuning_label(tuning) -> str:
     """The fields that differ from the defaults, or "default"."""
@@ -716,7 +724,7 @@ def _moe_sweep_rows(bench: Bench, key, tokens: int) -> None:
     packed, scales, _ = _int4_weights(kw, (cfg.experts,), cfg.matmul_k, cfg.matmul_n, cfg.group_size)
     case = _moe_case(cfg, kx, packed, scales, tokens)
     ref = moe_int4_matmul(*case.args, group_size=cfg.group_size, backend="xla")
-    for tuning in INT4_SWEEP:
+    for tuning in INT4_SWEEP[:MOE_SWEEP_SIZE]:
         op = functools.partial(moe_int4_matmul, group_size=cfg.group_size, backend=cfg.kernel_backend, tuning=tuning)
         bench.measure("MoE INT4", case.shape, tuning_label(tuning), op, case.args, case.int4_bytes, ref)
 

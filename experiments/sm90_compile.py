@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
 from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop  # noqa: E402
 from pallas_kernels import (  # noqa: E402
-    AttentionTuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
 
 try:
@@ -115,6 +115,10 @@ def cases(cfg: Config) -> list[Case]:
         for m in sorted({*cfg.matmul_ms, 32}):  # 32: the one tile height (16/32/64) the benchmark skips
             out.append(Case("INT4 matmul", f"M={m} g={group}", functools.partial(int4_matmul, group_size=group, backend="pallas"),
                             (spec((m, k), jnp.bfloat16), *weights)))
+    for m in (min(cfg.matmul_ms), max(cfg.matmul_ms)):
+        out.append(Case("INT4 matmul gather-x", f"M={m} g=32",
+                        functools.partial(int4_matmul, group_size=32, backend="pallas", tuning=Int4Tuning(gather_x=True)),
+                        (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // 32, n), jnp.bfloat16))))
     e, g = cfg.experts, cfg.group_size
     moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
     for tokens in cfg.moe_tokens:
@@ -127,22 +131,23 @@ def cases(cfg: Config) -> list[Case]:
 def test_cases() -> list[Case]:
     """The shapes the kernel tests run (tests/test_kernels_*.py), which gpu_check.sh runs compiled:
     small, odd head and page sizes, and float32 operands, which serving shapes never use;
-    attention with and without prefetch."""
+    attention with and without prefetch, INT4 with and without gather_x."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_kernels_attention as ta
     import test_kernels_int4 as ti
 
     spec = jax.ShapeDtypeStruct
     out = []
-    for x_dtype in (jnp.bfloat16, jnp.float32):
+    for x_dtype, tuning in itertools.product((jnp.bfloat16, jnp.float32), (Int4Tuning(), ti.GATHER_X)):
+        label = " gather-x" * tuning.gather_x
         for m, k, n, g in ti.DENSE_SHAPES:
-            out.append(Case("INT4 matmul", f"M={m} K={k} N={n} g={g} x {x_dtype.__name__}",
-                            functools.partial(int4_matmul, group_size=g, backend="pallas"),
+            out.append(Case("INT4 matmul" + label, f"M={m} K={k} N={n} g={g} x {x_dtype.__name__}",
+                            functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=tuning),
                             (spec((m, k), x_dtype), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))))
         for sizes, k, n, g in ti.MOE_CASES:
             e = len(sizes)
-            out.append(Case("MoE INT4", f"groups={sizes} K={k} N={n} g={g} x {x_dtype.__name__}",
-                            functools.partial(moe_int4_matmul, group_size=g, backend="pallas"),
+            out.append(Case("MoE INT4" + label, f"groups={sizes} K={k} N={n} g={g} x {x_dtype.__name__}",
+                            functools.partial(moe_int4_matmul, group_size=g, backend="pallas", tuning=tuning),
                             (spec((sum(sizes), k), x_dtype), spec((e, k // 8, n), jnp.int32),
                              spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
     for (kv_dtype, q_dtype), prefetch in itertools.product(((jnp.float8_e4m3fn, jnp.bfloat16), (jnp.float32, jnp.float32)),

@@ -35,7 +35,7 @@ principle, since the op is bound by streaming the weights.)
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,12 @@ class Int4Tuning:
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
       (2 waves over the 132 SMs of an H100/H200).
+    gather_x: the kernel reads each nibble plane's columns of x itself, with a
+      gather masked to the tile's rows, instead of x permuted into planes by
+      an XLA op beforehand. No permute and no row padding, so a call that
+      also needs no split-K (target_programs <= N / block_n) is one kernel,
+      which writes x's dtype directly. The gather costs loads that are not
+      vectorized (x's plane columns are 8 elements apart). Not yet timed.
     """
 
     block_n: int = 128
@@ -69,6 +75,7 @@ class Int4Tuning:
     num_warps: int | None = None
     num_stages: int = 3
     target_programs: int = 2 * 132
+    gather_x: bool = False
 
 
 def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
@@ -185,10 +192,15 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
         start_W=starts_W,
         rows_W=jnp.minimum(m - starts_W, block_m),
     )
-    x_padded = jnp.pad(x_MK, ((0, num_tiles * block_m - m), (0, 0)))
-    y_WMN = int4_tiles(x_padded, packed_QN[None], scales_GN[None], schedule, tiling,
-                       group_size=group_size, interpret=interpret)
+    y_WMN = int4_tiles(pad_rows(x_MK, num_tiles * block_m - m, tuning), packed_QN[None], scales_GN[None],
+                       schedule, tiling, group_size=group_size, interpret=interpret)
     return y_WMN.reshape(-1, y_WMN.shape[-1])[:m].astype(x_MK.dtype)
+
+
+def pad_rows(x_MK: jax.Array, rows: int, tuning: Int4Tuning) -> jax.Array:
+    """x with `rows` zero rows added, where the kernel reads whole tiles of x
+    (gather_x masks its reads to the tile's rows instead)."""
+    return x_MK if tuning.gather_x else jnp.pad(x_MK, ((0, rows), (0, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,15 +276,42 @@ def _dequantize_planes(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype)
     return planes[0], planes[1]
 
 
+def _x_plane_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Int4Tiling) -> Callable:
+    """load(plane, first_row) -> x [BM, BK/8] at columns 8 * (first_row + i) + plane.
+
+    x_ref is x_planes [8, M, K/8] (permuted by XLA) or, with gather_x, x
+    [M, K] itself: then the tile's rows past `rows` (and past M) read as
+    zeros and are not read at all.
+    """
+    packed_rows = tiling.block_k // PACK
+    if not tiling.tuning.gather_x:
+        return lambda plane, first_row: x_ref[plane, pl.ds(start, tiling.block_m), pl.ds(first_row, packed_rows)]
+    tile_row_M = jnp.arange(tiling.block_m)
+    valid_M = (tile_row_M < rows) & (start + tile_row_M < x_ref.shape[0])
+    row_M = jnp.minimum(start + tile_row_M, x_ref.shape[0] - 1)  # in bounds even where masked
+    shape = (tiling.block_m, packed_rows)
+    mask_MQ = jnp.broadcast_to(valid_M[:, None], shape)
+
+    def load(plane, first_row):
+        column_Q = (first_row + jnp.arange(packed_rows)) * PACK + plane
+        return plgpu.load(x_ref.at[row_M[:, None], column_Q[None, :]], mask=mask_MQ,
+                          other=jnp.zeros(shape, x_ref.dtype))
+
+    return load
+
+
 def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
                  tiling: Int4Tiling, group_size: int, blocks_per_split: int):
     """One (tile, column block, split) program.
 
-    Refs: expert/start/rows [1]; x_planes [8, M, K/8]; packed [E, K/8, BN];
-    scales [E, K/g, BN]; out [BM, BN] f32 partial sum over this split's K.
+    Refs: expert/start/rows [1]; x_planes [8, M, K/8] (or x [M, K] with
+    gather_x); packed [E, K/8, BN]; scales [E, K/g, BN]; out [BM, BN]: the
+    f32 partial sum over this split's K, or the result in x's dtype when
+    there is one split.
     """
     expert = expert_ref[0]
     start = start_ref[0]
+    load_x_plane = _x_plane_loader(x_ref, start, rows_ref[0], tiling)
     packed_rows = tiling.block_k // PACK
     packed_rows_per_group = group_size // PACK
     first_block = pl.program_id(2) * blocks_per_split
@@ -289,8 +328,7 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
         scale_QN = scales_ref[expert, groups_Q, :]
         for j in range(PACK // 2):
             for plane, w_QN in zip((j, j + 4), _dequantize_planes(packed_QN, j, scale_QN, x_ref.dtype)):
-                x_MQ = x_ref[plane, pl.ds(start, tiling.block_m), pl.ds(first_row, packed_rows)]
-                acc_MN += mma.dot_nn(x_MQ, w_QN)
+                acc_MN += mma.dot_nn(load_x_plane(plane, first_row), w_QN)
         return acc_MN
 
     acc_MN = jax.lax.fori_loop(0, num_blocks, body, jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
@@ -299,22 +337,28 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
         # the first out_rows is exact, and at M = 1 it cuts the split-K partial
         # traffic 16x (Triton has no static value slice, but has reshape+sum).
         acc_MN = acc_MN.reshape(-1, tiling.out_rows, tiling.block_n).sum(axis=0)
-    out_ref[...] = acc_MN
+    out_ref[...] = acc_MN.astype(out_ref.dtype)
 
 
 def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
                schedule: TileSchedule, tiling: Int4Tiling, *, group_size: int,
                interpret: bool) -> jax.Array:
-    """Runs the work list; returns f32 [tiles, out_rows, N] (split-K summed).
+    """Runs the work list; returns [tiles, out_rows, N], split-K summed in f32,
+    or in x's dtype straight from the kernel when there is one split.
 
     x rows [start, start + block_m) of every tile must exist in x_MK (callers
-    pad); rows past a tile's `rows` are computed but belong to no output.
+    pad, see pad_rows); rows past a tile's `rows` are computed but belong to
+    no output.
     """
     m, k = x_MK.shape
     num_experts, _, n = packed_EQN.shape
     num_tiles = schedule.start_W.shape[0]
-    # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
-    x_planes_8MQ = x_MK.reshape(m, k // PACK, PACK).transpose(2, 0, 1)
+    if tiling.tuning.gather_x:
+        x_in = x_MK
+    else:
+        # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
+        x_in = x_MK.reshape(m, k // PACK, PACK).transpose(2, 0, 1)
+    out_dtype = x_MK.dtype if tiling.num_splits == 1 else jnp.float32
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
     partial_XTMN = pl.pallas_call(
         functools.partial(_int4_kernel, tiling=tiling, group_size=group_size,
@@ -324,14 +368,14 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
             scalar_spec,
             scalar_spec,
             scalar_spec,
-            pl.BlockSpec(x_planes_8MQ.shape, lambda t, c, s: (0, 0, 0)),
+            pl.BlockSpec(x_in.shape, lambda t, c, s: (0,) * x_in.ndim),
             pl.BlockSpec((num_experts, k // PACK, tiling.block_n), lambda t, c, s: (0, 0, c)),
             pl.BlockSpec((num_experts, k // group_size, tiling.block_n), lambda t, c, s: (0, 0, c)),
         ],
         out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
-        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), out_dtype),
         compiler_params=_compiler_params(tiling.block_m, tiling.tuning),
         interpret=interpret,
         name="int4_matmul",
-    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_planes_8MQ, packed_EQN, scales_EGN)
-    return jnp.sum(partial_XTMN, axis=0)
+    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_in, packed_EQN, scales_EGN)
+    return partial_XTMN[0] if tiling.num_splits == 1 else jnp.sum(partial_XTMN, axis=0)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.int4_matmul import (
-    Int4Tuning, TileSchedule, check_int4_operands, dequantize_int4, int4_tiles, plan_tiling, tile_rows)
+    Int4Tuning, TileSchedule, check_int4_operands, dequantize_int4, int4_tiles, pad_rows, plan_tiling, tile_rows)
 
 
 def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
@@ -106,8 +106,8 @@ def _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int, int
     num_tiles = -(-t // block_m) + min(num_experts, t)
     tiling = plan_tiling(block_m, block_m, n, k, num_tiles, tuning)
     schedule, owner = expert_tile_schedule(group_sizes_E, t, block_m, num_tiles)
-    x_padded = jnp.pad(x_TK, ((0, block_m), (0, 0)))  # a tile may start at any row < T
-    y_tiles = int4_tiles(x_padded, packed_EQN, scales_EGN, schedule, tiling,
+    # A tile may start at any row < T.
+    y_tiles = int4_tiles(pad_rows(x_TK, block_m, tuning), packed_EQN, scales_EGN, schedule, tiling,
                          group_size=group_size, interpret=interpret)
     y_TN = y_tiles[owner.tile_T, owner.offset_T]
     return jnp.where(owner.assigned_T[:, None], y_TN, 0.0).astype(x_TK.dtype)

@@ -23,10 +23,13 @@ magnitudes, computed in float64):
   relative error below 1e-2 (max |kernel - ref| / max |ref|), is checked too.
 """
 
+import dataclasses
 import functools
 import os
+import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -144,6 +147,10 @@ DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 12
 
 # Small blocks and a high program target: more split-K partials and column blocks.
 SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4096)
+# x read by the kernel's masked gather (no padding rows to fall back on); with
+# one program per column block there is no split-K, and the kernel writes x's dtype.
+GATHER_X = Int4Tuning(gather_x=True)
+GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
 
 
 # Scales are bf16 (what checkpoints store; the kernel's bf16 dequant math) or
@@ -151,7 +158,9 @@ SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4
 @pytest.mark.parametrize("shape, tuning, scale_dtype",
                          [(shape, Int4Tuning(), jnp.bfloat16) for shape in DENSE_SHAPES]
                          + [(DENSE_SHAPES[0], SMALL_TILES, jnp.bfloat16), (DENSE_SHAPES[2], SMALL_TILES, jnp.bfloat16),
-                            (DENSE_SHAPES[1], Int4Tuning(), jnp.float32)])
+                            (DENSE_SHAPES[1], Int4Tuning(), jnp.float32), (DENSE_SHAPES[1], GATHER_X, jnp.bfloat16),
+                            (DENSE_SHAPES[0], GATHER_X_UNSPLIT, jnp.bfloat16),
+                            (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
     seed = _seed()
@@ -234,7 +243,9 @@ MOE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case, tuning", [(case, Int4Tuning()) for case in MOE_CASES] + [(MOE_CASES[1], SMALL_TILES)])
+@pytest.mark.parametrize("case, tuning", [(case, Int4Tuning()) for case in MOE_CASES]
+                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], GATHER_X),
+                            (MOE_CASES[1], dataclasses.replace(SMALL_TILES, gather_x=True))])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_moe_int4_kernel_matches_reference(case, tuning, x_dtype):
     seed = _seed()
@@ -284,3 +295,43 @@ def test_kernels_lower_to_triton_at_gpu_shapes(m, x_dtype):
     [kernel] = triton_kernels_for_cuda(moe, spec((m, k), x_dtype), spec((e, k // 8, n), jnp.int32),
                                        spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))
     assert kernel.name == "int4_matmul" and "tt.dot" in kernel.ttir
+
+
+def _primitives_outside_kernels(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name != "pallas_call":
+            for param in eqn.params.values():
+                if isinstance(param, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives_outside_kernels(param.jaxpr)
+    return names
+
+
+def test_gather_x_calls_lower_to_triton_as_one_kernel():
+    """Int4Tuning(gather_x=True) at the Kimi K2 expert shape, M = 1: x reaches
+    the kernel as it is (no transpose, no pad), and with one split the kernel's
+    output is the result (no sum, no cast): one kernel per call. Its x loads
+    lower to masked gathers, the weight loads stay unmasked."""
+    spec = jax.ShapeDtypeStruct
+    k, n, g = 7168, 2048, 32
+    args = (spec((1, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))
+    extra_ops = {"transpose", "pad", "reduce_sum", "convert_element_type"}
+
+    def primitives(tuning):
+        fn = functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=tuning)
+        return _primitives_outside_kernels(jax.make_jaxpr(fn)(*args).jaxpr)
+
+    assert extra_ops <= primitives(Int4Tuning())  # what gather_x removes
+    assert "reduce_sum" in primitives(GATHER_X) and not {"transpose", "pad"} & primitives(GATHER_X)
+    unsplit = Int4Tuning(gather_x=True, block_n=16, target_programs=n // 16)
+    assert "pallas_call" in primitives(unsplit) and not extra_ops & primitives(unsplit)
+
+    [kernel] = triton_kernels_for_cuda(functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=GATHER_X),
+                                       *args)
+    # tt.load %ptr[, %mask, %other] : tensor<...x!tt.ptr<T>>, as (operands after the pointer, T):
+    # 8 masked x planes (bf16), and unmasked weights (i32) and scales (bf16). (An f32 load
+    # of the output block comes from Pallas lowering `out[...] = v` as a swap; its value is unused.)
+    loads = [(re.search(r"tt\.load ([^:]*):", line).group(1).count(","), re.search(r"ptr<(\w+)>", line).group(1))
+             for line in kernel.ttir.splitlines() if "tt.load" in line and "tensor<" in line]
+    assert sorted(load for load in loads if load[1] != "f32") == [(0, "bf16"), (0, "i32")] + [(2, "bf16")] * 8, loads
