@@ -634,15 +634,18 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # The sweep: launch choices at a few serving shapes (FP8 attention, the
 # product's format), each beside the defaults; untimed choices first, since the
 # budget may cut the tail (run 2: experiments/results/gpu_kernels_h200_2026-11-29_*).
-# sm_90a compiles (results/sm90_compile.md) allow 4 GQA programs per SM (2 with
-# prefetch: 215 registers at 4 warps, 128 at 8) and 1 MLA program; at B=64 the
-# targets below give one wave on the 132 SMs: GQA 8 splits (4 with prefetch), MLA 2.
+# Occupancy from sm_90a compiles that run XLA's TTIR passes first
+# (results/sm90_compile*.md): GQA fp8 fits 5 programs per SM at 4 warps (96
+# registers; 4 with float16 dots, 126), 2 with prefetch (215 registers at 4
+# warps, 128 at 8); MLA 1 (204 registers at 8 warps; 4 warps spill). At B=64
+# ctx=32k the targets below give one wave on the 132 SMs: GQA 10 splits (640
+# programs), 8 with float16 dots, 4 with prefetch; MLA 2.
 # float16 dots drop the scalar fp8 -> bf16 conversions (results/sm90_sass.md).
 # GQA block_tokens=128 measured 370 us against 428 at B=64 in run 2, before
 # every block was masked (now the default, 365 us); with float16 dots its
 # loop issues 0.15 warp instructions per KV byte, against 0.19 at the defaults.
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(target_programs=512), AttentionTuning(prefetch=True, target_programs=256),
+    "GQA": (AttentionTuning(), AttentionTuning(target_programs=640), AttentionTuning(prefetch=True, target_programs=256),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
             AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256),
             AttentionTuning(block_tokens=128, fp8_dots="float16"), AttentionTuning(block_tokens=128),
@@ -653,15 +656,15 @@ ATTENTION_SWEEP = {
             AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True),
             AttentionTuning(block_tokens=32)),
 }
-# sm_90a compiles fit one INT4 program per SM at the defaults (M=1: 134
-# registers at 8 warps; M=64: 160 KiB of shared memory), so 224 programs run
-# in 2 waves. One wave: target_programs=132 (112 programs); num_stages=2 (M=1
-# 128 registers, 2 per SM); block_n=64 (M=1 49 registers, 4 per SM; M=64 with
-# 2 stages 84 KiB, 2 per SM, and no spills). gather_x drops the x permute
-# kernel (1.6 us of run 2's 15.5 at M=1); at M=1 it compiles to 128 registers
-# (2 per SM), and with block_n=64 and 2 stages to 78 (3 per SM); at M=64 it
-# spills at 4 warps and fits 8 (156 registers). The MoE sweep runs the first
-# MOE_SWEEP_SIZE choices.
+# INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
+# so the 224 programs are one wave at 1.7 per SM; block_n=64 (48 registers,
+# 4-5 per SM) at target 528 runs 448 programs. At M=64 the defaults' 160 KiB
+# of shared memory allow 1 per SM (2 waves); one wave: num_stages=2 (104 KiB,
+# 2 per SM), target_programs=132 (112 programs), block_n=64 with 2 stages
+# (84 KiB, 2 per SM). gather_x drops the x permute kernel (1.6 us of run 2's
+# 15.5 at M=1) for more loop instructions: 623 against 560 at M=1, 1800
+# against 1165 at M=64 (1115 at 8 warps, 140 registers). The MoE sweep runs
+# the first MOE_SWEEP_SIZE choices.
 INT4_SWEEP = (Int4Tuning(), Int4Tuning(gather_x=True), Int4Tuning(gather_x=True, block_n=64, num_stages=2),
               Int4Tuning(block_n=64, num_stages=2), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
               Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(gather_x=True, num_warps=8))

@@ -6,7 +6,9 @@
 Interpret mode runs the kernel bodies with jnp, and `lower_for_cuda` stops at
 Triton IR. This goes the rest of the way that needs no GPU: it takes each
 kernel's Triton IR from the CUDA lowering (at the shapes of
-experiments/gpu_kernels.py), compiles it with a real Triton for sm_90a
+experiments/gpu_kernels.py), runs the TTIR passes XLA runs first (they were
+skipped until 2026-11-29, which overstated registers and spills; see
+_ttir_passes), compiles it with a real Triton for sm_90a
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin), and runs ptxas -v on the PTX. Per
 kernel it reports registers per thread, register spills, shared memory and
 the resident blocks per SM these allow. What it catches before any GPU time:
@@ -52,8 +54,9 @@ from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # no
 
 try:
     import triton
+    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
 except ImportError as error:
     raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({error})")
 
@@ -194,9 +197,28 @@ class Compiled:
         return limits[limiter], limiter
 
 
+def _ttir_passes(ttir: str, tmp: str) -> str:
+    """The kernel's Triton IR after the TTIR passes that XLA runs before the GPU
+    passes (MakeTTIR in XLA's compilation_pipeline_cuda.cc, Triton's make_ttir:
+    inliner, canonicalizer, combine, broadcast reordering, CSE, loop unroll).
+    triton.compile skips the passes of the stage its source is in, so given
+    Pallas' TTIR it would compile IR that the GPU never sees: combine, for
+    one, folds `acc + dot(a, b, 0)` into `dot(a, b, acc)`, without which the
+    SASS has a float add per accumulator element per dot."""
+    path = Path(tmp) / "pallas.ttir"
+    path.write_text(ttir)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend = CUDABackend(GPUTarget("cuda", ARCH, 32))
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(str(path), context)
+    module.context = context  # as triton.compile's IRSource does
+    return str(backend.make_ttir(module, {}, None, ARCH))
+
+
 def _triton_compile(kernel: TritonKernelIR, num_warps: int, num_stages: int, tmp: str):
     path = Path(tmp) / f"{kernel.name}.ttir"  # the suffix tells Triton which stage the text is
-    path.write_text(kernel.ttir)
+    path.write_text(_ttir_passes(kernel.ttir, tmp))
     return triton.compile(str(path), target=GPUTarget("cuda", ARCH, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
@@ -298,7 +320,7 @@ def main() -> None:
                                                  ("--sass", cli.sass)) if on)
     lines = [
         f"# Pallas kernels compiled for sm_90a without a GPU, {stamp}", "",
-        f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__}. Shapes: "
+        f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__} after XLA's TTIR passes. Shapes: "
         + ("the kernel tests' (tests/test_kernels_*.py)" if cli.test_shapes else "experiments/gpu_kernels.py (GPU config)")
         + f". Produced by `python experiments/sm90_compile.py{flags}`.", "",
     ]

@@ -35,10 +35,11 @@ class AttentionTuning:
       programs in all, plan_splits).
     target_programs: programs the split heuristic aims for; 2 per SM of an
       H100/H200 (132 SMs). Programs past what the SMs hold at once run in a
-      second wave: sm_90a compiles allow 4 GQA programs per SM (2 with
-      prefetch, which holds the next block in registers) and 1 MLA program
-      (experiments/results/sm90_compile.md), so MLA at B=64 runs its 320
-      programs in 3 waves, the last 42% full. Not yet swept.
+      second wave: sm_90a compiles allow 5 GQA fp8 programs per SM (4 with
+      float16 dots, 2 with prefetch, which holds the next block in
+      registers) and 1 MLA program (experiments/results/sm90_compile.md),
+      so MLA at B=64 runs its 320 programs in 3 waves, the last 42% full.
+      Not yet swept.
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
@@ -74,9 +75,9 @@ def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> p
 
     Defaults from sm_90a compiles without a GPU (experiments/results/sm90_compile*.md):
     bf16 operands, 2 stages overlap the next page gather with the math. GQA fits
-    4 warps in ~128 registers; MLA's [16, 512] f32 accumulator and [64, 576]
+    4 warps in 96-128 registers; MLA's [16, 512] f32 accumulator and [64, 576]
     latent block spill at 4 warps (255 registers, up to 2 KB/thread) and fit
-    at 8 (~170-210), so it asks for 8. float32 operands (exactness tests, not a
+    at 8 (~170-205), so it asks for 8. float32 operands (exactness tests, not a
     serving format) double every block: MLA's two stages would need 312 KiB of
     shared memory (the launch fails above 227 KiB), so f32 always runs one
     stage at 8 warps (168 KiB).

@@ -84,8 +84,8 @@ def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
     Warps measured on the H200 (CUPTI kernel time, K=7168 N=2048 g=32;
     experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md): 16-row
     tiles (M=1) 11.6 us at 8 warps against 12.7 at 4; 64-row tiles (M=64)
-    19.4 us at 4 warps against 24.7 at 8, although sm_90a compiles show those
-    tiles spilling at 4 warps (experiments/results/sm90_compile.md). 32-row
+    19.4 us at 4 warps against 24.7 at 8 (sm_90a compiles: 157 registers at
+    4 warps, no spills; experiments/results/sm90_compile.md). 32-row
     tiles were not measured and follow the 64-row ones. 3 stages keep three
     weight blocks in flight (4 measured no faster).
     """
@@ -260,7 +260,7 @@ def _dequantize_planes(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype)
     With bf16 x and scales the rest is bf16 math that the GPU runs two values
     per instruction: (biased - 136) is exact, and * scale rounds once, as the
     float32 product (exact: 4 x 8 significant bits) rounded to bf16 does; the
-    sm_90a inner loop drops from 934 to 622 instructions per thread
+    sm_90a inner loop drops from 871 to 560 instructions per thread at M=1
     (experiments/results/sm90_sass.md). Other dtypes take float32 math.
     """
     pair_QN = ((packed_QN >> (4 * j)) & 0x000F000F) | (_BF16_128 << 16 | _BF16_128)
