@@ -657,14 +657,14 @@ ATTENTION_SWEEP = {
             AttentionTuning(block_tokens=32)),
 }
 # INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
-# so the 224 programs are one wave at 1.7 per SM; block_n=64 (48 registers,
-# 4-5 per SM) at target 528 runs 448 programs. At M=64 the defaults' 160 KiB
-# of shared memory allow 1 per SM (2 waves); one wave: num_stages=2 (104 KiB,
-# 2 per SM), target_programs=132 (112 programs), block_n=64 with 2 stages
-# (84 KiB, 2 per SM). gather_x drops the x permute kernel (1.6 us of run 2's
-# 15.5 at M=1) for more loop instructions: 623 against 560 at M=1, 1800
-# against 1165 at M=64 (1115 at 8 warps, 140 registers). The MoE sweep runs
-# the first MOE_SWEEP_SIZE choices.
+# so the 224 programs are one wave at 1.7 per SM; block_n=64 (44-49
+# registers, 4-5 per SM) at target 528 runs 448 programs. At M=64 the
+# defaults' 148 KiB of shared memory allow 1 per SM (2 waves, 4 warps per
+# SM); one wave: num_stages=2 (98 KiB, 2 per SM), target_programs=132 (112
+# programs), block_n=64 with 2 stages (81 KiB, 2 per SM). gather_x drops the x
+# permute kernel (1.6 us of run 2's 15.5 at M=1) for more loop instructions:
+# 598 against 533 at M=1, 1748 against 1114 at M=64 (1087 at 8 warps, 155
+# registers). The MoE sweep runs the first MOE_SWEEP_SIZE choices.
 INT4_SWEEP = (Int4Tuning(), Int4Tuning(gather_x=True), Int4Tuning(gather_x=True, block_n=64, num_stages=2),
               Int4Tuning(block_n=64, num_stages=2), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
               Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(gather_x=True, num_warps=8))

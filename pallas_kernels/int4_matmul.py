@@ -16,11 +16,14 @@ outside the kernel into 8 stride-8 planes, x_planes[j, m, i] = x[m, 8i + j]
 (cheap: x is tiny next to the weights). Nibble plane j of a packed block,
 ((packed >> 4j) & 15) - 8, is then a dense [BK/8, BN] matrix matching
 x_planes[j], and the block product is the sum of 8 dots [BM, BK/8] x
-[BK/8, BN]. Each packed row i lies in one group, i // (group_size/8), so its
-scale row is gathered with one vectorized load and applied before the bf16
-tensor-core dot; the products accumulate in float32. Planes j and j + 4 are
-dequantized together, as the two bf16 halves of one int32 built by a shift
-and a mask (_dequantize_planes): no int -> float conversion instructions.
+[BK/8, BN]. Each packed row i lies in one group, i // (group_size/8), so one
+scale row serves all 8 of its planes; a block's scale rows are loaded once
+each, repeated per packed row in registers (_scale_row_loader), and applied
+before the bf16 tensor-core dot. The products accumulate in float32.
+Planes j and j + 4 are dequantized together, as the two bf16 halves of one
+int32 built by a shift and a mask (_dequantize_planes): no int -> float
+conversion instructions. (With Int4Tuning.gather_x the kernel reads the
+planes of x itself instead of taking them permuted.)
 
 Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
 than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
@@ -260,7 +263,7 @@ def _dequantize_planes(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype)
     With bf16 x and scales the rest is bf16 math that the GPU runs two values
     per instruction: (biased - 136) is exact, and * scale rounds once, as the
     float32 product (exact: 4 x 8 significant bits) rounded to bf16 does; the
-    sm_90a inner loop drops from 871 to 560 instructions per thread at M=1
+    sm_90a inner loop dropped from 871 to 560 instructions per thread at M=1
     (experiments/results/sm90_sass.md). Other dtypes take float32 math.
     """
     pair_QN = ((packed_QN >> (4 * j)) & 0x000F000F) | (_BF16_128 << 16 | _BF16_128)
@@ -300,6 +303,27 @@ def _x_plane_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Int4Tiling
     return load
 
 
+def _scale_row_loader(scales_ref, expert: jax.Array, packed_rows: int, group_size: int) -> Callable:
+    """load(first_row) -> the scale of each of a block's packed rows, [BK/8, BN].
+
+    When a group spans a power of two of packed rows, the block's groups are
+    contiguous: load each scale row once and repeat it in registers (a
+    broadcast), not once per packed row (4x the loads at group 32, 16x at
+    128). Otherwise gather a row per packed row.
+    """
+    rows_per_group = group_size // PACK
+    if rows_per_group & (rows_per_group - 1):
+        return lambda first_row: scales_ref[expert, (first_row + jnp.arange(packed_rows)) // rows_per_group, :]
+    groups = max(1, packed_rows // rows_per_group)  # a block inside one group loads 1 row
+
+    def load(first_row):
+        scale_GN = scales_ref[expert, pl.ds(first_row // rows_per_group, groups), :]
+        width = scale_GN.shape[-1]
+        return jnp.broadcast_to(scale_GN[:, None, :], (groups, packed_rows // groups, width)).reshape(packed_rows, width)
+
+    return load
+
+
 def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
                  tiling: Int4Tiling, group_size: int, blocks_per_split: int):
     """One (tile, column block, split) program.
@@ -313,19 +337,18 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
     start = start_ref[0]
     load_x_plane = _x_plane_loader(x_ref, start, rows_ref[0], tiling)
     packed_rows = tiling.block_k // PACK
-    packed_rows_per_group = group_size // PACK
     first_block = pl.program_id(2) * blocks_per_split
     # An unused tile streams no weights (the decode case: most experts idle).
     # Arithmetic, not jnp.where(rows > 0, n, 0): the Triton lowering gave that
     # select a type other than the loop's lower bound, an scf.for that fails
     # verification on the GPU (caught by tests/test_kernels_int4.py).
     num_blocks = jnp.minimum(rows_ref[0], 1) * blocks_per_split  # rows >= 0
+    load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
 
     def body(block, acc_MN):
         first_row = (first_block + block) * packed_rows
         packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
-        groups_Q = (first_row + jnp.arange(packed_rows)) // packed_rows_per_group
-        scale_QN = scales_ref[expert, groups_Q, :]
+        scale_QN = load_scales(first_row)
         for j in range(PACK // 2):
             for plane, w_QN in zip((j, j + 4), _dequantize_planes(packed_QN, j, scale_QN, x_ref.dtype)):
                 acc_MN += mma.dot_nn(load_x_plane(plane, first_row), w_QN)

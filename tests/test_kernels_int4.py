@@ -160,7 +160,9 @@ GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
                          + [(DENSE_SHAPES[0], SMALL_TILES, jnp.bfloat16), (DENSE_SHAPES[2], SMALL_TILES, jnp.bfloat16),
                             (DENSE_SHAPES[1], Int4Tuning(), jnp.float32), (DENSE_SHAPES[1], GATHER_X, jnp.bfloat16),
                             (DENSE_SHAPES[0], GATHER_X_UNSPLIT, jnp.bfloat16),
-                            (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16)])
+                            (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16),
+                            # 6 packed rows per group: the per-row scale gather, not the broadcast.
+                            ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
     seed = _seed()
