@@ -1,7 +1,8 @@
-"""The inner loop of a kernel's SASS listing (cuobjdump -sass), and its instruction mix.
+"""The inner loop of a kernel's SASS listing (cuobjdump -sass), its instruction
+mix, and the resource usage ptxas -v reports.
 
-Used by experiments/sm90_compile.py --sass; pure text processing, so it is
-tested without a GPU or Triton (tests/test_experiments.py).
+Used by experiments/sm90_compile.py and experiments/gpu_ptx.py; pure text
+processing, so it is tested without a GPU or Triton (tests/test_experiments.py).
 """
 
 import dataclasses
@@ -44,3 +45,20 @@ class LoopMix:
             if op.startswith(SASS_KINDS["convert"]):
                 conversions[op] = conversions.get(op, 0) + 1
         return cls(len(body), kinds, conversions)
+
+
+def ptxas_usage(report: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes stored + loaded per thread) from ptxas -v."""
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return registers, int(spills.group(1)) + int(spills.group(2))
+
+
+def ptx_target(ptx: str) -> str:
+    """The architecture a PTX file was generated for (its .target line), e.g. sm_90a."""
+    return re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.MULTILINE).group(1)
+
+
+def ptx_warps(ptx: str) -> int:
+    """Warps per block a Triton PTX kernel was built for (its .maxntid x, / 32)."""
+    return int(re.search(r"\.maxntid\s+(\d+)", ptx).group(1)) // 32

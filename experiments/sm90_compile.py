@@ -34,7 +34,6 @@ import dataclasses
 import datetime
 import functools
 import itertools
-import re
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
-from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop  # noqa: E402
+from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
@@ -57,8 +56,8 @@ try:
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend, get_ptxas
-except ImportError as error:
-    raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({error})")
+except ImportError as error:  # main() says so; the cases and limits need no Triton (gpu_ptx.py)
+    triton, TRITON_MISSING = None, error
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ARCH = 90
@@ -235,10 +234,9 @@ def compile_sm90(kernel: TritonKernelIR, num_warps: int, num_stages: int) -> Com
         ptx.write_text(compiled.asm["ptx"])
         report = subprocess.run([get_ptxas(ARCH).path, f"--gpu-name=sm_{ARCH}a", "-v", str(ptx), "-o", "/dev/null"],
                                 capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return Compiled(num_warps, num_stages, registers, int(spills.group(1)) + int(spills.group(2)),
-                    compiled.metadata.shared, time.perf_counter() - start)
+    registers, spill_bytes = ptxas_usage(report)
+    return Compiled(num_warps, num_stages, registers, spill_bytes, compiled.metadata.shared,
+                    time.perf_counter() - start)
 
 
 def loop_mix(kernel: TritonKernelIR) -> LoopMix:
@@ -313,6 +311,8 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="report each kernel's inner-loop instruction mix instead")
     parser.add_argument("--out", type=Path)
     cli = parser.parse_args()
+    if triton is None:
+        raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({TRITON_MISSING})")
     ptxas_version = subprocess.run([get_ptxas(ARCH).path, "--version"], capture_output=True, text=True).stdout
     ptxas_version = ptxas_version.strip().splitlines()[-1]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

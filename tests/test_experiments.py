@@ -169,3 +169,26 @@ def test_sass_inner_loop_and_its_instruction_mix():
     mix = LoopMix.of(body)
     assert mix.instructions == 5 and mix.kinds == {"MMA": 1, "convert": 2, "permute": 0, "spill": 1}
     assert mix.conversions == {"F2FP.F16.E4M3.UNPACK_B": 1, "F2F.BF16.F16": 1}
+
+
+def test_gpu_ptx_reads_ptxas_and_ptx_text():
+    """experiments/gpu_ptx.py on the GPU machine: registers and spills from
+    ptxas -v, the target and warps from the PTX, and the table row."""
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_ptx
+    from experiments.sass_loop import LoopMix, ptx_target, ptx_warps, ptxas_usage
+
+    report = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'paged_attention_gqa' for 'sm_90a'
+ptxas info    : Function properties for paged_attention_gqa
+    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 38912 bytes smem, 400 bytes cmem[0]
+"""
+    assert ptxas_usage(report) == (96, 20)
+    ptx = "//\n.version 8.7\n.target sm_90a\n.address_size 64\n\n.visible .entry k(\n)\n.maxntid 128, 1, 1\n{\n}\n"
+    assert ptx_target(ptx) == "sm_90a" and ptx_warps(ptx) == 4
+    case = gpu_ptx.cases(gpu_ptx.GPU)[0]
+    usage = gpu_ptx.Compiled(4, 2, 96, 20, 38 * 1024, 0.0)
+    mix = LoopMix(792, {"MMA": 32, "convert": 196, "permute": 64, "spill": 0}, {})
+    row = gpu_ptx.table_row(case, usage, mix)
+    assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 32 | 196 | 64 | 0 |"
