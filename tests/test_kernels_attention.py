@@ -378,6 +378,29 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
 
 
+def test_kernels_clamp_lengths_to_the_table():
+    """Lengths past the table (N * S tokens) count as the whole table, below 0
+    as empty, as in the references. The last split runs past slot N - 1 here
+    (N = 7, 3 splits), and must read no page id beyond the table."""
+    seed = _seed()
+    rng = _rng(seed)
+    n, s = 7, 8
+    tuning = AttentionTuning(num_splits=3, block_tokens=16)
+    args, cache = _gqa_inputs(rng, batch=3, kv_heads=1, group=4, head_dim=16, page_size=s, num_slots=n,
+                              lengths=(n * s, 20, 0), kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32,
+                              per_head=False)
+    overlong = dict(args, lengths_B=jnp.asarray([n * s + 100, 20, -5], jnp.int32))
+    tol = F32_TOL * _max_abs_v(args)
+    ref = _as_np(paged_attention_gqa(**args, backend="xla"))
+    _check_close(paged_attention_gqa(**overlong, backend=KERNEL_BACKEND, tuning=tuning), ref, tol, seed, "gqa")
+    args, cache = _mla_inputs(rng, heads=4, width=48, rank=32, page_size=s, num_slots=n, lengths=(n * s, 20, 0),
+                              kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32)
+    overlong = dict(args, lengths_B=jnp.asarray([n * s + 100, 20, -5], jnp.int32))
+    ref = _as_np(paged_attention_mla(**args, backend="xla"))
+    _check_close(paged_attention_mla(**overlong, backend=KERNEL_BACKEND, tuning=tuning), ref,
+                 F32_TOL * _mla_max_abs_v(args), seed, "mla")
+
+
 def test_float16_dots_scale_queries_of_any_magnitude():
     """fp8_dots="float16" holds q in f16 (max 65504): rows of q as large as 1e6
     and as small as 1e-25 and 1e-36 must give the reference's output, GQA and
