@@ -386,14 +386,14 @@ def test_kernels_clamp_lengths_to_the_table():
     rng = _rng(seed)
     n, s = 7, 8
     tuning = AttentionTuning(num_splits=3, block_tokens=16)
-    args, cache = _gqa_inputs(rng, batch=3, kv_heads=1, group=4, head_dim=16, page_size=s, num_slots=n,
+    args, _ = _gqa_inputs(rng, batch=3, kv_heads=1, group=4, head_dim=16, page_size=s, num_slots=n,
                               lengths=(n * s, 20, 0), kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32,
                               per_head=False)
     overlong = dict(args, lengths_B=jnp.asarray([n * s + 100, 20, -5], jnp.int32))
     tol = F32_TOL * _max_abs_v(args)
     ref = _as_np(paged_attention_gqa(**args, backend="xla"))
     _check_close(paged_attention_gqa(**overlong, backend=KERNEL_BACKEND, tuning=tuning), ref, tol, seed, "gqa")
-    args, cache = _mla_inputs(rng, heads=4, width=48, rank=32, page_size=s, num_slots=n, lengths=(n * s, 20, 0),
+    args, _ = _mla_inputs(rng, heads=4, width=48, rank=32, page_size=s, num_slots=n, lengths=(n * s, 20, 0),
                               kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32)
     overlong = dict(args, lengths_B=jnp.asarray([n * s + 100, 20, -5], jnp.int32))
     ref = _as_np(paged_attention_mla(**args, backend="xla"))
