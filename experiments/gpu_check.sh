@@ -3,11 +3,12 @@
 #   bash experiments/gpu_check.sh
 # 1. the kernel tests on the COMPILED kernels (MIXSERVE_KERNEL_BACKEND=pallas),
 # 2. experiments/gpu_ptx.py: registers, spills and loops as this jaxlib compiles them,
-# 3. experiments/gpu_kernels.py at serving shapes (its own time budget).
+# 3. experiments/gpu_profile.py: Nsight Compute's stall reasons, occupancy, DRAM throughput,
+# 4. experiments/gpu_kernels.py at serving shapes (its own time budget).
 # Uses the machine's python3 and JAX as they are (no install: the lent H200
 # has jax 0.11 + CUDA, pytest and numpy, and no registry). Results go to $OUT
 # when set (the device tool brings that folder back), else experiments/results/gpu/.
-# Worst case 9.5 minutes (the timeouts below); a healthy run takes less.
+# Worst case 9.8 minutes (the timeouts below); a healthy run takes less.
 # A dry run on CPU: PATH=.venv/bin:$PATH MIXSERVE_KERNEL_BACKEND=interpret bash experiments/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,13 +37,21 @@ tests_rc=${PIPESTATUS[0]}
 # its failure does not fail the check.
 ptx_rc=skipped
 if command -v nvidia-smi >/dev/null; then
-  timeout 60 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tail -n 12
+  timeout 45 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tail -n 12
   ptx_rc=${PIPESTATUS[0]}
 fi
 
-# 3. The benchmark (CUPTI kernel times), then the tuning sweep, each with its own budget.
-timeout 330 python3 experiments/gpu_kernels.py --budget-s 180 --sweep --sweep-budget-s 110 \
+# 3. What the warps wait on (ncu's hardware counters; a runtime without them,
+# such as gVisor, fails here). A diagnostic too.
+profile_rc=skipped
+if command -v nvidia-smi >/dev/null; then
+  timeout 90 python3 experiments/gpu_profile.py --out "$out" 2>&1 | tail -n 20
+  profile_rc=${PIPESTATUS[0]}
+fi
+
+# 4. The benchmark (CUPTI kernel times), then the tuning sweep, each with its own budget.
+timeout 270 python3 experiments/gpu_kernels.py --budget-s 150 --sweep --sweep-budget-s 100 \
   --out "$out/gpu_kernels.md" 2>&1 | tee "$out/gpu_kernels.log"
 bench_rc=${PIPESTATUS[0]}
-echo "kernel tests rc=$tests_rc, ptx check rc=$ptx_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu_env.txt"
+echo "kernel tests rc=$tests_rc, ptx check rc=$ptx_rc, ncu profile rc=$profile_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu_env.txt"
 exit $(( tests_rc || bench_rc ))

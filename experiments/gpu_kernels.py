@@ -397,16 +397,23 @@ def gqa_rows(bench: Bench, key) -> None:
                                 kv_bytes, ref)
 
 
-def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, scale, kv_bytes, ref) -> None:
-    """JAX's op: no softmax scale (q is pre-scaled) and per-token fp8 scales [K, P, S]."""
+def jax_paged_call(name: str, kp: jax.Array, table: jax.Array, scale: float, interpret: bool) -> Callable:
+    """JAX's op on our pages: q comes pre-scaled (it has no softmax scale), FP8
+    pages take per-token scales [K, P, S], and k_splits is the largest of
+    1..16 dividing the pages per request."""
     pages_per_seq = table.shape[1]
     splits = max(d for d in (1, 2, 4, 8, 16) if pages_per_seq % d == 0)
     scales = None if name == "bf16" else jnp.full(kp.shape[:3], scale, jnp.float32)
-    op = functools.partial(jax_paged.paged_attention, k_splits=splits, interpret=not bench.cfg.on_gpu)
+    op = functools.partial(jax_paged.paged_attention, k_splits=splits, interpret=interpret)
 
     def call(q, kp, vp, table, lengths):
         return op(q, kp, vp, table, lengths, scales, scales)
 
+    return call
+
+
+def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, scale, kv_bytes, ref) -> None:
+    call = jax_paged_call(name, kp, table, scale, interpret=not bench.cfg.on_gpu)
     bench.measure(f"GQA {name}", shape, "jax paged_attention", call, (q_scaled, kp, vp, table, lengths),
                   kv_bytes, ref)
 

@@ -4,6 +4,7 @@ sessions that have a GPU or the time to run them in full."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,3 +193,127 @@ ptxas info    : Used 96 registers, used 1 barriers, 38912 bytes smem, 400 bytes 
     mix = LoopMix(792, {"MMA": 32, "convert": 196, "permute": 64, "spill": 0}, {})
     row = gpu_ptx.table_row(case, usage, mix)
     assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 32 | 196 | 64 | 0 |"
+
+
+def test_gpu_profile_cases_launch_the_kernels_ncu_is_told_to_profile(tmp_path):
+    """experiments/gpu_profile.py pairs its cases with ncu's launches by kernel
+    name, in order: each case must launch exactly one Pallas kernel, whose
+    name starts with the case's and matches the regex ncu filters on. The
+    process ncu profiles (--child) runs every case and lists it."""
+    import re
+
+    import jax
+    from jax.extend.core import jaxprs_in_params
+
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_kernels as gk
+    from experiments import gpu_profile as gp
+
+    def kernel_names(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield getattr(eqn.params["name"], "name", eqn.params["name"])
+            for inner in jaxprs_in_params(eqn.params):
+                yield from kernel_names(inner)
+
+    ncu_filter = re.compile(gp.KERNEL_REGEX.removeprefix("regex:"))
+    calls = []
+    for call in gp.profiled_calls(gk.CPU, jax.random.key(0)):
+        names = list(kernel_names(jax.make_jaxpr(call.fn)(*call.args).jaxpr))
+        assert len(names) == 1 and names[0].startswith(call.kernel) and ncu_filter.match(names[0]), (call.label, names)
+        calls.append((call.label, call.kernel))
+    assert len(calls) == 11  # (on CPU the small and large shapes coincide)
+    # The whole step, with a stand-in for ncu that runs the child and reports
+    # each launch with a made-up duration.
+    table = gp.profile(_script(tmp_path / "ncu", FAKE_NCU), tmp_path / "out", "cpu", timeout_s=300)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| case |")]
+    assert len(rows) == len(calls)
+    for i, (row, (label, kernel)) in enumerate(zip(rows, calls)):
+        assert row.startswith(f"| {label} | {kernel}_x | ") and f" | {i + 1}.0 | " in row, row
+    assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
+    assert len((tmp_path / "out" / "gpu_profile_raw.csv").read_text().strip().splitlines()) == 2 + len(calls)
+
+
+def _script(path, text):
+    path.write_text(f"#!{sys.executable}\n{text}")
+    path.chmod(0o755)
+    return path
+
+
+# Stands in for ncu: runs the profiled command, then reports one launch per
+# case the command listed, named as the case's kernel, lasting 1, 2, ... us.
+FAKE_NCU = """import json, pathlib, subprocess, sys
+args = sys.argv[1:]
+if "--import" in args:
+    print(pathlib.Path(args[args.index("--import") + 1]).read_text())
+    sys.exit(0)
+report, command = args[args.index("-o") + 1], args[args.index("-o") + 2:]
+subprocess.run(command, check=True)
+rows = ['"ID","Kernel Name","gpu__time_duration.sum"', '"","","nsecond"']
+for i, line in enumerate(pathlib.Path(command[-1]).read_text().splitlines()):
+    rows.append(f'"{i}","{json.loads(line)["kernel"]}_x","{1000 * (i + 1)}"')
+pathlib.Path(report + ".ncu-rep").write_text("\\n".join(rows) + "\\n")
+"""
+
+
+def test_gpu_profile_stops_ncu_and_what_it_runs_at_its_timeout(tmp_path):
+    """A hung profile must not hold the GPU into the benchmark after it."""
+    import subprocess as sp
+
+    import pytest
+
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_profile as gp
+
+    pid_file = tmp_path / "pid"
+    hung = _script(tmp_path / "ncu", "import subprocess, sys, time\n"
+                   "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                   f"open({str(pid_file)!r}, 'w').write(str(child.pid))\ntime.sleep(600)\n")
+    with pytest.raises(sp.TimeoutExpired):
+        gp.profile(hung, tmp_path / "out", "cpu", timeout_s=3)
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # gone, or dead and not yet reaped
+
+
+
+def test_gpu_profile_reads_ncu_raw_csv():
+    """ncu's raw page (--csv --page raw --print-units base): a header naming
+    "Kernel Name", a units row, one row per launch. Units convert to base,
+    stalls sort largest first, and the table pairs cases with launches in
+    order, stopping where a kernel name does not match."""
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_profile as gp
+
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum", "dram__bytes_read.sum",
+              "dram__bytes_write.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+              "launch__registers_per_thread", "launch__waves_per_multiprocessor",
+              "sm__warps_active.avg.pct_of_peak_sustained_active", "sm__maximum_warps_per_active_cycle_pct",
+              "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__warps_eligible.avg.per_cycle_active",
+              stall.format("long_scoreboard"), stall.format("barrier"), stall.format("wait")]
+    units = ["", "", "", "", "nsecond", "Mbyte", "byte", "%", "register/thread", "", "%", "%", "%", "warp", "", "", ""]
+    first = ["0", "int4_matmul", "(16, 14, 1)", "(256, 1, 1)", "12,700", "8.26", "4096", "15.2", "105", "0.85",
+             "21.5", "37.5", "24.1", "0.31", "9.5", "1.25", "3.0"]
+    second = ["1", "paged_attention_gqa", "(320, 1, 1)", "(128, 1, 1)", "357,000", "537", "0", "34", "96", "0.48",
+              "15", "62.5", "28", "0.4", "20", "0.5", "1"]
+    text = "==PROF== Disconnected\n" + "\n".join(",".join(f'"{v}"' for v in row)
+                                                  for row in (header, units, first, second)) + "\n"
+    records = gp.ncu_records(text)
+    assert len(records) == 2
+    int4 = gp.KernelProfile.of(records[0])
+    assert abs(int4.seconds - 12.7e-6) < 1e-12 and abs(int4.dram_bytes - (8.26e6 + 4096)) < 1e-3
+    assert int4.stalls == (("long_scoreboard", 9.5), ("wait", 3.0), ("barrier", 1.25))
+    assert int4.registers == 105 and int4.dram_pct == 15.2 and int4.eligible == 0.31
+    row = int4.row("INT4 M=1")
+    assert row.startswith("| INT4 M=1 | int4_matmul | (16, 14, 1) x (256, 1, 1) | 105 | 0.85 | 12.7 | 15 | 651 |")
+    assert row.endswith("| 22 (38) | 24 | 0.31 | long_scoreboard 9.5, wait 3.0, barrier 1.2 |")
+    profiles = [gp.KernelProfile.of(r) for r in records]
+    cases = [{"label": "a", "kernel": "int4_matmul", "status": "ran"},
+             {"label": "b", "kernel": "int4_matmul", "status": "FAILED: XlaRuntimeError: boom"},
+             {"label": "c", "kernel": "paged_attention_gqa", "status": "ran"}]
+    table = gp.markdown(cases, profiles, "H200", "now")
+    assert "| a | int4_matmul |" in table and "| b | FAILED: XlaRuntimeError: boom |" in table
+    assert "| c | paged_attention_gqa | (320, 1, 1)" in table and "unmatched" not in table
+    swapped = gp.markdown(cases[::-1], profiles, "H200", "now")
+    assert "| c | unmatched: expected paged_attention_gqa, ncu's next launch is int4_matmul |" in swapped
+    assert "| a |" not in swapped
