@@ -31,9 +31,12 @@ variant (moe_int4_matmul.py) picks each tile's expert from a work list with a
 dynamic index into the expert axis, which Triton lowers to pointer arithmetic.
 Small M uses split-K over extra grid steps so that a 7168 x 2048 weight is
 streamed by hundreds of programs, not 16. (Mosaic GPU has a Hopper
-mixed-type matmul, but it is built around 64-row warpgroup tiles and TMA
-layouts; for M = 1..64 decode the Triton path is simpler and as fast in
-principle, since the op is bound by streaming the weights.)
+mixed-type matmul, built around 64-row warpgroup tiles and TMA layouts. The
+choice of Triton rested on the op being bound by streaming the weights; on
+the H200 (2026-11-29) it was not: at M=1 the kernel ran at 15% of copy
+bandwidth with its issue slots mostly idle, waiting on latency. What that
+costs, and why the M=1 goal may need a hand-scheduled (Mosaic GPU) kernel:
+experiments/results/gpu_kernels_h200_2026-11-29_notes.md.)
 """
 
 import dataclasses
