@@ -242,7 +242,8 @@ def profile(ncu: Path, out: Path, device: str, timeout_s: float) -> str:
         sections = [arg for section in SECTIONS for arg in ("--section", section)]
         profiled = subprocess.Popen([str(ncu), "--clock-control", "none", "--target-processes", "all",
                                      "--kernel-name", KERNEL_REGEX, *sections, "-f", "-o", str(report),
-                                     sys.executable, __file__, "--child", str(manifest)], start_new_session=True)
+                                     sys.executable, str(Path(__file__).resolve()), "--child", str(manifest)],
+                                    start_new_session=True)
         try:
             profiled.wait(timeout=timeout_s)
         finally:  # ncu and the process it profiles go together, so nothing outlives this step on the GPU
