@@ -521,7 +521,7 @@ class MoeCase(NamedTuple):
 
 def _moe_case(cfg: Config, key, packed, scales, tokens: int) -> MoeCase:
     """tokens spread over the experts at random (a fixed draw per token count)."""
-    e, k, g = cfg.experts, cfg.matmul_k, cfg.group_size
+    e, k = cfg.experts, cfg.matmul_k
     sizes = jnp.asarray(np.random.default_rng(tokens).multinomial(tokens, np.ones(e) / e), jnp.int32)
     active = int(jnp.sum(sizes > 0))
     x = jax.random.normal(key, (tokens, k), jnp.bfloat16)
