@@ -212,7 +212,8 @@ def test_gpu_profile_cases_launch_the_kernels_ncu_is_told_to_profile(tmp_path):
     def kernel_names(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "pallas_call":
-                yield getattr(eqn.params["name"], "name", eqn.params["name"])
+                name = eqn.params.get("name", eqn.params.get("name_and_src_info"))  # (renamed across JAX versions)
+                yield getattr(name, "name", name)
             for inner in jaxprs_in_params(eqn.params):
                 yield from kernel_names(inner)
 
