@@ -53,8 +53,8 @@ fi
 
 # 4. The benchmark (CUPTI kernel times), then the tuning sweep: 60/40 of the
 # time left (about 265 s if the steps above used all of theirs), less 40 s
-# for the rows in flight at their deadlines (run 2 overran by up to 25 s, and
-# the sweep's table is written only at its end).
+# for the rows in flight at their deadlines (run 2 overran by up to 25 s). The
+# table is rewritten after every row, so a kill loses only the row in flight.
 left=$(( WORST_S - SECONDS ))
 timeout "$left" python3 experiments/gpu_kernels.py --budget-s $(( (left - 40) * 6 / 10 )) \
   --sweep --sweep-budget-s $(( (left - 40) * 4 / 10 )) \

@@ -158,13 +158,18 @@ class Bench:
         self.rows: list[Row] = []
         self.deadline = time.perf_counter() + budget_s
         self.cupti_measure = cupti_measure  # None: loop timing
-        self.log: list[str] = []  # per-kernel CUPTI breakdown of each row
+        # Called after each row, so that a run killed at its time limit still leaves every row it measured.
+        self.after_row: Callable[[], object] = lambda: None
 
     def measure(self, kernel: str, shape: str, impl: str, fn: Callable, args: tuple, bytes_moved: int,
                 ref: jax.Array | None = None) -> None:
+        self.rows.append(self._row(kernel, shape, impl, fn, args, bytes_moved, ref))
+        self.after_row()
+
+    def _row(self, kernel: str, shape: str, impl: str, fn: Callable, args: tuple, bytes_moved: int,
+             ref: jax.Array | None) -> Row:
         if time.perf_counter() > self.deadline:
-            self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note="skipped: time budget"))
-            return
+            return Row(kernel, shape, impl, float("nan"), bytes_moved, note="skipped: time budget")
         try:
             out = jax.block_until_ready(fn(*args))  # compiles
             err = None if ref is None else max_err(out, ref)
@@ -172,13 +177,12 @@ class Bench:
         except Exception as error:  # Reported in the table; the other rows still run.
             message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
             print(f"FAILED {kernel} {shape} {impl}: {message}", flush=True)
-            self.rows.append(Row(kernel, shape, impl, float("nan"), bytes_moved, note=f"FAILED: {message}"))
-            return
-        self.rows.append(Row(kernel, shape, impl, timing.seconds, bytes_moved, err,
-                             harness_seconds=timing.harness_seconds, method=timing.method))
-        if timing.kernels:
-            self.log.append(f"{kernel} {shape} {impl}: " + ", ".join(
-                f"{name} {us:.1f} us" for name, us in timing.kernels))
+            return Row(kernel, shape, impl, float("nan"), bytes_moved, note=f"FAILED: {message}")
+        if timing.kernels:  # the per-kernel CUPTI breakdown goes to the log as it is measured
+            print(f"{kernel} {shape} {impl}: " + ", ".join(f"{name} {us:.1f} us" for name, us in timing.kernels),
+                  flush=True)
+        return Row(kernel, shape, impl, timing.seconds, bytes_moved, err,
+                   harness_seconds=timing.harness_seconds, method=timing.method)
 
     def time_call(self, fn: Callable, args: tuple) -> "Timing":
         """fn(*args) timed by CUPTI when this bench has it, else by the loop."""
@@ -780,21 +784,19 @@ def main() -> None:
     cupti = cupti_measure_or_none() if on_gpu else None
     bench = Bench(cfg, cli.budget_s, cupti)
     copy_bw = copy_bandwidth(bench)
-    text = ""
+    sweep = Bench(cfg, cli.sweep_budget_s, cupti) if cli.sweep else None
 
-    def report(part: str, sweep: Bench | None = None) -> None:
-        nonlocal text
-        print(f"{part} done after {time.perf_counter() - start:.0f} s", flush=True)
-        for b in (bench, sweep) if sweep else (bench,):
-            print("\n".join(b.log), flush=True)
-            b.log.clear()
+    def write_table() -> str:
+        """The whole table so far; written to `out` after every row."""
         text = markdown(bench.rows, copy_bw, goal_lines(bench.rows, copy_bw, cfg.kernel_backend), device, on_gpu)
-        if sweep:
+        if sweep is not None and sweep.rows:
             text += sweep_markdown(sweep.rows, copy_bw)
-        if out is not None:  # after every part, so a run killed later still leaves a table
+        if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text)
+        return text
 
+    bench.after_row = write_table
     # Each part may use its share of what is left, so a slow part cannot skip
     # the later ones (run 2 lost its MLA rows past B=16 that way). The matmuls first.
     end = start + cli.budget_s
@@ -804,12 +806,13 @@ def main() -> None:
         bench.deadline = now + (end - now) / left
         key, sub = jax.random.split(key)
         part(bench, sub)
-        report(part.__name__)
-    if cli.sweep:
-        sweep = Bench(cfg, cli.sweep_budget_s, cupti)
+        print(f"{part.__name__} done after {time.perf_counter() - start:.0f} s", flush=True)
+    if sweep is not None:
+        sweep.deadline = time.perf_counter() + cli.sweep_budget_s  # counted from the sweep's start
+        sweep.after_row = write_table
         sweep_rows(sweep, key)
-        report("sweep_rows", sweep)
-    print(text)
+        print(f"sweep_rows done after {time.perf_counter() - start:.0f} s", flush=True)
+    print(write_table())
     if out is not None:
         print(f"wrote {out}")
 
