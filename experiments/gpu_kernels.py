@@ -20,7 +20,7 @@ Each row reports the median time, bytes moved / time, and that as a share of a
 device-to-device copy bandwidth measured in the same run; each kernel row also
 reports its max |error| against the XLA reference, so a fast but wrong kernel
 shows. The goals are printed next to the results. On GPU the markdown table
-is written to experiments/results/ (or --out) after every kernel family. A row
+is written to experiments/results/ (or --out) after every row. A row
 that fails (a compile error interpret mode could not show) is listed as FAILED
 with its error and the run goes on; rows after --budget-s are listed as skipped.
 
