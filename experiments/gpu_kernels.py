@@ -655,6 +655,11 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # GQA block_tokens=128 measured 370 us against 428 at B=64 in run 2, before
 # every block was masked (now the default, 365 us); with float16 dots its
 # loop issues 0.15 warp instructions per KV byte, against 0.19 at the defaults.
+# MLA block_tokens=32 cuts the 64-token pages (fd.cut_pages; run 2's MLA rows
+# with block_tokens 16 and 32 still ran 64-token blocks, since a block held
+# whole pages): 100 registers, 2 programs per SM (target 256: one wave at
+# B=64), for 0.47 warp instructions per KV byte against 0.31 (1088 per 32
+# tokens at 8 warps, against 1415 per 64), 0.37 with float16 dots.
 ATTENTION_SWEEP = {
     "GQA": (AttentionTuning(), AttentionTuning(target_programs=640), AttentionTuning(prefetch=True, target_programs=256),
             AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=512),
@@ -662,10 +667,11 @@ ATTENTION_SWEEP = {
             AttentionTuning(block_tokens=128, fp8_dots="float16"), AttentionTuning(block_tokens=128),
             AttentionTuning(prefetch=True, num_warps=8, target_programs=256), AttentionTuning(prefetch=True),
             AttentionTuning(partial_share=8)),
-    "MLA": (AttentionTuning(), AttentionTuning(target_programs=128), AttentionTuning(prefetch=True, target_programs=128),
-            AttentionTuning(fp8_dots="float16"), AttentionTuning(fp8_dots="float16", target_programs=128),
-            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True),
-            AttentionTuning(block_tokens=32)),
+    "MLA": (AttentionTuning(), AttentionTuning(block_tokens=32, fp8_dots="float16", target_programs=256),
+            AttentionTuning(block_tokens=32, target_programs=256), AttentionTuning(target_programs=128),
+            AttentionTuning(prefetch=True, target_programs=128), AttentionTuning(fp8_dots="float16"),
+            AttentionTuning(fp8_dots="float16", target_programs=128),
+            AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128), AttentionTuning(prefetch=True)),
 }
 # INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
 # so the 224 programs are one wave at 1.7 per SM; block_n=64 (44-49

@@ -99,18 +99,19 @@ def cases(cfg: Config) -> list[Case]:
             out.append(Case(f"GQA {name}", f"B={batch} ctx={context}", gqa,
                             (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
                              spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
+            out.append(_mla_case(cfg, f"MLA {name}", dtype, tuning, batch, context))
             n = context // cfg.mla_page
             width = cfg.mla_rank + cfg.mla_rope
-            mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0, softmax_scale=0.1,
-                                    backend="pallas", tuning=tuning)
-            out.append(Case(f"MLA {name}", f"B={batch} ctx={context}", mla,
-                            (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
-                             spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
             sparse = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0,
                                        softmax_scale=0.1, backend="pallas", tuning=tuning)
             out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={cfg.dsa_top_k}", sparse,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
                              spec((batch, n), jnp.int32), spec((batch, cfg.dsa_top_k), jnp.int32), spec((batch,), jnp.int32))))
+    # MLA's 64-token pages cut into 32-token blocks (AttentionTuning.block_tokens, fd.cut_pages).
+    for name, dots in (("fp8 block-32", "bfloat16"), ("fp8 f16-dots block-32", "float16")):
+        for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+            out.append(_mla_case(cfg, f"MLA {name}", jnp.float8_e4m3fn,
+                                 AttentionTuning(block_tokens=32, fp8_dots=dots), batch, context))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))
@@ -128,6 +129,17 @@ def cases(cfg: Config) -> list[Case]:
                         (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
                          spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
     return out
+
+
+def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
+    n = context // cfg.mla_page
+    width = cfg.mla_rank + cfg.mla_rope
+    mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0, softmax_scale=0.1,
+                            backend="pallas", tuning=tuning)
+    spec = jax.ShapeDtypeStruct
+    return Case(kernel, f"B={batch} ctx={context}", mla,
+                (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
+                 spec((batch, n), jnp.int32), spec((batch,), jnp.int32)))
 
 
 def test_cases() -> list[Case]:

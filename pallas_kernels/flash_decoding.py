@@ -29,17 +29,18 @@ class AttentionTuning:
     on them (tests/test_kernels_attention.py). Defaults: see experiments/gpu_kernels.py
     --sweep for how they were measured.
 
-    block_tokens: tokens per inner step (unless a page is larger); >= 16 keeps
-      every dot at least one MMA tile even at page size 8.
+    block_tokens: tokens per inner step, a power of two >= 16 (so that every
+      dot is at least one MMA tile). Pages larger than this are cut into
+      sub-pages of block_tokens (cut_pages).
     num_splits: split-K programs per request (None: about target_programs
       programs in all, plan_splits).
     target_programs: programs the split heuristic aims for; 2 per SM of an
       H100/H200 (132 SMs). Programs past what the SMs hold at once run in a
       second wave: sm_90a compiles allow 5 GQA fp8 programs per SM (4 with
       float16 dots, 2 with prefetch, which holds the next block in
-      registers) and 1 MLA program (experiments/results/sm90_compile.md),
-      so MLA at B=64 runs its 320 programs in 3 waves, the last 42% full.
-      Not yet swept.
+      registers) and 1 MLA program at 64-token blocks, 2 at 32
+      (experiments/results/sm90_compile.md), so MLA at B=64 runs its 320
+      programs in 3 waves, the last 42% full. Not yet swept.
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
@@ -66,6 +67,8 @@ class AttentionTuning:
     target_programs: int = 2 * 132
 
     def __post_init__(self):
+        if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"block_tokens must be a power of two >= 16, got {self.block_tokens}")
         if self.fp8_dots not in ("bfloat16", "float16"):
             raise ValueError(f"fp8_dots must be 'bfloat16' or 'float16', got {self.fp8_dots!r}")
 
@@ -128,6 +131,29 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
     # Re-derive so that no split is entirely past the page table.
     num_splits = -(-num_blocks // blocks_per_split)
     return SplitPlan(pages_per_block, blocks_per_split, num_splits)
+
+
+def cut_pages(page_table_BN: jax.Array, block_tokens: int, page_axis: int,
+              *pools: jax.Array) -> tuple[jax.Array, ...]:
+    """(page table, *pools) with pages longer than block_tokens viewed as
+    sub-pages of block_tokens tokens: sub-page i of page p is p * k + i, for
+    k = page_size / block_tokens. The pools share the table and page size.
+
+    A kernel block holds whole pages, so without this a 64-token MLA page
+    would force 64-token blocks: 204 registers at 8 warps and one program per
+    SM, against 100 registers and two per SM at 32 tokens (FP8, sm_90a,
+    experiments/results/sm90_compile.md). The pool view is a free reshape;
+    only the small table grows k-fold.
+    """
+    page_size = pools[0].shape[page_axis + 1]
+    k = page_size // block_tokens
+    if k <= 1:
+        return page_table_BN, *pools
+    b, n = page_table_BN.shape
+    table_BNK = page_table_BN.astype(jnp.int32)[:, :, None] * k + jnp.arange(k, dtype=jnp.int32)
+    return table_BNK.reshape(b, n * k), *(
+        pool.reshape(*pool.shape[:page_axis], pool.shape[page_axis] * k, block_tokens, *pool.shape[page_axis + 2:])
+        for pool in pools)
 
 
 def split_page_table(page_table_BN: jax.Array, lengths_B: jax.Array, page_size: int,

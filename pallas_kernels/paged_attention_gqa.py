@@ -161,6 +161,8 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
 def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
             k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, tuning: fd.AttentionTuning):
     b, h, d = q_BHD.shape
+    page_table_BN, k_pages_KPSD, v_pages_KPSD = fd.cut_pages(page_table_BN, tuning.block_tokens, 1,
+                                                             k_pages_KPSD, v_pages_KPSD)
     kvh, _, page_size, _ = k_pages_KPSD.shape
     g = h // kvh
     rows = mma.padded_rows(g)

@@ -181,6 +181,7 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
             kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning):
     b, h, c = q_BHC.shape
+    page_table_BN, latent_pages_PSC = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, latent_pages_PSC)
     page_size = latent_pages_PSC.shape[1]
     rows = mma.padded_rows(h)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,

@@ -218,6 +218,10 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, False, AttentionTuning(fp8_dots="float16", num_splits=2)),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
+        # Pages of 32 cut into blocks of 16 (fd.cut_pages).
+        (GQA_SHAPES[2], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(block_tokens=16, num_splits=3)),
+        (GQA_SHAPES[2], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(prefetch=True, block_tokens=16,
+                                                                                num_splits=2)),
         (GQA_SHAPES[3], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(num_splits=4)),
         # Prefetch: splits of 1..n blocks, splits past a request's end and empty requests.
         (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(prefetch=True, block_tokens=16,
@@ -363,6 +367,9 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
         (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16, num_splits=2)),
         (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(prefetch=True, fp8_dots="float16")),
+        # Pages of 32 cut into blocks of 16 (fd.cut_pages).
+        (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(block_tokens=16, num_splits=3)),
+        (MLA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16)),
     ],
 )
 def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
@@ -563,13 +570,13 @@ def test_sweep_program_targets_give_one_wave_at_batch_64():
     at B=64 ctx=32k they must give exactly the splits its comment claims, so
     that the programs fill the 132 SMs in one wave at the occupancy sm_90a
     compiles allow (GQA fp8 5 per SM, 4 with float16 dots, 2 with prefetch
-    at 4 or 8 warps; MLA 1)."""
+    at 4 or 8 warps; MLA 1, 2 with its pages cut into 32-token blocks)."""
     from experiments.gpu_kernels import ATTENTION_SWEEP
     from pallas_kernels.flash_decoding import plan_splits
 
     def per_sm(kernel, tuning):
         if kernel == "MLA":
-            return 1
+            return 2 if tuning.block_tokens == 32 else 1
         return 2 if tuning.prefetch else 4 if tuning.fp8_dots == "float16" else 5
 
     sizes = {"GQA": (16, dict(kv_bytes_per_token=2 * 128, partial_bytes=16 * 130 * 4)),
@@ -578,7 +585,8 @@ def test_sweep_program_targets_give_one_wave_at_batch_64():
         for tuning in ATTENTION_SWEEP[kernel]:
             if tuning.target_programs == AttentionTuning().target_programs:
                 continue
-            programs = 64 * plan_splits(32768 // page, page, 64, **bytes_, tuning=tuning).num_splits
+            cut = min(page, tuning.block_tokens)  # the page size the kernel sees (fd.cut_pages)
+            programs = 64 * plan_splits(32768 // cut, cut, 64, **bytes_, tuning=tuning).num_splits
             capacity = 132 * per_sm(kernel, tuning)
             assert 0.9 * capacity <= programs <= capacity, (kernel, tuning, programs, capacity)
 
@@ -614,3 +622,53 @@ def test_backend_resolution_and_errors():
     assert np.isfinite(_as_np(paged_attention_gqa(**odd_pages, backend="xla"))).all()
     with pytest.raises(ValueError, match="power-of-two page size"):
         paged_attention_gqa(**odd_pages, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize("page_axis", [0, 1])
+def test_cut_pages_keeps_every_token_where_the_table_says(page_axis):
+    """fd.cut_pages views pages of S tokens as sub-pages of T: token t of a
+    request, at pool[table[t // S], t % S], is at cut[cut_table[t // T], t % T]
+    for every pool sharing the table. Pages no longer than T are left as they are."""
+    from pallas_kernels import flash_decoding as fd
+
+    seed = _seed()
+    rng = _rng(seed)
+    pages, s, t, n = 6, 32, 8, 5
+    lead = (2,) * page_axis  # GQA pools carry a KV-head axis first
+    pool_a = jnp.asarray(rng.standard_normal((*lead, pages, s, 3)), jnp.float32)
+    pool_b = pool_a + 1
+    table = jnp.asarray(rng.integers(0, pages, (2, n)), jnp.int32)
+    cut_table, cut_a, cut_b = fd.cut_pages(table, t, page_axis, pool_a, pool_b)
+    assert cut_table.shape == (2, n * s // t) and cut_a.shape == (*lead, pages * s // t, t, 3)
+    tokens = np.arange(n * s)
+    for pool, cut in ((pool_a, cut_a), (pool_b, cut_b)):
+        pool, cut = (np.moveaxis(np.asarray(x), (page_axis, page_axis + 1), (0, 1)) for x in (pool, cut))
+        for b in range(2):
+            want = pool[np.asarray(table)[b, tokens // s], tokens % s]
+            got = cut[np.asarray(cut_table)[b, tokens // t], tokens % t]
+            assert np.array_equal(got, want), f"seed={seed}"
+    same = fd.cut_pages(table, s, page_axis, pool_a)
+    assert same[0] is table and same[1] is pool_a
+
+
+def test_block_tokens_must_be_a_power_of_two_of_at_least_16():
+    for bad in (8, 24, 0):
+        with pytest.raises(ValueError, match="block_tokens"):
+            AttentionTuning(block_tokens=bad)
+
+
+def test_mla_blocks_smaller_than_a_page_lower_to_smaller_tiles():
+    """At Kimi's 64-token pages, block_tokens=32 reaches the GPU kernel as
+    32-token latent loads over a table twice as long (not silently ignored)."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+
+    def latent_tiles(block_tokens):
+        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
+                                backend="pallas", tuning=AttentionTuning(block_tokens=block_tokens, num_splits=4))
+        [kernel] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
+                                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+        return sorted(set(re.findall(r"tensor<(\d+x\d+x\d+)x!tt\.ptr<f8E4M3FN>>", kernel.ttir)))
+
+    assert latent_tiles(64) == ["1x64x512", "1x64x64"]
+    assert latent_tiles(32) == ["1x32x512", "1x32x64"]
