@@ -681,8 +681,16 @@ ATTENTION_SWEEP = {
 # programs), block_n=64 with 2 stages (81 KiB, 2 per SM). gather_x drops the x
 # permute kernel (1.6 us of run 2's 15.5 at M=1) for more loop instructions:
 # 598 against 533 at M=1, 1748 against 1114 at M=64 (1087 at 8 warps, 155
-# registers). The MoE sweep runs the first MOE_SWEEP_SIZE choices.
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(gather_x=True), Int4Tuning(gather_x=True, block_n=64, num_stages=2),
+# registers). block_k=128 halves the x tile, which is most of the shared
+# memory at M=64: 121 registers and 74 KiB, 3 programs per SM (12 warps,
+# against 4), for 626 loop instructions per 128 K against 1114 per 256 (+12%
+# per weight byte); at M=1, 48 registers and 5 per SM, 323 per 128 K against
+# 533 per 256 (+21%). Its target 396 fills the 3 per SM, but at M=64 each
+# program's f32 partial is 32 KB, so more splits also mean more partial
+# traffic (224 programs already write 7.3 MB, beside 8.3 MB of weights).
+# The MoE sweep runs the first MOE_SWEEP_SIZE choices.
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(block_k=128, target_programs=3 * 132),
+              Int4Tuning(gather_x=True), Int4Tuning(gather_x=True, block_n=64, num_stages=2),
               Int4Tuning(block_n=64, num_stages=2), Int4Tuning(target_programs=132), Int4Tuning(num_stages=2),
               Int4Tuning(block_n=64, target_programs=4 * 132), Int4Tuning(gather_x=True, num_warps=8))
 MOE_SWEEP_SIZE = 4

@@ -48,7 +48,7 @@ from pallas_kernels import AttentionTuning, Int4Tuning, int4_matmul  # noqa: E40
 KERNEL_REGEX = "regex:^(int4_matmul|paged_attention)"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 # The defaults, and beside each the sweep's leading candidate for its goal.
-INT4_PROFILED = (Int4Tuning(), Int4Tuning(gather_x=True, block_n=64, num_stages=2))
+INT4_PROFILED = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(gather_x=True, block_n=64, num_stages=2))
 GQA_PROFILED = (AttentionTuning(), AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256))
 MLA_PROFILED = (AttentionTuning(), AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128),
                 AttentionTuning(block_tokens=32, fp8_dots="float16", target_programs=256))

@@ -33,7 +33,7 @@ from experiments.sm90_compile import Case, Compiled, cases  # noqa: E402
 # The serving-shape kernels whose offline numbers the notes lean on.
 CHECKED = ("GQA fp8 | B=64 ctx=4096", "GQA fp8 f16-dots | B=64 ctx=4096", "GQA fp8 prefetch | B=64 ctx=4096",
            "MLA fp8 | B=64 ctx=4096", "MLA fp8 block-32 | B=64 ctx=4096", "INT4 matmul | M=1 g=32",
-           "INT4 matmul | M=64 g=32", "INT4 matmul gather-x | M=1 g=32")
+           "INT4 matmul | M=64 g=32", "INT4 matmul gather-x | M=1 g=32", "INT4 matmul block_k=128 | M=64 g=32")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,10 +118,11 @@ def cases(cfg: Config) -> list[Case]:
         for m in sorted({*cfg.matmul_ms, 32}):  # 32: the one tile height (16/32/64) the benchmark skips
             out.append(Case("INT4 matmul", f"M={m} g={group}", functools.partial(int4_matmul, group_size=group, backend="pallas"),
                             (spec((m, k), jnp.bfloat16), *weights)))
-    for m in (min(cfg.matmul_ms), max(cfg.matmul_ms)):
-        out.append(Case("INT4 matmul gather-x", f"M={m} g=32",
-                        functools.partial(int4_matmul, group_size=32, backend="pallas", tuning=Int4Tuning(gather_x=True)),
-                        (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // 32, n), jnp.bfloat16))))
+    for name, tuning in (("gather-x", Int4Tuning(gather_x=True)), ("block_k=128", Int4Tuning(block_k=128))):
+        for m in (min(cfg.matmul_ms), max(cfg.matmul_ms)):
+            out.append(Case(f"INT4 matmul {name}", f"M={m} g=32",
+                            functools.partial(int4_matmul, group_size=32, backend="pallas", tuning=tuning),
+                            (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // 32, n), jnp.bfloat16))))
     e, g = cfg.experts, cfg.group_size
     moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
     for tokens in cfg.moe_tokens:

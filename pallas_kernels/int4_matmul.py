@@ -68,7 +68,7 @@ class Int4Tuning:
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
       (2 per SM of an H100/H200's 132; sm_90a compiles fit 3 per SM at M=1 and
-      1 at M=64, experiments/results/sm90_compile.md).
+      1 at M=64, 5 and 3 at block_k=128; experiments/results/sm90_compile.md).
     gather_x: the kernel reads each nibble plane's columns of x itself, with a
       gather masked to the tile's rows, instead of x permuted into planes by
       an XLA op beforehand. No permute and no row padding, so a call that
