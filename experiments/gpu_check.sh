@@ -39,7 +39,7 @@ tests_rc=${PIPESTATUS[0]}
 # its failure does not fail the check.
 ptx_rc=skipped
 if command -v nvidia-smi >/dev/null; then
-  timeout 45 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tail -n 12
+  timeout 60 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tail -n 12
   ptx_rc=${PIPESTATUS[0]}
 fi
 
@@ -52,7 +52,7 @@ if command -v nvidia-smi >/dev/null; then
 fi
 
 # 4. The benchmark (CUPTI kernel times), then the tuning sweep: 60/40 of the
-# time left (about 265 s if the steps above used all of theirs), less 40 s
+# time left (about 250 s if the steps above used all of theirs), less 40 s
 # for the rows in flight at their deadlines (run 2 overran by up to 25 s). The
 # table is rewritten after every row, so a kill loses only the row in flight.
 left=$(( WORST_S - SECONDS ))
