@@ -40,7 +40,7 @@ class AttentionTuning:
       float16 dots, 2 with prefetch, which holds the next block in
       registers) and 1 MLA program at 64-token blocks, 2 at 32
       (experiments/results/sm90_compile.md), so MLA at B=64 runs its 320
-      programs in 3 waves, the last 42% full. Not yet swept.
+      programs in 3 waves, the last 42% full. In the sweep; not yet timed.
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
