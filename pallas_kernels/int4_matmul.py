@@ -91,7 +91,7 @@ def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
     Warps measured on the H200 (CUPTI kernel time, K=7168 N=2048 g=32;
     experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md): 16-row
     tiles (M=1) 11.6 us at 8 warps against 12.7 at 4; 64-row tiles (M=64)
-    19.4 us at 4 warps against 24.7 at 8 (sm_90a compiles: 157 registers at
+    19.4 us at 4 warps against 24.7 at 8 (sm_90a compiles: 168 registers at
     4 warps, no spills; experiments/results/sm90_compile.md). 32-row
     tiles were not measured and follow the 64-row ones. 3 stages keep three
     weight blocks in flight (4 measured no faster).
