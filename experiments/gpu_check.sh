@@ -3,8 +3,9 @@
 #   bash experiments/gpu_check.sh
 # 1. the kernel tests on the COMPILED kernels (MIXSERVE_KERNEL_BACKEND=pallas),
 # 2. experiments/gpu_ptx.py: registers, spills and loops as this jaxlib compiles them,
-# 3. experiments/gpu_profile.py: Nsight Compute's stall reasons, occupancy, DRAM throughput,
-# 4. experiments/gpu_kernels.py at serving shapes, in the time the steps before it left.
+# 3. experiments/torch_int4_peer.py: PyTorch's W4A16 kernel (tinygemm) against cuBLAS bf16,
+# 4. experiments/gpu_profile.py: Nsight Compute's stall reasons, occupancy, DRAM throughput,
+# 5. experiments/gpu_kernels.py at serving shapes, in the time the steps before it left.
 # Uses the machine's python3 and JAX as they are (no install: the lent H200
 # has jax 0.11 + CUDA, pytest and numpy, and no registry). Results go to $OUT
 # when set (the device tool brings that folder back), else experiments/results/gpu/.
@@ -43,7 +44,16 @@ if command -v nvidia-smi >/dev/null; then
   ptx_rc=${PIPESTATUS[0]}
 fi
 
-# 3. What the warps wait on (ncu's hardware counters; a runtime without them,
+# 3. What a production W4A16 kernel reaches at our INT4 shapes on this GPU
+# (tinygemm through the machine's own PyTorch), the yardstick for our INT4
+# goals. A diagnostic: its failure does not fail the check.
+peer_rc=skipped
+if command -v nvidia-smi >/dev/null; then
+  timeout 60 python3 experiments/torch_int4_peer.py --out "$out/torch_int4_peer.md" 2>&1 | tail -n 16
+  peer_rc=${PIPESTATUS[0]}
+fi
+
+# 4. What the warps wait on (ncu's hardware counters; a runtime without them,
 # such as gVisor, fails here). A diagnostic too.
 profile_rc=skipped
 if command -v nvidia-smi >/dev/null; then
@@ -51,8 +61,8 @@ if command -v nvidia-smi >/dev/null; then
   profile_rc=${PIPESTATUS[0]}
 fi
 
-# 4. The benchmark (CUPTI kernel times), then the tuning sweep: 60/40 of the
-# time left (about 250 s if the steps above used all of theirs), less 40 s
+# 5. The benchmark (CUPTI kernel times), then the tuning sweep: 60/40 of the
+# time left (about 195 s if the steps above used all of theirs), less 40 s
 # for the rows in flight at their deadlines (run 2 overran by up to 25 s). The
 # table is rewritten after every row, so a kill loses only the row in flight.
 left=$(( WORST_S - SECONDS ))
@@ -60,5 +70,5 @@ timeout "$left" python3 experiments/gpu_kernels.py --budget-s $(( (left - 40) * 
   --sweep --sweep-budget-s $(( (left - 40) * 4 / 10 )) \
   --out "$out/gpu_kernels.md" 2>&1 | tee "$out/gpu_kernels.log"
 bench_rc=${PIPESTATUS[0]}
-echo "kernel tests rc=$tests_rc, ptx check rc=$ptx_rc, ncu profile rc=$profile_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu_env.txt"
+echo "kernel tests rc=$tests_rc, ptx check rc=$ptx_rc, torch int4 peer rc=$peer_rc, ncu profile rc=$profile_rc, benchmark rc=$bench_rc" | tee -a "$out/gpu_env.txt"
 exit $(( tests_rc || bench_rc ))

@@ -205,9 +205,13 @@ ROTATION_BYTES = 256 << 20
 MAX_COPIES = 64
 
 
-def rotation_copies(args: tuple) -> int:
-    nbytes = sum(a.nbytes for a in args if isinstance(a, jax.Array))
+def copies_for(nbytes: int) -> int:
+    """Copies of inputs of nbytes that together span ROTATION_BYTES (at most MAX_COPIES)."""
     return max(1, min(MAX_COPIES, -(-ROTATION_BYTES // max(nbytes, 1))))
+
+
+def rotation_copies(args: tuple) -> int:
+    return copies_for(sum(a.nbytes for a in args if isinstance(a, jax.Array)))
 
 
 def cupti_time_per_call(fn: Callable, args: tuple, samples: int, measure: Callable) -> Timing:

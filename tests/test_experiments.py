@@ -1,6 +1,7 @@
 """The experiment scripts keep running (smallest settings), so they cannot rot between the
 sessions that have a GPU or the time to run them in full."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -323,3 +324,36 @@ def test_gpu_profile_reads_ncu_raw_csv():
     swapped = gp.markdown(cases[::-1], profiles, "H200", "now")
     assert "| c | unmatched: expected paged_attention_gqa, ncu's next launch is int4_matmul |" in swapped
     assert "| a |" not in swapped
+
+
+def test_torch_int4_peer_matches_our_weights_on_cpu(tmp_path):
+    """tinygemm (torch's W4A16 kernel) computes our INT4 weights' product: the
+    CPU version, fed through the same conversion the GPU run uses, lands within
+    the issue's bf16 bound of the float64 reference, and so does cuBLAS's stand-in."""
+    out = run("torch_int4_peer.py", "--out", str(tmp_path / "p.md"), "--samples", "1")
+    table = [line for line in (tmp_path / "p.md").read_text().splitlines() if line.startswith("| ") and "impl" not in line]
+    assert len(table) == 8 and "No GPU" in out  # 2 groups x 2 M x 2 impls
+    for line in table:
+        error = float(line.split("|")[4])
+        assert 0 < error < 1e-2, line
+
+
+def test_torch_int4_peer_reports_a_wrong_conversion_and_does_not_time_it(monkeypatch):
+    """A layout mistake (here: the nibbles in reverse K order within each byte
+    pair) shows as WRONG, untimed, and fails the script, not as a fast row."""
+    sys.path.insert(0, ROOT)
+    from experiments import torch_int4_peer as peer
+
+    real = peer.tinygemm_operands
+
+    def swapped(w, device):
+        values = w.values_NK.copy()
+        values[:, 0::2], values[:, 1::2] = w.values_NK[:, 1::2], w.values_NK[:, 0::2]
+        return real(w._replace(values_NK=values), device)
+
+    monkeypatch.setattr(peer, "tinygemm_operands", swapped)
+    rows = peer.measure(dataclasses.replace(peer.CPU, matmul_ms=(2,)), peer.torch.device("cpu"), 1)
+    wrong = [r for r in rows if r.impl == "tinygemm int4"]
+    assert wrong and all(r.error > 0.5 and r.timing is None for r in wrong)
+    assert all(r.timing is not None for r in rows if r.impl == "torch bf16 linear")
+    assert "WRONG, not timed" in peer.markdown(rows, peer.CPU, "CPU", False)
