@@ -340,7 +340,7 @@ def test_torch_int4_peer_matches_our_weights_on_cpu(tmp_path):
 
 def test_torch_int4_peer_reports_a_wrong_conversion_and_does_not_time_it(monkeypatch):
     """A layout mistake (here: the nibbles in reverse K order within each byte
-    pair) shows as WRONG, untimed, and fails the script, not as a fast row."""
+    pair) shows as WRONG and untimed (main then exits 1), not as a fast row."""
     sys.path.insert(0, ROOT)
     from experiments import torch_int4_peer as peer
 
