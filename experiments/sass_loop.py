@@ -8,10 +8,11 @@ processing, so it is tested without a GPU or Triton (tests/test_experiments.py).
 import dataclasses
 import re
 
-_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*([^;]*);")
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.A-Za-z0-9_]*)\s*([^;]*);")
 # Instruction kinds reported per loop iteration (SASS opcode prefixes).
 SASS_KINDS = {
-    "MMA": ("HMMA", "HGMMA"),
+    "mma.sync": ("HMMA",),  # warp-level tensor-core MMA (weights or pages in registers)
+    "wgmma": ("HGMMA",),  # Hopper warpgroup MMA (its B operand from shared memory)
     "convert": ("F2F", "I2F", "F2I", "I2I"),  # the F2F prefix covers packed F2FP too
     "permute": ("PRMT",),
     "spill": ("LDL", "STL"),

@@ -340,7 +340,7 @@ def main() -> None:
     case_list = test_cases() if cli.test_shapes else cases(GPU)
     if cli.sass:
         lines += ["Inner loop of each kernel's SASS (the longest span closed by a backward branch), at the kernel's "
-                  "own warps and stages: instructions per thread per iteration, and how many are tensor-core MMAs, "
+                  "own warps and stages: instructions per thread per iteration, and how many are tensor-core MMAs (warp-level mma.sync, or Hopper's warpgroup wgmma, which reads its B operand from shared memory), "
                   "type conversions (scalar F2F/I2F and packed F2FP), byte permutes and register spills "
                   "(LDL/STL). A static count: it says what each iteration issues, not how long it takes.", ""]
         lines += sass_table(case_list)
