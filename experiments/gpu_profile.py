@@ -13,8 +13,10 @@ benchmark) and the clocks left as they are (--clock-control none).
 
 Writes DIR/gpu_profile.md, a row per case: duration, DRAM throughput,
 occupancy (achieved and theoretical), issue-slot use, eligible warps per
-scheduler, and the largest stall reasons; and DIR/gpu_profile_raw.csv, every
-metric ncu collected, so one this table does not pick is still there. ncu
+scheduler, and the largest stall reasons; and DIR/gpu_profile_raw_PART.csv,
+every metric ncu collected, so one this table does not pick is still there.
+Each part (INT4, GQA, MLA) is its own ncu run and both files are written
+after each, so a time limit costs only the parts it cuts off. ncu
 needs hardware counters: on a runtime without them it fails, and so does this.
 """
 
@@ -33,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -61,9 +64,7 @@ class Call(NamedTuple):
     args: tuple
 
 
-def profiled_calls(cfg: gk.Config, key) -> Iterator[Call]:
-    """The cases, in launch order. Each builds its inputs only when reached, so
-    at most one shape's pages are alive at a time."""
+def int4_calls(cfg: gk.Config, key) -> Iterator[Call]:
     k, g = cfg.matmul_k, cfg.group_size
     kw, key = jax.random.split(key)
     packed, scales, _ = gk._int4_weights(kw, (), k, cfg.matmul_n, g)
@@ -74,7 +75,9 @@ def profiled_calls(cfg: gk.Config, key) -> Iterator[Call]:
             yield Call(f"INT4 matmul M={m} g={g} {gk.tuning_label(tuning)}", "int4_matmul",
                        functools.partial(int4_matmul, group_size=g, backend=cfg.kernel_backend, tuning=tuning),
                        (x, packed, scales))
-    del packed, scales
+
+
+def gqa_calls(cfg: gk.Config, key) -> Iterator[Call]:
     for batch, context, tunings, with_peer in ((max(cfg.batches), max(cfg.contexts), GQA_PROFILED, True),
                                                (min(cfg.batches), min(cfg.contexts), GQA_PROFILED[:1], False)):
         key, sub = jax.random.split(key)
@@ -91,6 +94,9 @@ def profiled_calls(cfg: gk.Config, key) -> Iterator[Call]:
                        gk.jax_paged_call("bf16", kp, case.table, ks, interpret=not cfg.on_gpu),
                        (case.q * cfg.gqa_head_dim**-0.5, kp, vp, case.table, case.lengths))
         del case, kp, vp
+
+
+def mla_calls(cfg: gk.Config, key) -> Iterator[Call]:
     for batch, tunings in ((max(cfg.batches), MLA_PROFILED), (min(cfg.batches), MLA_PROFILED[:1])):
         key, sub = jax.random.split(key)
         context = max(cfg.contexts)
@@ -103,11 +109,25 @@ def profiled_calls(cfg: gk.Config, key) -> Iterator[Call]:
         del case, pages
 
 
-def run_child(manifest: Path) -> None:
-    """Under ncu: each case once (its first call compiles, then launches once)."""
+# Each part is profiled by its own ncu run, in this order, so that a part cut
+# off at the time limit loses only its own launches (ncu writes its report
+# when the process it profiles exits). Inputs are built only when reached, so
+# at most one shape's pages are alive at a time.
+PARTS: dict[str, Callable[[gk.Config, jax.Array], Iterator[Call]]] = {
+    "int4": int4_calls, "gqa": gqa_calls, "mla": mla_calls}
+
+
+def profiled_calls(cfg: gk.Config, key) -> Iterator[Call]:
+    """Every part's cases, in launch order."""
+    for i, calls in enumerate(PARTS.values()):
+        yield from calls(cfg, jax.random.fold_in(key, i))
+
+
+def run_child(manifest: Path, part: str) -> None:
+    """Under ncu: each case of the part once (its first call compiles, then launches once)."""
     cfg = gk.GPU if jax.default_backend() == "gpu" else gk.CPU
     with manifest.open("w") as log:
-        for call in profiled_calls(cfg, jax.random.key(0)):
+        for call in PARTS[part](cfg, jax.random.fold_in(jax.random.key(0), list(PARTS).index(part))):
             try:
                 jax.block_until_ready(call.fn(*call.args))
                 status = "ran"
@@ -200,15 +220,9 @@ class KernelProfile:
                 f"({self.theoretical_occupancy:.0f}) | {self.issue_pct:.0f} | {self.eligible:.2f} | {stalls} |")
 
 
-def markdown(manifest: list[dict], profiles: list[KernelProfile], device: str, stamp: str) -> str:
+def case_rows(manifest: list[dict], profiles: list[KernelProfile]) -> list[str]:
     """A row per case, pairing the manifest's cases that ran with ncu's launches in order."""
-    lines = [f"# Nsight Compute profile of the Pallas kernels on {device}, {stamp}", "",
-             "One launch per case, cold L2 (ncu flushes caches before each replay pass), clocks as they are. "
-             "Occupancy: % of the SM's 64 warp slots, achieved (theoretical). Stalls: warps waiting on each reason "
-             "per issued instruction (ncu's smsp__average_warps_issue_stalled_*), the largest four.", "",
-             "| case | kernel | grid x block | regs | waves/SM | us | DRAM % peak | DRAM GB/s | occupancy % | "
-             "issue % | eligible/cycle | stalls |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+    lines = []
     launches = iter(profiles)
     for case in manifest:
         if case["status"] != "ran":
@@ -218,12 +232,28 @@ def markdown(manifest: list[dict], profiles: list[KernelProfile], device: str, s
         if profile is None or not profile.name.startswith(case["kernel"]):
             found = profile.name if profile else "no launch"
             lines.append(f"| {case['label']} | unmatched: expected {case['kernel']}, ncu's next launch is {found} |")
-            break  # the order is lost from here on: the raw CSV has the rest
+            return lines  # the order is lost from here on: the raw CSV has the rest
         lines.append(profile.row(case["label"]))
     extra = list(launches)
     if extra:
-        lines.append(f"\n{len(extra)} more profiled launch(es) than cases: see gpu_profile_raw.csv.")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {len(extra)} more profiled launch(es) than cases: see the raw CSV |")
+    return lines
+
+
+def table(rows: list[str], device: str, stamp: str) -> str:
+    return "\n".join([
+        f"# Nsight Compute profile of the Pallas kernels on {device}, {stamp}", "",
+        "One launch per case, cold L2 (ncu flushes caches before each replay pass), clocks as they are. "
+        "Occupancy: % of the SM's 64 warp slots, achieved (theoretical). Stalls: warps waiting on each reason "
+        "per issued instruction (ncu's smsp__average_warps_issue_stalled_*), the largest four.", "",
+        "| case | kernel | grid x block | regs | waves/SM | us | DRAM % peak | DRAM GB/s | occupancy % | "
+        "issue % | eligible/cycle | stalls |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|", *rows]) + "\n"
+
+
+def markdown(manifest: list[dict], profiles: list[KernelProfile], device: str, stamp: str) -> str:
+    """The table of one ncu run."""
+    return table(case_rows(manifest, profiles), device, stamp)
 
 
 def find_ncu() -> Path | None:
@@ -234,49 +264,78 @@ def find_ncu() -> Path | None:
     return next((path for path in found if path.is_file()), None)
 
 
-def profile(ncu: Path, out: Path, device: str, timeout_s: float) -> str:
-    """Runs the cases under ncu, writes out/gpu_profile.md and out/gpu_profile_raw.csv, returns the table."""
+def profile_part(ncu: Path, part: str, tmp: Path, timeout_s: float) -> tuple[list[dict], str]:
+    """(the part's manifest, ncu's raw CSV); raises subprocess.TimeoutExpired
+    after killing ncu and what it profiles at the time limit."""
+    manifest, report = tmp / f"manifest_{part}.jsonl", tmp / f"profile_{part}"
+    sections = [arg for section in SECTIONS for arg in ("--section", section)]
+    profiled = subprocess.Popen([str(ncu), "--clock-control", "none", "--target-processes", "all",
+                                 "--kernel-name", KERNEL_REGEX, *sections, "-f", "-o", str(report),
+                                 sys.executable, str(Path(__file__).resolve()), "--child", str(manifest),
+                                 "--part", part],
+                                start_new_session=True)
+    try:
+        profiled.wait(timeout=timeout_s)
+    finally:  # ncu and the process it profiles go together, so nothing outlives this step on the GPU
+        if profiled.poll() is None:
+            os.killpg(profiled.pid, signal.SIGKILL)
+            profiled.wait()
+    if profiled.returncode:
+        raise RuntimeError(f"ncu exited with {profiled.returncode}")
+    raw = subprocess.run([str(ncu), "--import", f"{report}.ncu-rep", "--csv", "--page", "raw",
+                          "--print-units", "base"], capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in manifest.read_text().splitlines()], raw
+
+
+def profile(ncu: Path, out: Path, device: str, timeout_s: float) -> tuple[str, bool]:
+    """Profiles PARTS in turn within timeout_s in all; after each part writes
+    out/gpu_profile.md and out/gpu_profile_raw_PART.csv. Returns (the table,
+    whether every part was profiled)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    rows: list[str] = []
+    complete = True
     with tempfile.TemporaryDirectory() as tmp:
-        manifest, report = Path(tmp) / "manifest.jsonl", Path(tmp) / "profile"
-        sections = [arg for section in SECTIONS for arg in ("--section", section)]
-        profiled = subprocess.Popen([str(ncu), "--clock-control", "none", "--target-processes", "all",
-                                     "--kernel-name", KERNEL_REGEX, *sections, "-f", "-o", str(report),
-                                     sys.executable, str(Path(__file__).resolve()), "--child", str(manifest)],
-                                    start_new_session=True)
-        try:
-            profiled.wait(timeout=timeout_s)
-        finally:  # ncu and the process it profiles go together, so nothing outlives this step on the GPU
-            if profiled.poll() is None:
-                os.killpg(profiled.pid, signal.SIGKILL)
-                profiled.wait()
-        if profiled.returncode:
-            raise RuntimeError(f"ncu exited with {profiled.returncode}")
-        raw = subprocess.run([str(ncu), "--import", f"{report}.ncu-rep", "--csv", "--page", "raw",
-                              "--print-units", "base"], capture_output=True, text=True, check=True).stdout
-        cases = [json.loads(line) for line in manifest.read_text().splitlines()]
-    (out / "gpu_profile_raw.csv").write_text(raw)
-    text = markdown(cases, [KernelProfile.of(r) for r in ncu_records(raw)], device, stamp)
-    (out / "gpu_profile.md").write_text(text)
-    return text
+        for part in PARTS:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(part, 0)
+                manifest, raw = profile_part(ncu, part, Path(tmp), left)
+            except subprocess.TimeoutExpired:
+                rows.append(f"| {part}: not profiled, the {timeout_s:.0f} s limit was reached |")
+                complete = False
+            except (RuntimeError, subprocess.CalledProcessError) as error:
+                rows.append(f"| {part}: {' '.join(str(error).split())[:300]} |")
+                complete = False
+            else:
+                (out / f"gpu_profile_raw_{part}.csv").write_text(raw)
+                rows += case_rows(manifest, [KernelProfile.of(r) for r in ncu_records(raw)])
+            text = table(rows, device, stamp)
+            (out / "gpu_profile.md").write_text(text)
+    return text, complete
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="folder for gpu_profile.md and gpu_profile_raw.csv")
+    parser.add_argument("--out", type=Path, help="folder for gpu_profile.md and gpu_profile_raw_PART.csv")
     parser.add_argument("--timeout-s", type=float, default=80.0, help="stop ncu (and what it profiles) after this")
     parser.add_argument("--child", type=Path, metavar="MANIFEST", help=argparse.SUPPRESS)  # the process ncu profiles
+    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # the child's part
     cli = parser.parse_args()
     if cli.child:
-        run_child(cli.child)
+        run_child(cli.child, cli.part)
         return
     if cli.out is None:
         parser.error("--out is required")
     ncu = find_ncu()
     if ncu is None or jax.default_backend() != "gpu":
         raise SystemExit(f"needs ncu and a CUDA GPU (ncu: {ncu}, jax backend: {jax.default_backend()})")
-    print(profile(ncu, cli.out, jax.devices()[0].device_kind, cli.timeout_s))
+    text, complete = profile(ncu, cli.out, jax.devices()[0].device_kind, cli.timeout_s)
+    print(text)
+    if not complete:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

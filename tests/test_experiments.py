@@ -233,13 +233,17 @@ def test_gpu_profile_cases_launch_the_kernels_ncu_is_told_to_profile(tmp_path):
     assert len(calls) == 14  # (on CPU the small and large shapes coincide)
     # The whole step, with a stand-in for ncu that runs the child and reports
     # each launch with a made-up duration.
-    table = gp.profile(_script(tmp_path / "ncu", FAKE_NCU), tmp_path / "out", "cpu", timeout_s=300)
+    # Each part is its own ncu run, whose launches count from 1 again.
+    table, complete = gp.profile(_script(tmp_path / "ncu", FAKE_NCU), tmp_path / "out", "cpu", timeout_s=300)
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| case |")]
-    assert len(rows) == len(calls)
-    for i, (row, (label, kernel)) in enumerate(zip(rows, calls)):
-        assert row.startswith(f"| {label} | {kernel}_x | ") and f" | {i + 1}.0 | " in row, row
+    assert complete and len(rows) == len(calls)
+    launch_in_part = [i + 1 for part in gp.PARTS.values() for i, _ in enumerate(part(gk.CPU, jax.random.key(0)))]
+    for row, (label, kernel), launch in zip(rows, calls, launch_in_part):
+        assert row.startswith(f"| {label} | {kernel}_x | ") and f" | {launch}.0 | " in row, row
     assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
-    assert len((tmp_path / "out" / "gpu_profile_raw.csv").read_text().strip().splitlines()) == 2 + len(calls)
+    raw_lines = sum(len((tmp_path / "out" / f"gpu_profile_raw_{part}.csv").read_text().strip().splitlines()) - 2
+                    for part in gp.PARTS)
+    assert raw_lines == len(calls)
 
 
 def _script(path, text):
@@ -258,18 +262,15 @@ if "--import" in args:
 report, command = args[args.index("-o") + 1], args[args.index("-o") + 2:]
 subprocess.run(command, check=True)
 rows = ['"ID","Kernel Name","gpu__time_duration.sum"', '"","","nsecond"']
-for i, line in enumerate(pathlib.Path(command[-1]).read_text().splitlines()):
+for i, line in enumerate(pathlib.Path(command[command.index("--child") + 1]).read_text().splitlines()):
     rows.append(f'"{i}","{json.loads(line)["kernel"]}_x","{1000 * (i + 1)}"')
 pathlib.Path(report + ".ncu-rep").write_text("\\n".join(rows) + "\\n")
 """
 
 
 def test_gpu_profile_stops_ncu_and_what_it_runs_at_its_timeout(tmp_path):
-    """A hung profile must not hold the GPU into the benchmark after it."""
-    import subprocess as sp
-
-    import pytest
-
+    """A hung profile must not hold the GPU into the benchmark after it; the
+    parts it did not reach are listed as such, and the run counts as incomplete."""
     sys.path.insert(0, ROOT)
     from experiments import gpu_profile as gp
 
@@ -277,11 +278,30 @@ def test_gpu_profile_stops_ncu_and_what_it_runs_at_its_timeout(tmp_path):
     hung = _script(tmp_path / "ncu", "import subprocess, sys, time\n"
                    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                    f"open({str(pid_file)!r}, 'w').write(str(child.pid))\ntime.sleep(600)\n")
-    with pytest.raises(sp.TimeoutExpired):
-        gp.profile(hung, tmp_path / "out", "cpu", timeout_s=3)
+    table, complete = gp.profile(hung, tmp_path / "out", "cpu", timeout_s=3)
+    assert not complete
+    assert all(f"| {part}: not profiled, the 3 s limit was reached |" in table for part in gp.PARTS)
     stat = Path(f"/proc/{pid_file.read_text()}/stat")
     assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # gone, or dead and not yet reaped
 
+
+
+def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit(tmp_path):
+    """Each part is its own ncu run: INT4 is profiled and written, a failed ncu
+    run for GQA is reported and the next part still runs, and MLA, hung, is
+    cut at the limit without costing the parts before it."""
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_profile as gp
+
+    flaky = "import sys, time\npart = sys.argv[sys.argv.index('--part') + 1] if '--part' in sys.argv else ''\n" \
+            "if part == 'gqa':\n    sys.exit(1)\nif part == 'mla':\n    time.sleep(600)\n" + FAKE_NCU
+    table, complete = gp.profile(_script(tmp_path / "ncu", flaky), tmp_path / "out", "cpu", timeout_s=60)
+    assert not complete
+    int4_rows = [line for line in table.splitlines() if line.startswith("| INT4 matmul")]
+    assert len(int4_rows) == 6 and all("| int4_matmul_x |" in row for row in int4_rows)
+    assert "| gqa: ncu exited with 1 |" in table and "| mla: not profiled, the 60 s limit was reached |" in table
+    assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
+    assert [f.name for f in sorted((tmp_path / "out").glob("gpu_profile_raw_*.csv"))] == ["gpu_profile_raw_int4.csv"]
 
 
 def test_gpu_profile_reads_ncu_raw_csv():
