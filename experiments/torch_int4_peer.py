@@ -18,9 +18,10 @@ numbers (the scales are shared as they are). Every row is checked against a
 float64 dequantize-then-dot before it is timed; over 1e-2 relative (the
 issue's bf16 bound) it is reported WRONG and not timed.
 
-Timing on a GPU, two ways in the same run, interleaved per sample:
+Timing on a GPU, two ways in the same run, the variants interleaved per sample:
   * kernels: torch.profiler's CUDA records (CUPTI), every kernel a call
     launches, summed; the method of gpu_kernels.py (launch gaps excluded);
+    one profiler session per shape (see _kernel_us);
   * graph: a CUDA graph of the calls, replayed, timed with CUDA events
     (launch gaps included).
 Each sample calls the op on `copies` copies of its weights in turn, together
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX only builds the weights; the GPU is torch's
+os.environ["JAX_PLATFORMS"] = "cpu"  # JAX only builds the weights; the GPU is torch's
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -121,19 +122,15 @@ def time_interleaved(variants: dict[str, list[Callable[[], torch.Tensor]]], samp
     """Median per-call time of each variant: its calls (one per weight copy) run
     in turn, the variants alternating within every sample (so drift in clocks
     or neighbours' load reaches all of them alike)."""
-    def run_all(calls):
-        for call in calls:
-            call()
-
     for calls in variants.values():  # warm-up: tinygemm/cuBLAS handles, lazy module loads
-        run_all(calls)
-        run_all(calls)
+        _run_all(calls)
+        _run_all(calls)
     if not torch.cuda.is_available():
         walls: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(samples):
             for name, calls in variants.items():
                 start = time.perf_counter()
-                run_all(calls)
+                _run_all(calls)
                 walls[name].append((time.perf_counter() - start) / len(calls) * 1e6)
         return {name: Timing(None, None, statistics.median(w)) for name, w in walls.items()}
     torch.cuda.synchronize()
@@ -141,27 +138,68 @@ def time_interleaved(variants: dict[str, list[Callable[[], torch.Tensor]]], samp
     for name, calls in variants.items():
         graphs[name] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[name]):
-            run_all(calls)
-    kernel_us: dict[str, list[float]] = {name: [] for name in variants}
+            _run_all(calls)
     graph_us: dict[str, list[float]] = {name: [] for name in variants}
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     for _ in range(samples):
         for name, calls in variants.items():
-            with torch.profiler.profile(activities=activities) as prof:
-                run_all(calls)
-                torch.cuda.synchronize()
-            on_device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            if not on_device:
-                raise RuntimeError("the profiler recorded no CUDA activity")
-            kernel_us[name].append(sum(e.time_range.elapsed_us() for e in on_device) / len(calls))
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             graphs[name].replay()
             end.record()
             end.synchronize()
             graph_us[name].append(begin.elapsed_time(end) * 1e3 / len(calls))
-    return {name: Timing(statistics.median(kernel_us[name]), statistics.median(graph_us[name]), float("nan"))
-            for name in variants}
+    kernel_us = _kernel_us(variants, samples)
+    return {name: Timing(kernel_us[name], statistics.median(graph_us[name]), float("nan")) for name in variants}
+
+
+def _run_all(calls: list[Callable[[], torch.Tensor]]) -> None:
+    for call in calls:
+        call()
+
+
+_SAMPLE = "sample"  # record_function label prefix
+
+
+def _kernel_us(variants: dict[str, list[Callable[[], torch.Tensor]]], samples: int) -> dict[str, float | None]:
+    """Median per call of the CUDA activity (kernels, copies) each variant's
+    calls launch, from one profiler session (CUPTI) for all samples: each
+    sample runs inside a record_function range that ends with a synchronize,
+    and owns the device records that start inside it. Sample 0 is dropped:
+    records can go missing at the start of a session. A variant whose samples
+    hold unequal record counts is not reported (None): a record went missing."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(samples + 1):
+            for name, calls in variants.items():
+                with torch.profiler.record_function(f"{_SAMPLE} {i} {name}"):
+                    _run_all(calls)
+                    torch.cuda.synchronize()
+    return split_samples(prof.events(), {name: len(calls) for name, calls in variants.items()}, samples)
+
+
+def split_samples(events, calls_per_variant: dict[str, int], samples: int) -> dict[str, float | None]:
+    """Median over samples 1..samples of each variant's device time per call
+    (us), from the profiler's events: the device records that start inside
+    the CPU range "sample i variant" belong to it."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    windows = {e.name: e.time_range for e in events if e.name.startswith(_SAMPLE) and e.device_type == cpu}
+    # GPU-side copies of the record_function ranges are CUDA events too: not activity.
+    on_device = [e for e in events if e.device_type == cuda and not e.name.startswith(_SAMPLE)]
+    result: dict[str, float | None] = {}
+    for name, calls in calls_per_variant.items():
+        counts, per_call = set(), []
+        for i in range(1, samples + 1):
+            window = windows.get(f"{_SAMPLE} {i} {name}")
+            inside = [e for e in on_device if window and window.start <= e.time_range.start <= window.end]
+            counts.add(len(inside))
+            per_call.append(sum(e.time_range.elapsed_us() for e in inside) / calls)
+        if len(counts) == 1 and 0 not in counts:
+            result[name] = statistics.median(per_call)
+        else:
+            result[name] = None
+            print(f"{name}: device records per sample {sorted(counts)} (unequal or none): kernel time not reported",
+                  flush=True)
+    return result
 
 
 class Row(NamedTuple):
@@ -224,7 +262,7 @@ def markdown(rows: list[Row], cfg: Config, device_name: str, on_gpu: bool) -> st
         if r.impl.startswith("tinygemm") and r.timing and dense and dense.timing and r.timing.kernel_us:
             speedup = f"{dense.timing.kernel_us / r.timing.kernel_us:.2f}x"
         if r.timing is None:
-            cells = "WRONG, not timed | | |"
+            cells = "WRONG, not timed | |"
         else:
             cells = f"{_us(r.timing.kernel_us)} | {_us(r.timing.graph_us)} | {_us(r.timing.wall_us)}"
         lines.append(f"| {r.m} | {r.group} | {r.impl} | {r.error:.2e} | {cells} | {speedup} |")

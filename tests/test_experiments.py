@@ -286,6 +286,32 @@ def test_gpu_profile_stops_ncu_and_what_it_runs_at_its_timeout(tmp_path):
 
 
 
+def test_gpu_profile_stopped_by_sigterm_still_stops_ncu(tmp_path):
+    """gpu_check.sh's `timeout` stops the step with SIGTERM; ncu runs in its
+    own session, so only the step's cleanup can stop it and what it profiles."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    hung = _script(tmp_path / "ncu", "import subprocess, sys, time\n"
+                   "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                   f"open({str(pid_file)!r}, 'w').write(str(child.pid))\ntime.sleep(600)\n")
+    step = subprocess.Popen([sys.executable, "-c",
+                             "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
+                             "from experiments import gpu_profile as gp\n"
+                             "gp.unwind_on_sigterm(); gp.profile(Path(sys.argv[2]), Path(sys.argv[3]), 'cpu', 600)",
+                             ROOT, str(hung), str(tmp_path / "out")])
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    step.send_signal(signal.SIGTERM)
+    step.wait(timeout=60)
+    time.sleep(0.5)
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # gone, or dead and not yet reaped
+
+
 def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit(tmp_path):
     """Each part is its own ncu run: INT4 is profiled and written, a failed ncu
     run for GQA is reported and the next part still runs, and MLA, hung, is
@@ -299,7 +325,7 @@ def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit
     assert not complete
     int4_rows = [line for line in table.splitlines() if line.startswith("| INT4 matmul")]
     assert len(int4_rows) == 6 and all("| int4_matmul_x |" in row for row in int4_rows)
-    assert "| gqa: ncu exited with 1 |" in table and "| mla: not profiled, the 60 s limit was reached |" in table
+    assert "| gqa: RuntimeError: ncu exited with 1 |" in table and "| mla: not profiled, the 60 s limit was reached |" in table
     assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
     assert [f.name for f in sorted((tmp_path / "out").glob("gpu_profile_raw_*.csv"))] == ["gpu_profile_raw_int4.csv"]
 
@@ -378,3 +404,36 @@ def test_torch_int4_peer_reports_a_wrong_conversion_and_does_not_time_it(monkeyp
     assert wrong and all(r.error > 0.5 and r.timing is None for r in wrong)
     assert all(r.timing is not None for r in rows if r.impl == "torch bf16 linear")
     assert "WRONG, not timed" in peer.markdown(rows, peer.CPU, "CPU", False)
+
+
+def test_torch_int4_peer_splits_the_profilers_records_by_sample():
+    """On the GPU the kernel time comes from one profiler session: each device
+    record belongs to the sample range it starts in, GPU-side copies of the
+    ranges are not activity, sample 0 is dropped, and a variant whose samples
+    hold unequal record counts (a record went missing) is not reported."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd.profiler_util import Interval
+
+    sys.path.insert(0, ROOT)
+    from experiments import torch_int4_peer as peer
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = []
+
+    def event(name, device, start, end):
+        events.append(SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end)))
+
+    t = 0
+    kernel_us = {"a": [50, 7, 9, 8], "b": [50, 20, 22, 30]}  # per sample (0 is the session's first, dropped)
+    for i in range(4):
+        for name in ("a", "b"):
+            event(f"sample {i} {name}", cpu, t, t + 100)
+            event(f"sample {i} {name}", cuda, t + 1, t + 99)  # the range on the GPU timeline
+            for k in range(2):  # 2 calls, a kernel each
+                event("kernel", cuda, t + 10 + 40 * k, t + 10 + 40 * k + kernel_us[name][i])
+            t += 1000
+    assert peer.split_samples(events, {"a": 2, "b": 2}, 3) == {"a": 8.0, "b": 22.0}
+    del events[-1]  # sample 3 of b lost a record
+    assert peer.split_samples(events, {"a": 2, "b": 2}, 3) == {"a": 8.0, "b": None}
