@@ -10,6 +10,8 @@
 # has jax 0.11 + CUDA, pytest and numpy, and no registry). Results go to $OUT
 # when set (the device tool brings that folder back), else experiments/results/gpu/.
 # At most WORST_S seconds: the benchmark gets whatever the steps before it left.
+# Each step's whole output is kept in $out/*.log (the device tool returns only
+# the tail of the command's output).
 # A dry run on CPU: PATH=.venv/bin:$PATH MIXSERVE_KERNEL_BACKEND=interpret bash experiments/gpu_check.sh
 set -uo pipefail
 SECONDS=0
@@ -40,7 +42,7 @@ tests_rc=${PIPESTATUS[0]}
 # its failure does not fail the check.
 ptx_rc=skipped
 if command -v nvidia-smi >/dev/null; then
-  timeout 60 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tail -n 12
+  timeout 60 python3 experiments/gpu_ptx.py --out "$out/gpu_ptx.md" 2>&1 | tee "$out/gpu_ptx.log" | tail -n 12
   ptx_rc=${PIPESTATUS[0]}
 fi
 
@@ -49,7 +51,7 @@ fi
 # goals. A diagnostic: its failure does not fail the check.
 peer_rc=skipped
 if command -v nvidia-smi >/dev/null; then
-  timeout 60 python3 experiments/torch_int4_peer.py --out "$out/torch_int4_peer.md" 2>&1 | tail -n 16
+  timeout 60 python3 experiments/torch_int4_peer.py --out "$out/torch_int4_peer.md" 2>&1 | tee "$out/torch_int4_peer.log" | tail -n 16
   peer_rc=${PIPESTATUS[0]}
 fi
 
@@ -57,7 +59,7 @@ fi
 # such as gVisor, fails here). A diagnostic too.
 profile_rc=skipped
 if command -v nvidia-smi >/dev/null; then
-  timeout 90 python3 experiments/gpu_profile.py --out "$out" 2>&1 | tail -n 20
+  timeout 90 python3 experiments/gpu_profile.py --out "$out" --timeout-s 80 2>&1 | tee "$out/gpu_profile.log" | tail -n 20
   profile_rc=${PIPESTATUS[0]}
 fi
 

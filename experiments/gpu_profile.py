@@ -39,8 +39,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-import jax
-import jax.numpy as jnp
+_STARTED = time.monotonic()  # before JAX's import, which --timeout-s counts too
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -264,9 +266,10 @@ def find_ncu() -> Path | None:
     return next((path for path in found if path.is_file()), None)
 
 
-def profile_part(ncu: Path, part: str, tmp: Path, timeout_s: float) -> tuple[list[dict], str]:
-    """(the part's manifest, ncu's raw CSV); raises subprocess.TimeoutExpired
-    after killing ncu and what it profiles at the time limit."""
+def profile_part(ncu: Path, part: str, tmp: Path, deadline: float) -> tuple[list[dict], str, int]:
+    """(the part's manifest, ncu's raw CSV, ncu's exit code); raises
+    subprocess.TimeoutExpired at the deadline (time.monotonic()), after
+    killing ncu and what it profiles."""
     manifest, report = tmp / f"manifest_{part}.jsonl", tmp / f"profile_{part}"
     sections = [arg for section in SECTIONS for arg in ("--section", section)]
     profiled = subprocess.Popen([str(ncu), "--clock-control", "none", "--target-processes", "all",
@@ -275,16 +278,18 @@ def profile_part(ncu: Path, part: str, tmp: Path, timeout_s: float) -> tuple[lis
                                  "--part", part],
                                 start_new_session=True)
     try:
-        profiled.wait(timeout=timeout_s)
+        profiled.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:  # ncu and the process it profiles go together, so nothing outlives this step on the GPU
         if profiled.poll() is None:
             os.killpg(profiled.pid, signal.SIGKILL)
             profiled.wait()
-    if profiled.returncode:
+    report_file = report.with_name(report.name + ".ncu-rep")
+    if profiled.returncode and not report_file.exists():
         raise RuntimeError(f"ncu exited with {profiled.returncode}")
-    raw = subprocess.run([str(ncu), "--import", f"{report}.ncu-rep", "--csv", "--page", "raw",
-                          "--print-units", "base"], capture_output=True, text=True, check=True).stdout
-    return [json.loads(line) for line in manifest.read_text().splitlines()], raw
+    raw = subprocess.run([str(ncu), "--import", str(report_file), "--csv", "--page", "raw", "--print-units", "base"],
+                         capture_output=True, text=True, check=True,
+                         timeout=max(1.0, deadline - time.monotonic())).stdout
+    return [json.loads(line) for line in manifest.read_text().splitlines()], raw, profiled.returncode
 
 
 def profile(ncu: Path, out: Path, device: str, timeout_s: float) -> tuple[str, bool]:
@@ -298,29 +303,41 @@ def profile(ncu: Path, out: Path, device: str, timeout_s: float) -> tuple[str, b
     complete = True
     with tempfile.TemporaryDirectory() as tmp:
         for part in PARTS:
-            left = deadline - time.monotonic()
             try:
-                if left <= 0:
+                if time.monotonic() >= deadline:
                     raise subprocess.TimeoutExpired(part, 0)
-                manifest, raw = profile_part(ncu, part, Path(tmp), left)
+                manifest, raw, returncode = profile_part(ncu, part, Path(tmp), deadline)
             except subprocess.TimeoutExpired:
                 rows.append(f"| {part}: not profiled, the {timeout_s:.0f} s limit was reached |")
                 complete = False
-            except (RuntimeError, subprocess.CalledProcessError) as error:
-                rows.append(f"| {part}: {' '.join(str(error).split())[:300]} |")
+            except Exception as error:  # reported; the next part still runs
+                rows.append(f"| {part}: {' '.join(f'{type(error).__name__}: {error}'.split())[:300]} |")
                 complete = False
             else:
                 (out / f"gpu_profile_raw_{part}.csv").write_text(raw)
                 rows += case_rows(manifest, [KernelProfile.of(r) for r in ncu_records(raw)])
+                if returncode:
+                    rows.append(f"| {part}: ncu exited with {returncode} after writing its report |")
+                    complete = False
             text = table(rows, device, stamp)
             (out / "gpu_profile.md").write_text(text)
     return text, complete
 
 
+def unwind_on_sigterm() -> None:
+    """`timeout` stops this with SIGTERM, whose default action skips the
+    `finally` in profile_part that kills ncu (in its own session, so the
+    signal does not reach it). Raise instead, so that the `finally` runs."""
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for gpu_profile.md and gpu_profile_raw_PART.csv")
-    parser.add_argument("--timeout-s", type=float, default=80.0, help="stop ncu (and what it profiles) after this")
+    parser.add_argument("--timeout-s", type=float, default=80.0, help="stop ncu (and what it profiles) this many seconds after this script starts")
     parser.add_argument("--child", type=Path, metavar="MANIFEST", help=argparse.SUPPRESS)  # the process ncu profiles
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # the child's part
     cli = parser.parse_args()
@@ -332,7 +349,9 @@ def main() -> None:
     ncu = find_ncu()
     if ncu is None or jax.default_backend() != "gpu":
         raise SystemExit(f"needs ncu and a CUDA GPU (ncu: {ncu}, jax backend: {jax.default_backend()})")
-    text, complete = profile(ncu, cli.out, jax.devices()[0].device_kind, cli.timeout_s)
+    unwind_on_sigterm()
+    left = cli.timeout_s - (time.monotonic() - _STARTED)  # the limit counts from this process's start
+    text, complete = profile(ncu, cli.out, jax.devices()[0].device_kind, left)
     print(text)
     if not complete:
         raise SystemExit(1)
