@@ -245,6 +245,16 @@ def _us(value: float | None) -> str:
     return "" if value is None or value != value else f"{value:.1f}"
 
 
+def _speedup(int4: Row, dense: Row) -> str:
+    """dense time / int4 time: from the kernel records, else from the graph replays."""
+    for field, note in (("kernel_us", ""), ("graph_us", " (graph)")):
+        a = dense.timing and getattr(dense.timing, field)
+        b = int4.timing and getattr(int4.timing, field)
+        if a and b:
+            return f"{a / b:.2f}x{note}"
+    return ""
+
+
 def markdown(rows: list[Row], cfg: Config, device_name: str, on_gpu: bool) -> str:
     lines = [f"# tinygemm W4A16 against bf16 cuBLAS, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              "",
@@ -253,14 +263,12 @@ def markdown(rows: list[Row], cfg: Config, device_name: str, on_gpu: bool) -> st
              ""]
     if not on_gpu:
         lines += ["No GPU: tiny shapes through tinygemm's CPU version; the times say nothing about a GPU.", ""]
-    lines += ["| M | group | impl | rel. error vs f64 | kernels us/call | graph us/call | host us/call | int4 speedup (kernels) |",
+    lines += ["| M | group | impl | rel. error vs f64 | kernels us/call | graph us/call | host us/call | int4 speedup |",
               "|---:|---:|---|---:|---:|---:|---:|---:|"]
     by_key = {(r.m, r.group, r.impl): r for r in rows}
     for r in rows:
-        speedup = ""
         dense = by_key.get((r.m, r.group, "torch bf16 linear"))
-        if r.impl.startswith("tinygemm") and r.timing and dense and dense.timing and r.timing.kernel_us:
-            speedup = f"{dense.timing.kernel_us / r.timing.kernel_us:.2f}x"
+        speedup = _speedup(r, dense) if r.impl.startswith("tinygemm") and dense else ""
         if r.timing is None:
             cells = "WRONG, not timed | |"
         else:

@@ -437,3 +437,9 @@ def test_torch_int4_peer_splits_the_profilers_records_by_sample():
     assert peer.split_samples(events, {"a": 2, "b": 2}, 3) == {"a": 8.0, "b": 22.0}
     del events[-1]  # sample 3 of b lost a record
     assert peer.split_samples(events, {"a": 2, "b": 2}, 3) == {"a": 8.0, "b": None}
+    # The table's speedup then falls back to the graph replays.
+    rows = [peer.Row(1, 32, "tinygemm int4", 1e-3, peer.Timing(8.0, 10.0, float("nan"))),
+            peer.Row(1, 32, "torch bf16 linear", 1e-3, peer.Timing(None, 25.0, float("nan")))]
+    assert "| 2.50x (graph) |" in peer.markdown(rows, peer.GPU, "H200", True)
+    rows[1] = rows[1]._replace(timing=peer.Timing(20.0, 25.0, float("nan")))
+    assert "| 8.0 | 10.0 |  | 2.50x |" in peer.markdown(rows, peer.GPU, "H200", True)
