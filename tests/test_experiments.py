@@ -150,8 +150,15 @@ def test_tuning_sweep_runs_and_names_the_fastest(monkeypatch):
     assert impls.count(("INT4 matmul", "block_n=32")) == 2 and ("GQA fp8", "block_tokens=32") in impls
     assert ("MLA fp8", "num_stages=3") in impls and ("MoE INT4", "block_n=32") in impls
     assert all(not r.note and r.max_err < 0.05 for r in bench.rows), [(r.impl, r.note, r.max_err) for r in bench.rows]
-    text = gk.sweep_markdown(bench.rows, 1e9)
-    assert "Fastest per shape:" in text and "- MLA fp8 B=2 ctx=48: num_stages=3" in text
+    assert "Fastest per shape:" in gk.sweep_markdown(bench.rows, 1e9)
+    # Which row is named fastest, on rows with known times (CPU loop timings are
+    # noise, and one within the harness's own time is unresolved: 2026-11-30 CI
+    # drew such an MLA row). An unresolved row is never named.
+    rows = [gk.Row("MLA fp8", "B=2", "block_tokens=32", 1e-6, 1, harness_seconds=1e-6),
+            gk.Row("MLA fp8", "B=2", "defaults", 3e-6, 1), gk.Row("MLA fp8", "B=2", "num_stages=3", 2e-6, 1),
+            gk.Row("GQA fp8", "B=2", "defaults", 1e-6, 1, harness_seconds=2e-6)]
+    text = gk.sweep_markdown(rows, 1e9)
+    assert "- MLA fp8 B=2: num_stages=3, 2.0 us" in text and "block_tokens=32," not in text and "- GQA fp8" not in text
 
 
 def test_sass_inner_loop_and_its_instruction_mix():
