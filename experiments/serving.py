@@ -10,6 +10,8 @@ and buy. Not a timed test: run it by hand.
    (off, check, off, check, ...), median throughput ratio and p95 step-latency ratio.
 5. Attended width: decode throughput with a long context limit when each step attends over the
    page-table bucket its rows need, against attending over the whole table (interleaved).
+6. Decode rows: few live requests in an engine of many slots, each step running the live requests
+   rounded up to a power of two, against running every slot (interleaved).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import mixserve
 from mixserve import page_table as pt
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.model_runner import decode_rows
 from models.presets import PRESETS
 
 SEED_KIMI_BF16_TOKENS = 686_000  # the seed: Kimi K2.6 KV pool, BF16 -> ~1.37 M tokens in FP8
@@ -99,6 +102,23 @@ def attended_width(model, concurrency: int, new_tokens: int, repeats: int, limit
     return rows
 
 
+def decode_rows_table(model, max_batch: int, live_counts, new_tokens: int, repeats: int) -> list[str]:
+    """Decode throughput with `live` requests in an engine of max_batch slots: each step runs the
+    live requests rounded up to a power of two (min_decode_rows=1, the default), or every slot
+    (min_decode_rows=max_batch: what every step did before)."""
+    rows = [f"| live requests (of {max_batch} slots) | rows per step | decode tok/s, live rows (median) | "
+            "every slot | live / every |", "|---|---|---|---|---|"]
+    for live in live_counts:
+        engines = {name: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=max_batch,
+                                stop_tokens=(), min_decode_rows=min_rows)
+                   for name, min_rows in (("live", 1), ("every", max_batch))}
+        rates = interleaved_decode_rates(engines, live, new_tokens, repeats)
+        ratios = [a / b for a, b in zip(rates["live"], rates["every"])]
+        rows.append(f"| {live} | {decode_rows(live, max_batch, 1)} | {statistics.median(rates['live']):.1f} | "
+                    f"{statistics.median(rates['every']):.1f} | {statistics.median(ratios):.2f}x |")
+    return rows
+
+
 def integrity_overhead(model, concurrency: int, new_tokens: int, repeats: int) -> tuple[list[str], dict]:
     engines = {m: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=concurrency,
                          integrity=m, stop_tokens=()) for m in ("off", "check")}
@@ -152,6 +172,9 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--context-limits", type=int, nargs="+", default=[4096, 32768],
                    help="max_position_embeddings for the attended-width section")
+    p.add_argument("--max-batch", type=int, default=32, help="engine slots for the decode-rows section")
+    p.add_argument("--live", type=int, nargs="+", default=[1, 3, 8, 32],
+                   help="live requests for the decode-rows section")
     args = p.parse_args(argv)
     model = mixserve.load(args.model)
     budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
@@ -172,6 +195,9 @@ def main(argv=None) -> None:
     lines += ["", f"## Attended width ({args.model}, FP8 KV, concurrency {c}, prompts of 24 + {args.new_tokens} tokens, "
               f"page 16, {args.repeats} interleaved repeats)", ""]
     lines += attended_width(model, c, args.new_tokens, args.repeats, tuple(args.context_limits))
+    lines += ["", f"## Decode rows ({args.model}, FP8 KV, {args.max_batch} slots, prompts of 24 + {args.new_tokens} tokens, "
+              f"{args.repeats} interleaved repeats)", ""]
+    lines += decode_rows_table(model, args.max_batch, args.live, args.new_tokens, args.repeats)
     lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -5,7 +5,8 @@ One request's path through the files:
   request) and queues it; the Scheduler (mixserve/scheduler.py) gives it a batch slot and pages
   from the functional page table (mixserve/page_table.py); the ModelRunner
   (mixserve/model_runner.py) prefills its prompt in chunks, then every decode step runs all live
-  slots at once, after the integrity check when it is on. The model (models/) reads and writes
+  requests at once (as many rows as they need, rounded up to a power of two), after the integrity
+  check when it is on. The model (models/) reads and writes
   the pages through PagedKV (mixserve/kv_cache.py), which calls the attention kernels
   (pallas_kernels/) or their XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
@@ -40,12 +41,14 @@ class Engine:
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
-                 min_attended_tokens: int = 256):
+                 min_attended_tokens: int = 256, min_decode_rows: int = 1):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
-        if page_size <= 0 or max_batch <= 0 or prefill_chunk <= 0 or min_attended_tokens <= 0:
-            raise ValueError("page_size, max_batch, prefill_chunk and min_attended_tokens must be positive")
+        for name, value in (("page_size", page_size), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
+                            ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
         if decode_model is not None and decode_model.config != cfg:
@@ -85,7 +88,7 @@ class Engine:
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity, min_attended_tokens))
+            self.attention_backend, integrity, min_attended_tokens, min_decode_rows))
         self._next_rid = 0
 
     # ---- public ---------------------------------------------------------------------------------
@@ -159,8 +162,8 @@ class Engine:
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
         report = None
-        for r in live:
-            if not ok[r.slot]:
+        for r, row_ok, token in zip(live, ok, next_tok):
+            if not row_ok:
                 if report is None:  # the step's check said which rows; this says why
                     active = jnp.zeros(self.max_batch, bool).at[jnp.asarray([q.slot for q in live])].set(True)
                     report = _verify_jit(self.pages.table, active)
@@ -169,4 +172,4 @@ class Engine:
                 continue
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1
-            r.accept(int(next_tok[r.slot]), now, self.stop_tokens)
+            r.accept(int(token), now, self.stop_tokens)

@@ -1,6 +1,6 @@
 """Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of one
-request (one row: the other slots' rows would be padding) and the batched decode step over a fixed
-max_batch, with the integrity check traced into decode when it is on:
+request (one row: the other slots' rows would be padding) and the batched decode step over the live
+requests, with the integrity check traced into decode when it is on:
   off     no check is traced into the step at all
   check   a batched verify() of the page table before the step touches the pages; a failing row
           writes and reads nothing this step, and the engine aborts its request with the reason
@@ -11,8 +11,10 @@ attention kernels (attention_backend).
 A step sees only the first `attended_pages` columns of the page table: enough for its longest row,
 rounded up to a power of two. The XLA attention gathers and masks every column it is given, so
 with the whole table (max_seq_len / page_size columns: 8192 for Kimi's 131072 positions at page 16)
-a short request would pay for the longest one possible; the powers of two keep the compiled shapes
-to a handful.
+a short request would pay for the longest one possible. Likewise a decode step runs `decode_rows`
+rows, the live requests rounded up to a power of two, not max_batch: 3 live requests in an engine
+of 64 slots pay for 4 rows of experts, attention and sampling, not 64 (what CUDA-graph batch sizes
+do in vLLM and SGLang). The powers of two keep the compiled shapes to a handful.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RunnerConfig:
     attention_backend: str
     integrity: str
     min_attended_tokens: int  # the smallest attended width, in tokens (see attended_pages)
+    min_decode_rows: int  # the fewest rows a decode step runs (see decode_rows)
 
 
 class ModelRunner:
@@ -69,15 +72,18 @@ class ModelRunner:
         return int(next_tok[0]), chunks
 
     def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
-        """One step for every live request (one token each) -> (next token, integrity ok) per slot."""
-        B = self.cfg.max_batch
-        tokens, start, count = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        for r in live:
-            tokens[r.slot, 0], start[r.slot], count[r.slot] = r.tokens[-1], len(r.tokens) - 1, 1
-        args = (self.decode_model.params, self.pools, table, _step_inputs(table, start, count), jnp.asarray(tokens),
-                jnp.asarray(count > 0), *self._sampling(live, [r.slot for r in live], B))
+        """One step for every live request (one token each) -> (next token, integrity ok), row i
+        for live[i]. Rows past len(live) are padding: they point at slot 0 with no token."""
+        c = self.cfg
+        R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
+        slots, tokens = np.zeros(R, np.int32), np.zeros((R, 1), np.int32)
+        start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        for i, r in enumerate(live):
+            slots[i], tokens[i, 0], start[i], count[i] = r.slot, r.tokens[-1], len(r.tokens) - 1, 1
+        args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
+                jnp.asarray(count), jnp.asarray(tokens), *self._sampling(live, range(len(live)), R))
         width = self._width(table, start + count)
-        if self.cfg.integrity == "strict":
+        if c.integrity == "strict":
             err, (self.pools, next_tok, ok) = self._decode_fn(*args, width=width)
             err.throw()
         else:
@@ -85,7 +91,7 @@ class ModelRunner:
         return np.asarray(next_tok), np.asarray(ok)
 
     @staticmethod
-    def _sampling(reqs: list[Request], rows: list[int], batch: int):
+    def _sampling(reqs: list[Request], rows, batch: int):
         """Per-row temperature, top-p and the three integers the sampling key is derived from in
         the step (seed, position of the request in its generate call, token index): the same call
         gives the same tokens on any engine, and a preempted, recomputed request samples what it
@@ -126,22 +132,25 @@ class ModelRunner:
     def _decode_fn(self):
         module, integrity = self.decode_model.module, self.cfg.integrity
 
-        def decode(params, pools, table, step, tokens, active, temp, top_p, keys, *, width):
+        def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, temp, top_p, keys, *, width):
+            step = StepInputs(table.pages_BN[slots_R], start_R, count_R)
             if integrity == "off":  # no check traced at all
-                ok = active | True
+                ok_R = jnp.ones(count_R.shape, bool)
             else:
+                # The check runs over slots; padding rows repeat slot 0 with no token (max = or).
+                active_B = jnp.zeros(table.pages_BN.shape[0], bool).at[slots_R].max(count_R > 0)
                 with jax.named_scope("kv_integrity_check"):
-                    report = pt.verify(table, active)
+                    report = pt.verify(table, active_B)
                 if integrity == "strict":
                     pt.checked(report)
-                ok = report.ok_B
+                ok_R = report.ok_B[slots_R]
                 # A failing row neither writes nor reads: its mapping may point into another
                 # request's pages, and this step's KV write would corrupt them.
-                step = dataclasses.replace(step, count_B=jnp.where(ok, step.count_B, 0))
+                step = dataclasses.replace(step, count_B=jnp.where(ok_R, count_R, 0))
             kv = self._paged_kv(pools, step, width)
-            logits = module.apply({"params": params}, tokens, step.start_B[:, None], kv,
+            logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
                                   valid_BT=step.count_B[:, None] > 0)[:, 0]
-            return kv.new_pools, sample(logits, temp, top_p, keys), ok
+            return kv.new_pools, sample(logits, temp, top_p, keys), ok_R
 
         step_fn = checkify.checkify(decode) if integrity == "strict" else decode
         return jax.jit(step_fn, donate_argnums=1, static_argnames="width")
@@ -150,20 +159,25 @@ class ModelRunner:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
         B = self.cfg.max_batch
         z = jnp.zeros(B, jnp.int32)
-        args = (self.decode_model.params, self.pools, table, _step_inputs(table, z, z), jnp.zeros((B, 1), jnp.int32),
-                jnp.zeros(B, bool), jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
+        args = (self.decode_model.params, self.pools, table, z, z, z, jnp.zeros((B, 1), jnp.int32),
+                jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
         return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
 
 
 def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int) -> int:
     """Page-table columns a step attends over when its longest row ends at `tokens` tokens: a
     power of two of pages covering max(tokens, min_tokens), at most the whole table."""
-    needed = -(-max(tokens, min_tokens) // page_size)
-    return min(1 << (needed - 1).bit_length(), max_pages)
+    return _power_of_two_at_least(-(-max(tokens, min_tokens) // page_size), max_pages)
 
 
-def _step_inputs(table: pt.PageTable, start, count) -> StepInputs:
-    return StepInputs(table.pages_BN, jnp.asarray(start, jnp.int32), jnp.asarray(count, jnp.int32))
+def decode_rows(live: int, max_batch: int, min_rows: int) -> int:
+    """Rows a decode step runs for `live` requests: a power of two >= max(live, min_rows), at most
+    max_batch (min_rows = max_batch runs every slot each step)."""
+    return _power_of_two_at_least(max(live, min_rows), max_batch)
+
+
+def _power_of_two_at_least(n: int, cap: int) -> int:
+    return min(1 << (n - 1).bit_length(), cap)
 
 
 def sample(logits_BV, temp_B, top_p_B, key_ints_B3):

@@ -69,6 +69,32 @@ def test_steps_attend_over_a_power_of_two_of_pages(model):
     assert e.runner._decode_fn._cache_size() == 3
 
 
+def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
+    """An engine of 8 slots decoding 3 requests runs 4 rows a step, and 1 row for 1 request, not
+    8: padding rows repeat slot 0 with no token and touch nothing. The tokens are those of the
+    cache-free forward, and those of an engine that runs every slot (min_decode_rows=max_batch)."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps = prompts()[:3]
+    rows = {}
+    for min_rows in (1, 8):
+        e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows)
+        step_fn, seen = e.runner._decode_fn, []
+
+        def spy(*args, width, step_fn=step_fn, seen=seen):
+            seen.append(args[3].shape[0])  # slots_R
+            return step_fn(*args, width=width)
+
+        e.runner.__dict__["_decode_fn"] = spy
+        results = e.generate(ps, max_new_tokens=NEW)
+        [one] = e.generate(ps[:1], max_new_tokens=NEW)
+        for p, r in zip(ps + ps[:1], results + [one]):
+            assert r.status == "ok", r.reason
+            assert r.tokens == greedy_reference(model, p, NEW)
+        rows[min_rows] = seen
+    assert rows[1] == [4] * (NEW - 1) + [1] * (NEW - 1)
+    assert rows[8] == [8] * (2 * (NEW - 1))
+
+
 def test_fp8_kv_tracks_bf16(model):
     """FP8 e4m3 KV against full-precision KV on the same model. Reported, not asserted exact:
     e4m3 rounds each stored value to 3 mantissa bits (relative error <= 2^-4), which can flip a
@@ -126,8 +152,10 @@ def test_bad_requests_are_rejected_per_request(model):
         Engine(model, num_pages=8, k_scale=0.0)
     with pytest.raises(ValueError, match=r"max_seq_len=513 must be in \[1, max_position_embeddings=512\]"):
         Engine(model, num_pages=8, max_seq_len=513)
-    with pytest.raises(ValueError, match="min_attended_tokens must be positive"):
+    with pytest.raises(ValueError, match="min_attended_tokens must be positive, got 0"):
         Engine(model, num_pages=8, min_attended_tokens=0)
+    with pytest.raises(ValueError, match="min_decode_rows must be positive, got -1"):
+        Engine(model, num_pages=8, min_decode_rows=-1)
 
 
 FAULTS = {
