@@ -12,6 +12,8 @@ and buy. Not a timed test: run it by hand.
    page-table bucket its rows need, against attending over the whole table (interleaved).
 6. Decode rows: few live requests in an engine of many slots, each step running the live requests
    rounded up to a power of two, against running every slot (interleaved).
+7. Prefill chunk length: prompts shorter than prefill_chunk, each chunk as long as its tokens
+   rounded up to a power of two, against every chunk padded to prefill_chunk (interleaved).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import mixserve
 from mixserve import page_table as pt
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, storage_dtype
-from mixserve.model_runner import decode_rows
+from mixserve.model_runner import decode_rows, prefill_tokens
 from models.presets import PRESETS
 
 SEED_KIMI_BF16_TOKENS = 686_000  # the seed: Kimi K2.6 KV pool, BF16 -> ~1.37 M tokens in FP8
@@ -119,6 +121,30 @@ def decode_rows_table(model, max_batch: int, live_counts, new_tokens: int, repea
     return rows
 
 
+def prefill_length_table(model, prefill_chunk: int, prompt_lengths, repeats: int, prompts: int = 4) -> list[str]:
+    """Prefill tokens/s of prompts shorter than prefill_chunk: chunks of their length rounded up to
+    a power of two (min_prefill_tokens=16, the default), or padded to prefill_chunk (what every
+    chunk was before). One new token per request, so the run is prefill only."""
+    rows = [f"| prompt tokens | chunk run | prefill tok/s, rounded chunks (median) | padded to {prefill_chunk} | "
+            "rounded / padded |", "|---|---|---|---|---|"]
+    for length in prompt_lengths:
+        engines = {name: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=prompts,
+                                prefill_chunk=prefill_chunk, stop_tokens=(), min_prefill_tokens=min_tokens)
+                   for name, min_tokens in (("rounded", 16), ("padded", prefill_chunk))}
+        for e in engines.values():  # warm-up: compile
+            e.generate(workload(prompts, length, 99), max_new_tokens=1)
+        rates = {name: [] for name in engines}
+        for r in range(repeats):
+            for name, e in engines.items():
+                before_tok, before_s = e.counters.prefill_tokens, e.counters.prefill_s
+                e.generate(workload(prompts, length, r), max_new_tokens=1)
+                rates[name].append((e.counters.prefill_tokens - before_tok) / (e.counters.prefill_s - before_s))
+        ratios = [a / b for a, b in zip(rates["rounded"], rates["padded"])]
+        rows.append(f"| {length} | {prefill_tokens(length, prefill_chunk, 16)} | {statistics.median(rates['rounded']):.1f} | "
+                    f"{statistics.median(rates['padded']):.1f} | {statistics.median(ratios):.2f}x |")
+    return rows
+
+
 def integrity_overhead(model, concurrency: int, new_tokens: int, repeats: int) -> tuple[list[str], dict]:
     engines = {m: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=concurrency,
                          integrity=m, stop_tokens=()) for m in ("off", "check")}
@@ -175,6 +201,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="engine slots for the decode-rows section")
     p.add_argument("--live", type=int, nargs="+", default=[1, 3, 8, 32],
                    help="live requests for the decode-rows section")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prefill_chunk for the prefill-length section")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[20, 100, 300],
+                   help="prompt tokens for the prefill-length section")
     args = p.parse_args(argv)
     model = mixserve.load(args.model)
     budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
@@ -198,6 +227,9 @@ def main(argv=None) -> None:
     lines += ["", f"## Decode rows ({args.model}, FP8 KV, {args.max_batch} slots, prompts of 24 + {args.new_tokens} tokens, "
               f"{args.repeats} interleaved repeats)", ""]
     lines += decode_rows_table(model, args.max_batch, args.live, args.new_tokens, args.repeats)
+    lines += ["", f"## Prefill chunk length ({args.model}, FP8 KV, prefill_chunk {args.prefill_chunk}, 4 prompts per run, "
+              f"{args.repeats} interleaved repeats)", ""]
+    lines += prefill_length_table(model, args.prefill_chunk, args.prompt_lengths, args.repeats)
     lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
     text = "\n".join(lines) + "\n"
     print(text)

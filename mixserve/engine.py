@@ -41,12 +41,13 @@ class Engine:
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
-                 min_attended_tokens: int = 256, min_decode_rows: int = 1):
+                 min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
         for name, value in (("page_size", page_size), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
-                            ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows)):
+                            ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows),
+                            ("min_prefill_tokens", min_prefill_tokens)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if (num_pages is None) == (kv_memory_bytes is None):
@@ -88,7 +89,7 @@ class Engine:
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity, min_attended_tokens, min_decode_rows))
+            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens))
         self._next_rid = 0
 
     # ---- public ---------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ with the whole table (max_seq_len / page_size columns: 8192 for Kimi's 131072 po
 a short request would pay for the longest one possible. Likewise a decode step runs `decode_rows`
 rows, the live requests rounded up to a power of two, not max_batch: 3 live requests in an engine
 of 64 slots pay for 4 rows of experts, attention and sampling, not 64 (what CUDA-graph batch sizes
-do in vLLM and SGLang). The powers of two keep the compiled shapes to a handful.
+do in vLLM and SGLang), and a prefill chunk is as long as its tokens rounded up to a power of two
+(`prefill_tokens`), not prefill_chunk: a 5-token prompt does not pay for 64. The powers of two
+keep the compiled shapes to a handful.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RunnerConfig:
     integrity: str
     min_attended_tokens: int  # the smallest attended width, in tokens (see attended_pages)
     min_decode_rows: int  # the fewest rows a decode step runs (see decode_rows)
+    min_prefill_tokens: int  # the shortest prefill chunk (see prefill_tokens)
 
 
 class ModelRunner:
@@ -57,11 +60,11 @@ class ModelRunner:
         """Cache every token of req not yet in its pages, one chunk at a time, and sample its next
         token from the last position (so prefill's weights choose it, as in disaggregated
         serving). Returns (token, chunks run)."""
-        tokens, C = req.tokens, self.cfg.prefill_chunk
+        tokens, c = req.tokens, self.cfg
         chunks = 0
         while req.cached < len(tokens):
-            n = min(C, len(tokens) - req.cached)
-            chunk = np.zeros((1, C), np.int32)
+            n = min(c.prefill_chunk, len(tokens) - req.cached)
+            chunk = np.zeros((1, prefill_tokens(n, c.prefill_chunk, c.min_prefill_tokens)), np.int32)
             chunk[0, :n] = tokens[req.cached : req.cached + n]
             start, count = np.array([req.cached], np.int32), np.array([n], np.int32)
             self.pools, next_tok = self._prefill_fn(
@@ -174,6 +177,12 @@ def decode_rows(live: int, max_batch: int, min_rows: int) -> int:
     """Rows a decode step runs for `live` requests: a power of two >= max(live, min_rows), at most
     max_batch (min_rows = max_batch runs every slot each step)."""
     return _power_of_two_at_least(max(live, min_rows), max_batch)
+
+
+def prefill_tokens(n: int, prefill_chunk: int, min_tokens: int) -> int:
+    """Length of a prefill chunk holding n tokens: a power of two >= max(n, min_tokens), at most
+    prefill_chunk (min_tokens = prefill_chunk pads every chunk to prefill_chunk)."""
+    return _power_of_two_at_least(max(n, min_tokens), prefill_chunk)
 
 
 def _power_of_two_at_least(n: int, cap: int) -> int:

@@ -95,6 +95,31 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     assert rows[8] == [8] * (2 * (NEW - 1))
 
 
+def test_prefill_chunks_are_their_tokens_rounded_up_to_a_power_of_two():
+    """Prompts of 5, 11, 1 and 14 tokens in chunks of at most 8 (and at least 4) run chunks of
+    8 | 8, 4 | 4 | 8, 8 tokens, not 8 each: the padding is masked out of the attention, the KV
+    writes and the experts. The tokens are those of the cache-free forward and of an engine whose
+    every chunk is padded to prefill_chunk (min_prefill_tokens=prefill_chunk)."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts()
+    chunks = {}
+    for min_tokens in (4, 8):
+        e = engine(model, max_batch=4, min_prefill_tokens=min_tokens)
+        step_fn, seen = e.runner._prefill_fn, []
+
+        def spy(*args, width, step_fn=step_fn, seen=seen):
+            seen.append(args[6].shape[1])  # tokens_1C
+            return step_fn(*args, width=width)
+
+        e.runner.__dict__["_prefill_fn"] = spy
+        for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
+            assert r.status == "ok", r.reason
+            assert r.tokens == greedy_reference(model, p, NEW)
+        chunks[min_tokens] = seen
+    assert chunks[4] == [8, 8, 4, 4, 8, 8]
+    assert chunks[8] == [8] * 6
+
+
 def test_fp8_kv_tracks_bf16(model):
     """FP8 e4m3 KV against full-precision KV on the same model. Reported, not asserted exact:
     e4m3 rounds each stored value to 3 mantissa bits (relative error <= 2^-4), which can flip a
@@ -156,6 +181,8 @@ def test_bad_requests_are_rejected_per_request(model):
         Engine(model, num_pages=8, min_attended_tokens=0)
     with pytest.raises(ValueError, match="min_decode_rows must be positive, got -1"):
         Engine(model, num_pages=8, min_decode_rows=-1)
+    with pytest.raises(ValueError, match="min_prefill_tokens must be positive, got 0"):
+        Engine(model, num_pages=8, min_prefill_tokens=0)
 
 
 FAULTS = {
