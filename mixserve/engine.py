@@ -6,9 +6,9 @@ One request's path through the files:
   from the functional page table (mixserve/page_table.py); the ModelRunner
   (mixserve/model_runner.py) prefills its prompt in chunks, then every decode step runs all live
   requests at once (as many rows as they need, rounded up to a power of two), after the integrity
-  check when it is on. The model (models/) reads and writes
-  the pages through PagedKV (mixserve/kv_cache.py), which calls the attention kernels
-  (pallas_kernels/) or their XLA references.
+  check when it is on. The model (models/) reads and writes the pages through PagedKV
+  (mixserve/kv_cache.py), which calls the attention kernels (pallas_kernels/) or their XLA
+  references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
 dropped. A request whose pages fail the integrity check is aborted with a reason naming the page
 and the tags; the others go on untouched.
