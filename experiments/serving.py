@@ -62,17 +62,40 @@ def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, 256, prompt_len)] for _ in range(n)]
 
 
-def interleaved_decode_rates(engines: dict, concurrency: int, new_tokens: int, repeats: int) -> dict:
-    """Decode tokens/s of each engine per repeat, the engines taking turns on the same workload."""
+def decode_counts(c) -> tuple[int, float]:
+    return c.decode_tokens, c.decode_s
+
+
+def prefill_counts(c) -> tuple[int, float]:
+    return c.prefill_tokens, c.prefill_s
+
+
+def interleaved_rates(engines: dict, requests: int, repeats: int, *, prompt_len: int = 24, new_tokens: int,
+                      counts=decode_counts) -> dict:
+    """Tokens/s of each engine per repeat (decode or prefill, as `counts` reads the counters), the
+    engines taking turns on the same workload."""
     for e in engines.values():  # warm-up: compile prefill and decode
-        e.generate(workload(concurrency, 24, 99), max_new_tokens=2)
+        e.generate(workload(requests, prompt_len, 99), max_new_tokens=min(2, new_tokens))
     rates = {name: [] for name in engines}
     for r in range(repeats):
         for name, e in engines.items():
-            before_tok, before_s = e.counters.decode_tokens, e.counters.decode_s
-            e.generate(workload(concurrency, 24, r), max_new_tokens=new_tokens)
-            rates[name].append((e.counters.decode_tokens - before_tok) / (e.counters.decode_s - before_s))
+            tok0, s0 = counts(e.counters)
+            e.generate(workload(requests, prompt_len, r), max_new_tokens=new_tokens)
+            tok1, s1 = counts(e.counters)
+            rates[name].append((tok1 - tok0) / (s1 - s0))
     return rates
+
+
+def fp8_engines(model, option: str, values: dict, **kw) -> dict:
+    """FP8-KV engines that differ only in `option`: {name: Engine(..., option=value)}."""
+    return {name: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, stop_tokens=(), **kw,
+                         **{option: value}) for name, value in values.items()}
+
+
+def paired_cells(rates: dict, a: str, b: str) -> str:
+    """Table cells: the median rate of a, of b, and the median of the per-repeat ratios a / b."""
+    ratios = [x / y for x, y in zip(rates[a], rates[b])]
+    return f"{statistics.median(rates[a]):.1f} | {statistics.median(rates[b]):.1f} | {statistics.median(ratios):.2f}x"
 
 
 def decode_throughput(model, concurrencies, new_tokens: int, repeats: int) -> list[str]:
@@ -80,7 +103,7 @@ def decode_throughput(model, concurrencies, new_tokens: int, repeats: int) -> li
     for c in concurrencies:
         engines = {d: Engine(model, kv_dtype=d, num_pages=256, page_size=16, max_batch=c, stop_tokens=())
                    for d in ("bfloat16", "fp8_e4m3")}
-        rates = interleaved_decode_rates(engines, c, new_tokens, repeats)
+        rates = interleaved_rates(engines, c, repeats, new_tokens=new_tokens)
         m16, m8 = statistics.median(rates["bfloat16"]), statistics.median(rates["fp8_e4m3"])
         rows.append(f"| {c} | {m16:.1f} | {m8:.1f} | {m8 / m16:.3f} |")
     return rows
@@ -94,13 +117,9 @@ def attended_width(model, concurrency: int, new_tokens: int, repeats: int, limit
             "|---|---|---|---|---|"]
     for limit in limits:
         long_model = dataclasses.replace(model, config=model.config.replace(max_position_embeddings=limit))
-        engines = {name: Engine(long_model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=concurrency,
-                                stop_tokens=(), min_attended_tokens=tokens)
-                   for name, tokens in (("bucket", 256), ("whole", limit))}
-        rates = interleaved_decode_rates(engines, concurrency, new_tokens, repeats)
-        ratios = [b / w for b, w in zip(rates["bucket"], rates["whole"])]
-        rows.append(f"| {limit:,} | {engines['bucket'].max_pages_per_seq:,} | {statistics.median(rates['bucket']):.1f} | "
-                    f"{statistics.median(rates['whole']):.1f} | {statistics.median(ratios):.2f}x |")
+        engines = fp8_engines(long_model, "min_attended_tokens", {"bucket": 256, "whole": limit}, max_batch=concurrency)
+        rates = interleaved_rates(engines, concurrency, repeats, new_tokens=new_tokens)
+        rows.append(f"| {limit:,} | {engines['bucket'].max_pages_per_seq:,} | {paired_cells(rates, 'bucket', 'whole')} |")
     return rows
 
 
@@ -111,13 +130,9 @@ def decode_rows_table(model, max_batch: int, live_counts, new_tokens: int, repea
     rows = [f"| live requests (of {max_batch} slots) | rows per step | decode tok/s, live rows (median) | "
             "every slot | live / every |", "|---|---|---|---|---|"]
     for live in live_counts:
-        engines = {name: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=max_batch,
-                                stop_tokens=(), min_decode_rows=min_rows)
-                   for name, min_rows in (("live", 1), ("every", max_batch))}
-        rates = interleaved_decode_rates(engines, live, new_tokens, repeats)
-        ratios = [a / b for a, b in zip(rates["live"], rates["every"])]
-        rows.append(f"| {live} | {decode_rows(live, max_batch, 1)} | {statistics.median(rates['live']):.1f} | "
-                    f"{statistics.median(rates['every']):.1f} | {statistics.median(ratios):.2f}x |")
+        engines = fp8_engines(model, "min_decode_rows", {"live": 1, "every": max_batch}, max_batch=max_batch)
+        rates = interleaved_rates(engines, live, repeats, new_tokens=new_tokens)
+        rows.append(f"| {live} | {decode_rows(live, max_batch, 1)} | {paired_cells(rates, 'live', 'every')} |")
     return rows
 
 
@@ -128,26 +143,15 @@ def prefill_length_table(model, prefill_chunk: int, prompt_lengths, repeats: int
     rows = [f"| prompt tokens | chunk run | prefill tok/s, rounded chunks (median) | padded to {prefill_chunk} | "
             "rounded / padded |", "|---|---|---|---|---|"]
     for length in prompt_lengths:
-        engines = {name: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=prompts,
-                                prefill_chunk=prefill_chunk, stop_tokens=(), min_prefill_tokens=min_tokens)
-                   for name, min_tokens in (("rounded", 16), ("padded", prefill_chunk))}
-        for e in engines.values():  # warm-up: compile
-            e.generate(workload(prompts, length, 99), max_new_tokens=1)
-        rates = {name: [] for name in engines}
-        for r in range(repeats):
-            for name, e in engines.items():
-                before_tok, before_s = e.counters.prefill_tokens, e.counters.prefill_s
-                e.generate(workload(prompts, length, r), max_new_tokens=1)
-                rates[name].append((e.counters.prefill_tokens - before_tok) / (e.counters.prefill_s - before_s))
-        ratios = [a / b for a, b in zip(rates["rounded"], rates["padded"])]
-        rows.append(f"| {length} | {prefill_tokens(length, prefill_chunk, 16)} | {statistics.median(rates['rounded']):.1f} | "
-                    f"{statistics.median(rates['padded']):.1f} | {statistics.median(ratios):.2f}x |")
+        engines = fp8_engines(model, "min_prefill_tokens", {"rounded": 16, "padded": prefill_chunk},
+                              max_batch=prompts, prefill_chunk=prefill_chunk)
+        rates = interleaved_rates(engines, prompts, repeats, prompt_len=length, new_tokens=1, counts=prefill_counts)
+        rows.append(f"| {length} | {prefill_tokens(length, prefill_chunk, 16)} | {paired_cells(rates, 'rounded', 'padded')} |")
     return rows
 
 
 def integrity_overhead(model, concurrency: int, new_tokens: int, repeats: int) -> tuple[list[str], dict]:
-    engines = {m: Engine(model, kv_dtype="fp8_e4m3", num_pages=256, page_size=16, max_batch=concurrency,
-                         integrity=m, stop_tokens=()) for m in ("off", "check")}
+    engines = fp8_engines(model, "integrity", {"off": "off", "check": "check"}, max_batch=concurrency)
     for e in engines.values():
         e.generate(workload(concurrency, 24, 99), max_new_tokens=2)
     tput, p95 = {m: [] for m in engines}, {m: [] for m in engines}

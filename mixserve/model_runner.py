@@ -16,7 +16,8 @@ rows, the live requests rounded up to a power of two, not max_batch: 3 live requ
 of 64 slots pay for 4 rows of experts, attention and sampling, not 64 (what CUDA-graph batch sizes
 do in vLLM and SGLang), and a prefill chunk is as long as its tokens rounded up to a power of two
 (`prefill_tokens`), not prefill_chunk: a 5-token prompt does not pay for 64. The powers of two
-keep the compiled shapes to a handful.
+keep the compiled shapes to a handful: each (rows, width) and (chunk, width) pair compiles once,
+and raising min_decode_rows or min_prefill_tokens trades padding for fewer compiles.
 """
 
 from __future__ import annotations
