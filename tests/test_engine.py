@@ -69,6 +69,18 @@ def test_steps_attend_over_a_power_of_two_of_pages(model):
     assert e.runner._decode_fn._cache_size() == 3
 
 
+def record_shapes(runner, step_name: str, *, arg: int, axis: int) -> list[int]:
+    """Wrap the runner's jitted step `step_name` to record args[arg].shape[axis] of every call."""
+    step_fn, seen = getattr(runner, step_name), []
+
+    def spy(*args, width):
+        seen.append(args[arg].shape[axis])
+        return step_fn(*args, width=width)
+
+    runner.__dict__[step_name] = spy  # shadows the cached_property
+    return seen
+
+
 def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     """An engine of 8 slots decoding 3 requests runs 4 rows a step, and 1 row for 1 request, not
     8: padding rows repeat slot 0 with no token and touch nothing. The tokens are those of the
@@ -78,19 +90,12 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     rows = {}
     for min_rows in (1, 8):
         e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows)
-        step_fn, seen = e.runner._decode_fn, []
-
-        def spy(*args, width, step_fn=step_fn, seen=seen):
-            seen.append(args[3].shape[0])  # slots_R
-            return step_fn(*args, width=width)
-
-        e.runner.__dict__["_decode_fn"] = spy
+        rows[min_rows] = record_shapes(e.runner, "_decode_fn", arg=3, axis=0)  # slots_R
         results = e.generate(ps, max_new_tokens=NEW)
         [one] = e.generate(ps[:1], max_new_tokens=NEW)
         for p, r in zip(ps + ps[:1], results + [one]):
             assert r.status == "ok", r.reason
             assert r.tokens == greedy_reference(model, p, NEW)
-        rows[min_rows] = seen
     assert rows[1] == [4] * (NEW - 1) + [1] * (NEW - 1)
     assert rows[8] == [8] * (2 * (NEW - 1))
 
@@ -105,17 +110,10 @@ def test_prefill_chunks_are_their_tokens_rounded_up_to_a_power_of_two():
     chunks = {}
     for min_tokens in (4, 8):
         e = engine(model, max_batch=4, min_prefill_tokens=min_tokens)
-        step_fn, seen = e.runner._prefill_fn, []
-
-        def spy(*args, width, step_fn=step_fn, seen=seen):
-            seen.append(args[6].shape[1])  # tokens_1C
-            return step_fn(*args, width=width)
-
-        e.runner.__dict__["_prefill_fn"] = spy
+        chunks[min_tokens] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=1)  # tokens_1C
         for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
             assert r.status == "ok", r.reason
             assert r.tokens == greedy_reference(model, p, NEW)
-        chunks[min_tokens] = seen
     assert chunks[4] == [8, 8, 4, 4, 8, 8]
     assert chunks[8] == [8] * 6
 
