@@ -1,14 +1,15 @@
 """Continuous-batching engine over paged KV pools, with KV integrity tags checked every decode step.
 
 One request's path through the files:
-  `Engine.generate` (here) validates it (mixserve/request.py: bad input -> status "rejected", per
-  request) and queues it; the Scheduler (mixserve/scheduler.py) gives it a batch slot and pages
-  from the functional page table (mixserve/page_table.py); the ModelRunner
-  (mixserve/model_runner.py) prefills its prompt in chunks, then every decode step runs all live
-  requests at once (as many rows as they need, rounded up to a power of two), after the integrity
-  check when it is on. The model (models/) reads and writes the pages through PagedKV
-  (mixserve/kv_cache.py), which calls the attention kernels (pallas_kernels/) or their XLA
-  references.
+  `Engine.submit` (here) validates it (mixserve/request.py: bad input -> status "rejected", per
+  request) and queues it; each `Engine.step` is one turn of the loop and reports what every
+  request got in it (`generate` submits a batch and steps until it is done). In a step the
+  Scheduler (mixserve/scheduler.py) gives the request a batch slot and pages from the functional
+  page table (mixserve/page_table.py); the ModelRunner (mixserve/model_runner.py) prefills its
+  prompt in chunks, then every decode step runs all live requests at once (as many rows as they
+  need, rounded up to a power of two), after the integrity check when it is on. The model
+  (models/) reads and writes the pages through PagedKV (mixserve/kv_cache.py), which calls the
+  attention kernels (pallas_kernels/) or their XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
 dropped. A request whose pages fail the integrity check is aborted with a reason naming the page
 and the tags; the others go on untouched.
@@ -27,10 +28,10 @@ from mixserve import page_table as pt
 from mixserve.kv_cache import bytes_per_token, storage_dtype
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
-from mixserve.request import Request, Result, reject_reason
+from mixserve.request import Request, Result, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
-__all__ = ["Counters", "Engine", "Result"]
+__all__ = ["Counters", "Engine", "Result", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
 
@@ -91,6 +92,7 @@ class Engine:
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens))
         self._next_rid = 0
+        self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -109,38 +111,68 @@ class Engine:
     def table(self) -> pt.PageTable:
         return self.pages.table
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[Result]:
-        requests = []
-        for index, prompt in enumerate(prompts):
-            req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
-                          max_new_tokens, temperature, top_p, seed, index, t_submit=time.perf_counter())
-            self._next_rid += 1
-            reason = reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
-                                   page_size=self.page_size, num_pages=self.num_pages)
-            if reason:
-                req.result = Result([], "rejected", reason)
-                self.counters.rejections += 1
-            else:
-                self.scheduler.waiting.append(req)
-            requests.append(req)
-        self._run()
-        return [r.result for r in requests]
+    def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0) -> int:
+        """Queue one request and return its id; `step` runs it. A request that can never be served
+        is rejected here, without raising: its Update (status "rejected", with the reason) comes
+        out of the next step. Requests with the same prompt, seed and options sample the same."""
+        return self._submit(prompt, max_new_tokens, temperature, top_p, seed, index=0).rid
 
-    def lowered_decode_text(self) -> str:
-        """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
-        return self.runner.lowered_decode_text(self.pages.table)
+    def has_work(self) -> bool:
+        """Whether a submitted request has not yet been reported finished by `step`."""
+        return bool(self._unreported)
 
-    # ---- the loop -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while self.scheduler.has_work():
+    def step(self) -> list[Update]:
+        """One turn of the loop: admit and prefill what fits, one decode step over the live
+        requests, retire the finished. Returns an Update for every request that got tokens or
+        finished in it (a prefilled request gets its first token)."""
+        if self.scheduler.has_work():
             for req in self.scheduler.admit():
                 self._prefill(req)
             if self.scheduler.running:
                 self.scheduler.make_room_for_decode()
                 self._decode(self.scheduler.live())
             self.scheduler.retire_finished()
+        updates = []
+        for req in list(self._unreported.values()):
+            if len(req.out) > req.streamed or req.result is not None:
+                updates.append(Update(req.rid, req.out[req.streamed:], req.result))
+                req.streamed = len(req.out)
+                if req.result is not None:
+                    del self._unreported[req.rid]
+        return updates
 
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Result]:
+        """Serve prompts to completion (one batch: they share the slots, pages and steps); results
+        in prompt order. Prompt i samples with keys from (seed, i, token index)."""
+        if self._unreported:
+            raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
+                               "has_work() is False before generate(), which would swallow their updates")
+        requests = [self._submit(p, max_new_tokens, temperature, top_p, seed, index=i) for i, p in enumerate(prompts)]
+        while self._unreported:
+            self.step()
+        return [r.result for r in requests]
+
+    def _submit(self, prompt, max_new_tokens, temperature, top_p, seed, *, index: int) -> Request:
+        req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
+                      max_new_tokens, temperature, top_p, seed, index, t_submit=time.perf_counter())
+        self._next_rid += 1
+        reason = reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
+                               page_size=self.page_size, num_pages=self.num_pages)
+        if reason:
+            req.result = Result([], "rejected", reason)
+            self.counters.rejections += 1
+        else:
+            self.scheduler.waiting.append(req)
+        self._unreported[req.rid] = req
+        return req
+
+    def lowered_decode_text(self) -> str:
+        """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
+        return self.runner.lowered_decode_text(self.pages.table)
+
+    # ---- one step's parts ------------------------------------------------------------------------
     def _prefill(self, req: Request) -> None:
         t0 = time.perf_counter()
         cached = req.cached

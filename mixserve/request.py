@@ -1,10 +1,12 @@
-"""One generation request as the engine tracks it (nano-vllm's Sequence), its Result, and the
-per-request validation that turns bad input into a "rejected" Result instead of an error."""
+"""One generation request as the engine tracks it (nano-vllm's Sequence), its Result, the Update
+a step reports for it, and the per-request validation that turns bad input into a "rejected"
+Result instead of an error."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Literal
 
 import numpy as np
@@ -17,6 +19,16 @@ class Result:
     reason: str | None = None
     ttft_s: float | None = None  # time to first token
     token_latencies_s: list[float] = dataclasses.field(default_factory=list)
+    latency_s: float | None = None  # submit to finish (None if rejected)
+
+
+@dataclasses.dataclass
+class Update:
+    """What one request got from one `Engine.step`: the tokens it generated in that step (in order;
+    a preempted request keeps what it streamed), and its Result once it has finished."""
+    rid: int
+    new_tokens: list[int]
+    result: Result | None = None
 
 
 @dataclasses.dataclass
@@ -27,8 +39,9 @@ class Request:
     temperature: float
     top_p: float
     seed: int
-    index: int = 0  # position in its generate() call: with the seed, it fixes the sampling keys
+    index: int = 0  # position in its generate() call (0 from submit): with the seed, fixes the sampling keys
     out: list[int] = dataclasses.field(default_factory=list)
+    streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
     pages: int = 0  # pages held (host mirror of the page table)
     cached: int = 0  # tokens whose KV is in the pages
@@ -54,7 +67,8 @@ class Request:
             self.finish("ok")
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
-        self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies))
+        self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
+                             time.perf_counter() - self.t_submit)
 
 
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int) -> str | None:

@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
         "counters": vars(c),
         "requests": [
             {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
-             "text": decode(model, r.tokens), "ttft_s": r.ttft_s}
+             "text": decode(model, r.tokens), "ttft_s": r.ttft_s,
+             "latency_s": r.latency_s}
             for p, r in zip(prompts, results)
         ],
     }

@@ -249,6 +249,60 @@ def test_oversubscription_preempts_and_loses_nothing():
     assert e.free_pages == e.num_pages
 
 
+def test_requests_submitted_mid_flight_join_the_batch_and_stream_their_tokens():
+    """The online API: submit() queues one request, and each step() reports the tokens every
+    request got in it. Two requests submitted while two others decode get a token in the very next
+    step (continuous batching). Each request's streamed tokens, concatenated, are its Result's,
+    equal to generate()'s for the same prompts, and each is reported finished exactly once. In a
+    pool too small for all four, preempted requests stream on without repeating or losing a token."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    rng = np.random.default_rng(3)
+    ps = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(4)]
+    batch = engine(model, num_pages=64).generate(ps, max_new_tokens=8)
+    for num_pages in (64, 6):  # 6 pages of 4: one 14-token request at a time, the others preempted
+        e = engine(model, num_pages=num_pages)
+        rids = [e.submit(p, max_new_tokens=8) for p in ps[:2]]
+        steps = []
+        while e.has_work():
+            if len(steps) == 2:
+                rids += [e.submit(p, max_new_tokens=8) for p in ps[2:]]
+            steps.append(e.step())
+        streamed, finished = {rid: [] for rid in rids}, {}
+        for updates in steps:
+            for u in updates:
+                assert u.rid not in finished, "an update after the request finished"
+                streamed[u.rid] += u.new_tokens
+                if u.result is not None:
+                    finished[u.rid] = u.result
+        assert set(finished) == set(rids)
+        for rid, expected in zip(rids, batch):
+            r = finished[rid]
+            assert r.status == "ok" and streamed[rid] == r.tokens == expected.tokens
+            assert 0 < r.ttft_s <= r.latency_s
+        if num_pages == 64:
+            assert {u.rid for u in steps[2]} == set(rids)  # the late two decoded beside the first two
+        else:
+            assert e.counters.preemptions > 0
+        assert e.free_pages == e.num_pages
+
+
+def test_submit_rejects_in_the_next_step_and_generate_will_not_swallow_pending_updates():
+    e = engine(mixserve.load("tiny-kimi", dtype="float32"))
+    bad, good = e.submit([], max_new_tokens=4), e.submit([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="2 submitted requests are unfinished"):
+        e.generate([[1, 2]], max_new_tokens=2)
+    first = e.step()
+    [rejected] = [u for u in first if u.rid == bad]
+    assert rejected.new_tokens == [] and rejected.result.status == "rejected"
+    assert rejected.result.reason == "empty prompt" and rejected.result.latency_s is None
+    tokens = [t for u in first if u.rid == good for t in u.new_tokens]
+    while e.has_work():
+        tokens += [t for u in e.step() for t in u.new_tokens]
+    assert len(tokens) == 2
+    assert e.generate([[1, 2, 3]], max_new_tokens=2)[0].tokens == tokens
+    assert e.step() == [] and not e.has_work()
+
+
 def test_prefix_sharing_shares_full_pages_and_changes_nothing():
     model = mixserve.load("tiny-glm4", dtype="float32")
     rng = np.random.default_rng(4)

@@ -26,8 +26,10 @@ def test_gpu_kernels_script_runs_on_cpu(tmp_path):
 def test_serving_script_runs(tmp_path):
     out = run("serving.py", "--repeats", "1", "--new-tokens", "2", "--concurrency", "2",
               "--context-limits", "1024", "--max-batch", "8", "--live", "3",
-              "--prefill-chunk", "64", "--prompt-lengths", "20", "--out", str(tmp_path / "s.md"))
+              "--prefill-chunk", "64", "--prompt-lengths", "20", "--closed-loop-requests", "3",
+              "--closed-loop-prompt", "20", "--out", str(tmp_path / "s.md"))
     assert "| kimi-k2.6 | 70,272 | 35,136 |" in out and "Integrity check overhead" in out
+    assert "| -0.38% |" in out  # concurrency 2's row, beside the seed's throughput change
     assert "| 1,024 | 64 |" in out  # attended width: 1024 tokens in pages of 16
     assert "| 3 | 4 |" in out  # decode rows: 3 live requests run 4 rows
     assert "| 20 | 32 |" in out  # prefill: a 20-token prompt runs a chunk of 32, not 64
