@@ -179,13 +179,21 @@ def closed_loop(engine, clients: int, requests: int, prompt_len: int, new_tokens
     return tokens / (time.perf_counter() - t0), latencies
 
 
+def paired_change(a: list[float], b: list[float]) -> tuple[float, str]:
+    """The median of the paired changes b / a - 1, and a cell with it and their interquartile range."""
+    changes = [y / x - 1 for x, y in zip(a, b)]
+    q1, _, q3 = statistics.quantiles(changes, n=4) if len(changes) > 1 else changes * 3
+    median = statistics.median(changes)
+    return median, f"{median:+.2%} [{q1:+.1%}, {q3:+.1%}]"
+
+
 def integrity_overhead(model, concurrencies, requests: int, prompt_len: int, new_tokens: int,
                        repeats: int) -> tuple[list[str], dict]:
     """The seed's table: `off` and `check` engines serve the same closed-loop workload, runs
     interleaved and alternating who goes first; the paired median change of end-to-end throughput
     and of the p95 request latency, per concurrency."""
-    rows = ["| concurrency | tok/s off (median) | check | throughput change (paired median) | seed | "
-            "p95 latency off ms | check | p95 change (paired median) | seed |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| concurrency | tok/s off (median) | check | throughput change (paired median [IQR]) | seed | "
+            "p95 latency off ms | check | p95 change (paired median [IQR]) | seed |", "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for c in concurrencies:
         engines = fp8_engines(model, "integrity", {"off": "off", "check": "check"}, max_batch=c)
@@ -197,14 +205,13 @@ def integrity_overhead(model, concurrencies, requests: int, prompt_len: int, new
                 rate, latencies = closed_loop(engines[m], c, requests, prompt_len, new_tokens, r)
                 tput[m].append(rate)
                 p95[m].append(float(np.percentile(latencies, 95)))
-        d_tput = statistics.median(ch / off - 1 for off, ch in zip(tput["off"], tput["check"]))
-        d_p95 = statistics.median(ch / off - 1 for off, ch in zip(p95["off"], p95["check"]))
-        summary[c] = (d_tput, d_p95)
+        d_tput, d_p95 = (paired_change(x["off"], x["check"]) for x in (tput, p95))
+        summary[c] = (d_tput[0], d_p95[0])
         seed = SEED_INTEGRITY.get(c)
         seed_cells = (f"{seed[0]:+.2%}", f"{seed[1]:+.2%}") if seed else ("", "")
         rows.append(f"| {c} | {statistics.median(tput['off']):.1f} | {statistics.median(tput['check']):.1f} | "
-                    f"{d_tput:+.2%} | {seed_cells[0]} | {1e3 * statistics.median(p95['off']):.1f} | "
-                    f"{1e3 * statistics.median(p95['check']):.1f} | {d_p95:+.2%} | {seed_cells[1]} |")
+                    f"{d_tput[1]} | {seed_cells[0]} | {1e3 * statistics.median(p95['off']):.1f} | "
+                    f"{1e3 * statistics.median(p95['check']):.1f} | {d_p95[1]} | {seed_cells[1]} |")
     # The check in isolation: the same batched verify() the decode step runs, timed alone.
     e = engines["check"]
     active = jax.numpy.ones(e.max_batch, bool)
