@@ -16,6 +16,8 @@ and buy. Not a timed test: run it by hand.
    rounded up to a power of two, against running every slot (interleaved).
 7. Prefill chunk length: prompts shorter than prefill_chunk, each chunk as long as its tokens
    rounded up to a power of two, against every chunk padded to prefill_chunk (interleaved).
+8. Prefill rows: requests arriving together, prefilled a row each in one call per chunk round,
+   against one request per call (interleaved).
 """
 
 from __future__ import annotations
@@ -153,6 +155,21 @@ def prefill_length_table(model, prefill_chunk: int, prompt_lengths, repeats: int
     return rows
 
 
+def prefill_rows_table(model, prompts: int, prompt_lengths, repeats: int, prefill_chunk: int = 128) -> list[str]:
+    """Prefill tokens/s of `prompts` requests arriving together: one call per chunk round with a row
+    each (max_prefill_rows = prompts, the default), or one request per call (max_prefill_rows=1,
+    what prefill was before). One new token per request, so the run is prefill only."""
+    rows = [f"| prompt tokens | calls, together | one at a time | prefill tok/s, together (median) | one at a time | "
+            "together / one at a time |", "|---|---|---|---|---|---|"]
+    for length in prompt_lengths:
+        engines = fp8_engines(model, "max_prefill_rows", {"together": prompts, "alone": 1}, max_batch=prompts,
+                              prefill_chunk=prefill_chunk)
+        rates = interleaved_rates(engines, prompts, repeats, prompt_len=length, new_tokens=1, counts=prefill_counts)
+        calls = -(-length // prefill_chunk)
+        rows.append(f"| {length} | {calls} | {calls * prompts} | {paired_cells(rates, 'together', 'alone')} |")
+    return rows
+
+
 # The seed's integrity-check overhead table (mid-size model, 2 prefill + 2 decode servers, 8192 in /
 # 1000 out): concurrency -> (throughput change, p95 latency change).
 SEED_INTEGRITY = {1: (-0.0053, 0.0042), 2: (-0.0038, 0.0054), 4: (-0.0079, 0.0063), 8: (-0.0043, 0.0080)}
@@ -247,7 +264,8 @@ def main(argv=None) -> None:
                    help="live requests for the decode-rows section")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prefill_chunk for the prefill-length section")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[20, 100, 300],
-                   help="prompt tokens for the prefill-length section")
+                   help="prompt tokens for the prefill-length and prefill-rows sections")
+    p.add_argument("--prefill-prompts", type=int, default=8, help="requests arriving together, prefill-rows section")
     args = p.parse_args(argv)
     model = mixserve.load(args.model)
     budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
@@ -276,6 +294,9 @@ def main(argv=None) -> None:
     lines += ["", f"## Prefill chunk length ({args.model}, FP8 KV, prefill_chunk {args.prefill_chunk}, 4 prompts per run, "
               f"{args.repeats} interleaved repeats)", ""]
     lines += prefill_length_table(model, args.prefill_chunk, args.prompt_lengths, args.repeats)
+    lines += ["", f"## Prefill rows ({args.model}, FP8 KV, {args.prefill_prompts} prompts arriving together, "
+              f"prefill_chunk 128, {args.repeats} interleaved repeats)", ""]
+    lines += prefill_rows_table(model, args.prefill_prompts, args.prompt_lengths, args.repeats)
     lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
     text = "\n".join(lines) + "\n"
     print(text)

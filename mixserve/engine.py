@@ -42,13 +42,14 @@ class Engine:
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
-                 min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16):
+                 min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
+                 max_prefill_rows: int | None = None):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
         for name, value in (("page_size", page_size), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
                             ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows),
-                            ("min_prefill_tokens", min_prefill_tokens)):
+                            ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_batch if max_prefill_rows is None else max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if (num_pages is None) == (kv_memory_bytes is None):
@@ -64,6 +65,9 @@ class Engine:
         if num_pages <= 0:
             raise ValueError(f"the KV budget holds no page ({self.bytes_per_token * page_size} bytes per page)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
+        # Requests admitted together prefill together, a row each (at most max_prefill_rows x
+        # prefill_chunk tokens per call); 1 prefills one request at a time.
+        self.max_prefill_rows = max_batch if max_prefill_rows is None else max_prefill_rows
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -127,8 +131,8 @@ class Engine:
         requests, retire the finished. Returns an Update for every request that got tokens or
         finished in it (a prefilled request gets its first token)."""
         if self.scheduler.has_work():
-            for req in self.scheduler.admit():
-                self._prefill(req)
+            while batch := self.scheduler.admit(self.max_prefill_rows):
+                self._prefill(batch)
             if self.scheduler.running:
                 self.scheduler.make_room_for_decode()
                 self._decode(self.scheduler.live())
@@ -173,15 +177,17 @@ class Engine:
         return self.runner.lowered_decode_text(self.pages.table)
 
     # ---- one step's parts ------------------------------------------------------------------------
-    def _prefill(self, req: Request) -> None:
+    def _prefill(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
-        cached = req.cached
-        token, chunks = self.runner.prefill(req, self.pages.table)
-        self.counters.prefill_chunks += chunks
-        self.counters.prefill_tokens += req.cached - cached
-        self.counters.prefill_s += time.perf_counter() - t0
-        self.pages.register_prefix(req)  # later admissions can share its full prompt pages
-        req.accept(token, time.perf_counter(), self.stop_tokens)
+        cached = sum(r.cached for r in batch)
+        tokens, calls = self.runner.prefill(batch, self.pages.table)
+        now = time.perf_counter()
+        self.counters.prefill_chunks += calls
+        self.counters.prefill_tokens += sum(r.cached for r in batch) - cached
+        self.counters.prefill_s += now - t0
+        for req, token in zip(batch, tokens):
+            self.pages.register_prefix(req)  # later admissions can share its full prompt pages
+            req.accept(token, now, self.stop_tokens)
 
     def _decode(self, live: list[Request]) -> None:
         if not live:

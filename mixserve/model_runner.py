@@ -1,6 +1,6 @@
-"""Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of one
-request (one row: the other slots' rows would be padding) and the batched decode step over the live
-requests, with the integrity check traced into decode when it is on:
+"""Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of the
+requests admitted together (a row each, every call one chunk of each) and the batched decode step
+over the live requests, with the integrity check traced into decode when it is on:
   off     no check is traced into the step at all
   check   a batched verify() of the page table before the step touches the pages; a failing row
           writes and reads nothing this step, and the engine aborts its request with the reason
@@ -15,9 +15,10 @@ a short request would pay for the longest one possible. Likewise a decode step r
 rows, the live requests rounded up to a power of two, not max_batch: 3 live requests in an engine
 of 64 slots pay for 4 rows of experts, attention and sampling, not 64 (what CUDA-graph batch sizes
 do in vLLM and SGLang), and a prefill chunk is as long as its tokens rounded up to a power of two
-(`prefill_tokens`), not prefill_chunk: a 5-token prompt does not pay for 64. The powers of two
-keep the compiled shapes to a handful: each (rows, width) and (chunk, width) pair compiles once,
-and raising min_decode_rows or min_prefill_tokens trades padding for fewer compiles.
+(`prefill_tokens`, for the longest row of the call), not prefill_chunk: a 5-token prompt does not
+pay for 64. The powers of two keep the compiled shapes to a handful: each (rows, width) of decode
+and (rows, chunk, width) of prefill compiles once, and raising min_decode_rows or
+min_prefill_tokens trades padding for fewer compiles.
 """
 
 from __future__ import annotations
@@ -57,23 +58,32 @@ class ModelRunner:
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_dtype)
 
-    def prefill(self, req: Request, table: pt.PageTable) -> tuple[int, int]:
-        """Cache every token of req not yet in its pages, one chunk at a time, and sample its next
-        token from the last position (so prefill's weights choose it, as in disaggregated
-        serving). Returns (token, chunks run)."""
-        tokens, c = req.tokens, self.cfg
-        chunks = 0
-        while req.cached < len(tokens):
-            n = min(c.prefill_chunk, len(tokens) - req.cached)
-            chunk = np.zeros((1, prefill_tokens(n, c.prefill_chunk, c.min_prefill_tokens)), np.int32)
-            chunk[0, :n] = tokens[req.cached : req.cached + n]
-            start, count = np.array([req.cached], np.int32), np.array([n], np.int32)
-            self.pools, next_tok = self._prefill_fn(
-                self.model.params, self.pools, table.pages_BN, np.int32(req.slot), start, count, chunk,
-                *self._sampling([req], [0], 1), width=self._width(table, start + count))
-            req.cached += n
-            chunks += 1
-        return int(next_tok[0]), chunks
+    def prefill(self, reqs: list[Request], table: pt.PageTable) -> tuple[list[int], int]:
+        """Cache every token of reqs not yet in their pages, a chunk of each per call (one row per
+        request that still has tokens, rows rounded up to a power of two), and sample each one's
+        next token from its last position (so prefill's weights choose it, as in disaggregated
+        serving). Returns (the next tokens, in the order of reqs; calls run)."""
+        c = self.cfg
+        last_call = [None] * len(reqs)  # (sampled tokens of the call that finished reqs[i], its row)
+        calls = 0
+        while todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]:
+            n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
+            R = _power_of_two_at_least(len(todo), c.max_batch)
+            slots, start, count = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
+            chunk = np.zeros((R, prefill_tokens(max(n), c.prefill_chunk, c.min_prefill_tokens)), np.int32)
+            for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
+                slots[row], start[row], count[row] = r.slot, r.cached, k
+                chunk[row, :k] = r.tokens[r.cached : r.cached + k]
+            self.pools, sampled = self._prefill_fn(
+                self.model.params, self.pools, table.pages_BN, jnp.asarray(slots), jnp.asarray(start),
+                jnp.asarray(count), jnp.asarray(chunk), *self._sampling([r for _, r in todo], range(len(todo)), R),
+                width=self._width(table, start + count))
+            for row, ((i, r), k) in enumerate(zip(todo, n)):
+                r.cached += k
+                last_call[i] = (sampled, row)  # read once all calls are queued: no sync per chunk
+            calls += 1
+        host = {id(sampled): np.asarray(sampled) for sampled, _ in last_call}
+        return [int(host[id(sampled)][row]) for sampled, row in last_call], calls
 
     def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
         """One step for every live request (one token each) -> (next token, integrity ok), row i
@@ -120,14 +130,12 @@ class ModelRunner:
     def _prefill_fn(self):
         module = self.model.module
 
-        def prefill(params, pools, pages_BN, slot, start_1, count_1, tokens_1C, temp, top_p, keys, *, width):
-            # One row: the request's own page-table row (other slots would only add padding rows).
-            step = StepInputs(jax.lax.dynamic_slice_in_dim(pages_BN, slot, 1), start_1, count_1)
-            kv = self._paged_kv(pools, step, width)
-            positions_1C = start_1[:, None] + jnp.arange(tokens_1C.shape[1])
-            valid_1C = jnp.arange(tokens_1C.shape[1])[None, :] < count_1[:, None]
-            logits = module.apply({"params": params}, tokens_1C, positions_1C, kv, logits_at=jnp.maximum(count_1 - 1, 0),
-                                  valid_BT=valid_1C)
+        def prefill(params, pools, pages_BN, slots_R, start_R, count_R, tokens_RC, temp, top_p, keys, *, width):
+            kv = self._paged_kv(pools, StepInputs(pages_BN[slots_R], start_R, count_R), width)
+            positions_RC = start_R[:, None] + jnp.arange(tokens_RC.shape[1])
+            valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < count_R[:, None]
+            logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=jnp.maximum(count_R - 1, 0),
+                                  valid_BT=valid_RC)
             return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
 
         return jax.jit(prefill, donate_argnums=1, static_argnames="width")

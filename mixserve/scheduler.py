@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ _release_jit = jax.jit(pt.release)
 @dataclasses.dataclass
 class Counters:
     steps: int = 0
-    prefill_chunks: int = 0
+    prefill_chunks: int = 0  # prefill calls (each runs one chunk of every request in its batch)
     preemptions: int = 0
     aborts: int = 0
     rejections: int = 0
@@ -89,6 +88,10 @@ class PageManager:
             hashes.append(h)
         return hashes
 
+    def unindexed_prefix(self, req: Request) -> set[int]:
+        """Hashes of req's full prompt pages that no live page holds yet (what its prefill will index)."""
+        return {h for h in self._page_hashes(req.tokens) if h not in self._prefix_pages} if self.prefix_sharing else set()
+
     def shared_prefix(self, req: Request) -> list[int]:
         pages = []
         for h in self._page_hashes(req.tokens) if self.prefix_sharing else []:
@@ -115,12 +118,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> Iterator[Request]:
-        """Yield each waiting request given a slot and pages (sharing cached full prompt pages).
-        The caller prefills it before the next one is admitted, so that one can share its pages."""
+    def admit(self, max_rows: int) -> list[Request]:
+        """Give waiting requests, in order, a slot and pages (sharing cached full prompt pages): one
+        prefill batch of at most max_rows. A request with a full prompt page that one already in the
+        batch will index ends the batch, so that it is admitted after that prefill and shares it."""
         free_slots = sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
-        while self.waiting and free_slots:
+        batch, indexing = [], set()
+        while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
+            new_pages = self.pages.unindexed_prefix(req)
+            if new_pages & indexing:
+                break
             shared = self.pages.shared_prefix(req)
             need = self.pages.pages_for(len(req.tokens)) - len(shared)
             if need > self.pages.free_pages:
@@ -129,14 +137,16 @@ class Scheduler:
                                                   f"{need} needed (pages leaked after a detected bookkeeping fault)")
                     self.counters.aborts += 1
                     continue
-                return
+                break
             req.slot = free_slots.pop(0)
             if shared:
                 self.pages.share(req, shared)
             self.pages.allocate(req, need)
             self.waiting.popleft()
             self.running.append(req)
-            yield req
+            batch.append(req)
+            indexing |= new_pages
+        return batch
 
     def make_room_for_decode(self) -> None:
         """Each running request needs a page for the token it decodes next; preempt the youngest if not."""

@@ -69,12 +69,13 @@ def test_steps_attend_over_a_power_of_two_of_pages(model):
     assert e.runner._decode_fn._cache_size() == 3
 
 
-def record_shapes(runner, step_name: str, *, arg: int, axis: int) -> list[int]:
-    """Wrap the runner's jitted step `step_name` to record args[arg].shape[axis] of every call."""
+def record_shapes(runner, step_name: str, *, arg: int, axis: int | None) -> list:
+    """Wrap the runner's jitted step `step_name` to record args[arg].shape[axis] (the whole shape
+    for axis None) of every call."""
     step_fn, seen = getattr(runner, step_name), []
 
     def spy(*args, width):
-        seen.append(args[arg].shape[axis])
+        seen.append(args[arg].shape if axis is None else args[arg].shape[axis])
         return step_fn(*args, width=width)
 
     runner.__dict__[step_name] = spy  # shadows the cached_property
@@ -100,22 +101,26 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     assert rows[8] == [8] * (2 * (NEW - 1))
 
 
-def test_prefill_chunks_are_their_tokens_rounded_up_to_a_power_of_two():
-    """Prompts of 5, 11, 1 and 14 tokens in chunks of at most 8 (and at least 4) run chunks of
-    8 | 8, 4 | 4 | 8, 8 tokens, not 8 each: the padding is masked out of the attention, the KV
-    writes and the experts. The tokens are those of the cache-free forward and of an engine whose
-    every chunk is padded to prefill_chunk (min_prefill_tokens=prefill_chunk)."""
+def test_prefill_chunks_are_their_tokens_rounded_up_and_requests_admitted_together_prefill_together():
+    """Prompts of 5, 11, 1 and 14 tokens in chunks of at most 8 (and at least 4). One request per
+    call (max_prefill_rows=1) runs chunks of 8 | 8, 4 | 4 | 8, 8 tokens, not 8 each: the padding is
+    masked out of the attention, the KV writes and the experts. Prefilled together, the four run
+    in two calls: 4 rows of 8 tokens (the longest row's chunk), then 2 rows (11 and 14 have tokens
+    left) of 8. The tokens are those of the cache-free forward in every case, and those of an
+    engine whose every chunk is padded to prefill_chunk (min_prefill_tokens=prefill_chunk)."""
     model = mixserve.load("tiny-kimi", dtype="float32")
     ps = prompts()
-    chunks = {}
-    for min_tokens in (4, 8):
-        e = engine(model, max_batch=4, min_prefill_tokens=min_tokens)
-        chunks[min_tokens] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=1)  # tokens_1C
+    shapes = {}
+    for min_tokens, rows in ((4, 1), (8, 1), (4, 4)):
+        e = engine(model, max_batch=4, min_prefill_tokens=min_tokens, max_prefill_rows=rows)
+        shapes[min_tokens, rows] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=None)  # tokens_RC
         for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
             assert r.status == "ok", r.reason
             assert r.tokens == greedy_reference(model, p, NEW)
-    assert chunks[4] == [8, 8, 4, 4, 8, 8]
-    assert chunks[8] == [8] * 6
+        assert e.counters.prefill_chunks == len(shapes[min_tokens, rows])
+    assert shapes[4, 1] == [(1, 8), (1, 8), (1, 4), (1, 4), (1, 8), (1, 8)]
+    assert shapes[8, 1] == [(1, 8)] * 6
+    assert shapes[4, 4] == [(4, 8), (2, 8)]
 
 
 def test_fp8_kv_tracks_bf16(model):
@@ -181,6 +186,8 @@ def test_bad_requests_are_rejected_per_request(model):
         Engine(model, num_pages=8, min_decode_rows=-1)
     with pytest.raises(ValueError, match="min_prefill_tokens must be positive, got 0"):
         Engine(model, num_pages=8, min_prefill_tokens=0)
+    with pytest.raises(ValueError, match="max_prefill_rows must be positive, got 0"):
+        Engine(model, num_pages=8, max_prefill_rows=0)
 
 
 FAULTS = {
