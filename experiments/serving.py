@@ -159,7 +159,7 @@ def prefill_rows_table(model, prompts: int, prompt_lengths, repeats: int, prefil
     """Prefill tokens/s of `prompts` requests arriving together: one call per chunk round with a row
     each (max_prefill_rows = prompts, the default), or one request per call (max_prefill_rows=1,
     what prefill was before). One new token per request, so the run is prefill only."""
-    rows = [f"| prompt tokens | calls, together | one at a time | prefill tok/s, together (median) | one at a time | "
+    rows = ["| prompt tokens | calls, together | one at a time | prefill tok/s, together (median) | one at a time | "
             "together / one at a time |", "|---|---|---|---|---|---|"]
     for length in prompt_lengths:
         engines = fp8_engines(model, "max_prefill_rows", {"together": prompts, "alone": 1}, max_batch=prompts,

@@ -47,9 +47,10 @@ class Engine:
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
+        max_prefill_rows = max_batch if max_prefill_rows is None else max_prefill_rows
         for name, value in (("page_size", page_size), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
                             ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows),
-                            ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_batch if max_prefill_rows is None else max_prefill_rows)):
+                            ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if (num_pages is None) == (kv_memory_bytes is None):
@@ -67,7 +68,7 @@ class Engine:
         self.num_pages, self.max_batch = int(num_pages), max_batch
         # Requests admitted together prefill together, a row each (at most max_prefill_rows x
         # prefill_chunk tokens per call); 1 prefills one request at a time.
-        self.max_prefill_rows = max_batch if max_prefill_rows is None else max_prefill_rows
+        self.max_prefill_rows = max_prefill_rows
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
