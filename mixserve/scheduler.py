@@ -3,10 +3,11 @@
 `PageManager` drives the functional page table (mixserve/page_table.py) from the host: it
 allocates, shares and releases pages through jitted table updates, mirrors the free count, and
 indexes full prompt pages by a chained hash so that an identical prefix reuses them (ref counts).
-`Scheduler` admits waiting requests while a batch slot and their pages are free, and before each
-decode step makes room for every running request's next token, preempting the youngest when the
-pool is full: the victim is requeued and recomputed from its prompt plus what it generated, so
-nothing is dropped.
+`Scheduler` admits waiting requests while a batch slot and their pages are free, in batches that
+prefill together (a request that would share a prefix page still being prefilled waits for the
+next batch), and before each decode step makes room for every running request's next token,
+preempting the youngest when the pool is full: the victim is requeued and recomputed from its
+prompt plus what it generated, so nothing is dropped.
 """
 
 from __future__ import annotations
