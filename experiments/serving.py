@@ -196,22 +196,20 @@ def closed_loop(engine, clients: int, requests: int, prompt_len: int, new_tokens
     return tokens / (time.perf_counter() - t0), latencies
 
 
-def paired_change(a: list[float], b: list[float]) -> tuple[float, str]:
-    """The median of the paired changes b / a - 1, and a cell with it and their interquartile range."""
+def paired_change(a: list[float], b: list[float]) -> str:
+    """A table cell: the median of the paired changes b / a - 1, and their interquartile range."""
     changes = [y / x - 1 for x, y in zip(a, b)]
     q1, _, q3 = statistics.quantiles(changes, n=4) if len(changes) > 1 else changes * 3
-    median = statistics.median(changes)
-    return median, f"{median:+.2%} [{q1:+.1%}, {q3:+.1%}]"
+    return f"{statistics.median(changes):+.2%} [{q1:+.1%}, {q3:+.1%}]"
 
 
 def integrity_overhead(model, concurrencies, requests: int, prompt_len: int, new_tokens: int,
-                       repeats: int) -> tuple[list[str], dict]:
+                       repeats: int) -> list[str]:
     """The seed's table: `off` and `check` engines serve the same closed-loop workload, runs
     interleaved and alternating who goes first; the paired median change of end-to-end throughput
     and of the p95 request latency, per concurrency."""
     rows = ["| concurrency | tok/s off (median) | check | throughput change (paired median [IQR]) | seed | "
             "p95 latency off ms | check | p95 change (paired median [IQR]) | seed |", "|---|---|---|---|---|---|---|---|---|"]
-    summary = {}
     for c in concurrencies:
         engines = fp8_engines(model, "integrity", {"off": "off", "check": "check"}, max_batch=c)
         for e in engines.values():  # warm-up: compile every prefill chunk and decode width the runs use
@@ -223,12 +221,11 @@ def integrity_overhead(model, concurrencies, requests: int, prompt_len: int, new
                 tput[m].append(rate)
                 p95[m].append(float(np.percentile(latencies, 95)))
         d_tput, d_p95 = (paired_change(x["off"], x["check"]) for x in (tput, p95))
-        summary[c] = (d_tput[0], d_p95[0])
         seed = SEED_INTEGRITY.get(c)
         seed_cells = (f"{seed[0]:+.2%}", f"{seed[1]:+.2%}") if seed else ("", "")
         rows.append(f"| {c} | {statistics.median(tput['off']):.1f} | {statistics.median(tput['check']):.1f} | "
-                    f"{d_tput[1]} | {seed_cells[0]} | {1e3 * statistics.median(p95['off']):.1f} | "
-                    f"{1e3 * statistics.median(p95['check']):.1f} | {d_p95[1]} | {seed_cells[1]} |")
+                    f"{d_tput} | {seed_cells[0]} | {1e3 * statistics.median(p95['off']):.1f} | "
+                    f"{1e3 * statistics.median(p95['check']):.1f} | {d_p95} | {seed_cells[1]} |")
     # The check in isolation: the same batched verify() the decode step runs, timed alone.
     e = engines["check"]
     active = jax.numpy.ones(e.max_batch, bool)
@@ -244,7 +241,7 @@ def integrity_overhead(model, concurrencies, requests: int, prompt_len: int, new
              f"calls, launched separately): {1e6 * statistics.median(alone):.0f} us, against a median decode step of "
              f"{1e3 * step:.2f} ms at concurrency {c} = {statistics.median(alone) / step:.2%} of a step (launched alone "
              "it pays its own dispatch, which the fused check does not)."]
-    return rows, summary
+    return rows
 
 
 def main(argv=None) -> None:
@@ -279,8 +276,8 @@ def main(argv=None) -> None:
     lines += concurrency_table(budget, 64, 8192, 1000)
     lines += ["", f"## Decode throughput by concurrency ({args.model}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats)", ""]
     lines += decode_throughput(model, args.concurrency, args.new_tokens, args.repeats)
-    rows, _ = integrity_overhead(model, args.concurrency, args.closed_loop_requests, args.closed_loop_prompt,
-                                 args.new_tokens, 2 * args.repeats)
+    rows = integrity_overhead(model, args.concurrency, args.closed_loop_requests, args.closed_loop_prompt,
+                              args.new_tokens, 2 * args.repeats)
     lines += ["", f"## Integrity check overhead ({args.model}, FP8 KV, closed loop: {args.closed_loop_requests} requests "
               f"of {args.closed_loop_prompt} + {args.new_tokens} tokens per run, {2 * args.repeats} interleaved runs each)",
               ""] + rows
