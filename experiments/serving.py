@@ -18,6 +18,8 @@ and buy. Not a timed test: run it by hand.
    rounded up to a power of two, against every chunk padded to prefill_chunk (interleaved).
 8. Prefill rows: requests arriving together, prefilled a row each in one call per chunk round,
    against one request per call (interleaved).
+9. Chunked prefill: a long prompt arriving while requests decode, one prefill call per step (the
+   running requests decode between its chunks) against its whole prefill in one step (interleaved).
 """
 
 from __future__ import annotations
@@ -170,6 +172,50 @@ def prefill_rows_table(model, prompts: int, prompt_lengths, repeats: int, prefil
     return rows
 
 
+def arrival_during_decode(engine, running: int, long_prompt: int, new_tokens: int, seed: int):
+    """`running` requests (24-token prompts) decode; after two steps a `long_prompt`-token request
+    arrives. Returns (the running requests' token gaps, the longest of them, the long request's
+    time to first token, generated tokens per wall-clock second)."""
+    prompts = workload(running + 1, 24, seed)
+    prompts[-1] = workload(1, long_prompt, seed + 1000)[0]
+    t0 = time.perf_counter()
+    rids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts[:running]]
+    engine.step(), engine.step()
+    late = engine.submit(prompts[-1], max_new_tokens=8)
+    results = {}
+    while engine.has_work():
+        results.update({u.rid: u.result for u in engine.step() if u.result is not None})
+    wall = time.perf_counter() - t0
+    assert all(r.status == "ok" for r in results.values())
+    gaps = [g for rid in rids for g in results[rid].token_latencies_s]
+    return gaps, results[late].ttft_s, sum(len(r.tokens) for r in results.values()) / wall
+
+
+def chunked_prefill_table(model, running: int, long_prompt: int, prefill_chunk: int, new_tokens: int,
+                          repeats: int) -> list[str]:
+    """A long prompt arriving while requests decode: one prefill call per step (the default), or
+    its whole prefill in the step that admits it (prefill_calls_per_step=None)."""
+    variants = {"1": 1, "None": None}
+    engines = fp8_engines(model, "prefill_calls_per_step", variants, max_batch=running + 1, prefill_chunk=prefill_chunk)
+    for e in engines.values():  # warm-up: compile every shape the runs use
+        arrival_during_decode(e, running, long_prompt, new_tokens, 99)
+    runs = {m: [] for m in engines}
+    for r in range(repeats):
+        for m in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            runs[m].append(arrival_during_decode(engines[m], running, long_prompt, new_tokens, r))
+    rows = ["| prefill calls per step | running requests' longest token gap ms (median over runs) | their p50 gap ms | "
+            "their p99 gap ms | long prompt's TTFT ms | end-to-end tok/s |", "|---|---|---|---|---|---|"]
+    for m, rs in runs.items():
+        med = lambda f: statistics.median(f(run) for run in rs)
+        rows.append(f"| {m} | {1e3 * med(lambda x: max(x[0])):.1f} | {1e3 * med(lambda x: np.percentile(x[0], 50)):.1f} | "
+                    f"{1e3 * med(lambda x: np.percentile(x[0], 99)):.1f} | {1e3 * med(lambda x: x[1]):.1f} | {med(lambda x: x[2]):.1f} |")
+    ratio = lambda f: statistics.median(f(a) / f(b) for a, b in zip(runs["1"], runs["None"]))
+    rows += ["", f"Paired medians, 1 call / None: longest gap {ratio(lambda x: max(x[0])):.2f}x, long prompt's TTFT "
+             f"{ratio(lambda x: x[1]):.2f}x, end-to-end tok/s {ratio(lambda x: x[2]):.2f}x "
+             f"({-(-long_prompt // prefill_chunk)} prefill calls of {prefill_chunk} tokens for the long prompt)."]
+    return rows
+
+
 # The seed's integrity-check overhead table (mid-size model, 2 prefill + 2 decode servers, 8192 in /
 # 1000 out): concurrency -> (throughput change, p95 latency change).
 SEED_INTEGRITY = {1: (-0.0053, 0.0042), 2: (-0.0038, 0.0054), 4: (-0.0079, 0.0063), 8: (-0.0043, 0.0080)}
@@ -263,6 +309,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[20, 100, 300],
                    help="prompt tokens for the prefill-length and prefill-rows sections")
     p.add_argument("--prefill-prompts", type=int, default=8, help="requests arriving together, prefill-rows section")
+    p.add_argument("--long-prompt", type=int, default=384, help="prompt tokens arriving mid-decode, chunked-prefill section")
     args = p.parse_args(argv)
     model = mixserve.load(args.model)
     budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
@@ -294,6 +341,9 @@ def main(argv=None) -> None:
     lines += ["", f"## Prefill rows ({args.model}, FP8 KV, {args.prefill_prompts} prompts arriving together, "
               f"prefill_chunk 128, {args.repeats} interleaved repeats)", ""]
     lines += prefill_rows_table(model, args.prefill_prompts, args.prompt_lengths, args.repeats)
+    lines += ["", f"## Chunked prefill ({args.model}, FP8 KV, a {args.long_prompt}-token prompt arriving while 4 requests "
+              f"decode {args.new_tokens} tokens, prefill_chunk 32, {2 * args.repeats} interleaved runs)", ""]
+    lines += chunked_prefill_table(model, 4, args.long_prompt, 32, args.new_tokens, 2 * args.repeats)
     lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -6,8 +6,9 @@ One request's path through the files:
   request got in it (`generate` submits a batch and steps until it is done). In a step the
   Scheduler (mixserve/scheduler.py) gives the request a batch slot and pages from the functional
   page table (mixserve/page_table.py); the ModelRunner (mixserve/model_runner.py) prefills its
-  prompt in chunks, then every decode step runs all live requests at once (as many rows as they
-  need, rounded up to a power of two), after the integrity check when it is on. The model
+  prompt in chunks, one call per step by default (chunked prefill: the running requests decode
+  between its chunks), then every decode step runs all live requests at once (as many rows as
+  they need, rounded up to a power of two), after the integrity check when it is on. The model
   (models/) reads and writes the pages through PagedKV (mixserve/kv_cache.py), which calls the
   attention kernels (pallas_kernels/) or their XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
@@ -43,7 +44,7 @@ class Engine:
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
-                 max_prefill_rows: int | None = None):
+                 max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
@@ -53,6 +54,8 @@ class Engine:
                             ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if prefill_calls_per_step is not None and prefill_calls_per_step <= 0:
+            raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
         if decode_model is not None and decode_model.config != cfg:
@@ -66,9 +69,13 @@ class Engine:
         if num_pages <= 0:
             raise ValueError(f"the KV budget holds no page ({self.bytes_per_token * page_size} bytes per page)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
-        # Requests admitted together prefill together, a row each (at most max_prefill_rows x
+        # Prefilling requests share each prefill call, a row each (at most max_prefill_rows x
         # prefill_chunk tokens per call); 1 prefills one request at a time.
         self.max_prefill_rows = max_prefill_rows
+        # Chunked prefill: a step runs at most this many prefill calls before its decode step, so a
+        # long prompt delays the running requests' next token by one call, not by its whole
+        # prefill. None prefills every admitted prompt fully first (better time to first token).
+        self.prefill_calls_per_step = prefill_calls_per_step
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -128,12 +135,12 @@ class Engine:
         return bool(self._unreported)
 
     def step(self) -> list[Update]:
-        """One turn of the loop: admit and prefill what fits, one decode step over the live
-        requests, retire the finished. Returns an Update for every request that got tokens or
-        finished in it (a prefilled request gets its first token)."""
+        """One turn of the loop: admit what fits and run up to prefill_calls_per_step prefill calls,
+        one decode step over the requests whose prefill is done, retire the finished. Returns an
+        Update for every request that got tokens or finished in it (a request whose prefill ends
+        gets its first token)."""
         if self.scheduler.has_work():
-            while batch := self.scheduler.admit(self.max_prefill_rows):
-                self._prefill(batch)
+            self._prefill()
             if self.scheduler.running:
                 self.scheduler.make_room_for_decode()
                 self._decode(self.scheduler.live())
@@ -178,17 +185,27 @@ class Engine:
         return self.runner.lowered_decode_text(self.pages.table)
 
     # ---- one step's parts ------------------------------------------------------------------------
-    def _prefill(self, batch: list[Request]) -> None:
-        t0 = time.perf_counter()
-        cached = sum(r.cached for r in batch)
-        tokens, calls = self.runner.prefill(batch, self.pages.table)
-        now = time.perf_counter()
-        self.counters.prefill_chunks += calls
-        self.counters.prefill_tokens += sum(r.cached for r in batch) - cached
-        self.counters.prefill_s += now - t0
-        for req, token in zip(batch, tokens):
-            self.pages.register_prefix(req)  # later admissions can share its full prompt pages
-            req.accept(token, now, self.stop_tokens)
+    def _prefill(self) -> None:
+        """Prefill calls over the prefilling requests plus those admitted now, within the budget."""
+        budget = self.prefill_calls_per_step
+        while budget is None or budget > 0:
+            prefilling = self.scheduler.prefilling()
+            batch = prefilling + self.scheduler.admit(self.max_prefill_rows - len(prefilling))
+            if not batch:
+                return
+            t0 = time.perf_counter()
+            cached = sum(r.cached for r in batch)
+            tokens, calls = self.runner.prefill(batch, self.pages.table, budget)
+            now = time.perf_counter()
+            self.counters.prefill_chunks += calls
+            self.counters.prefill_tokens += sum(r.cached for r in batch) - cached
+            self.counters.prefill_s += now - t0
+            budget = None if budget is None else budget - calls
+            for req, token in zip(batch, tokens):
+                if token is not None:
+                    req.prefilled = True
+                    self.pages.register_prefix(req)  # later admissions can share its full prompt pages
+                    req.accept(token, now, self.stop_tokens)
 
     def _decode(self, live: list[Request]) -> None:
         if not live:

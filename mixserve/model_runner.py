@@ -1,6 +1,7 @@
 """Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of the
-requests admitted together (a row each, every call one chunk of each) and the batched decode step
-over the live requests, with the integrity check traced into decode when it is on:
+prefilling requests (a row each, every call one chunk of each, as many calls as the engine's
+budget allows) and the batched decode step over the live requests, with the integrity check
+traced into decode when it is on:
   off     no check is traced into the step at all
   check   a batched verify() of the page table before the step touches the pages; a failing row
           writes and reads nothing this step, and the engine aborts its request with the reason
@@ -58,15 +59,18 @@ class ModelRunner:
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_dtype)
 
-    def prefill(self, reqs: list[Request], table: pt.PageTable) -> tuple[list[int], int]:
-        """Cache every token of reqs not yet in their pages, a chunk of each per call (one row per
-        request that still has tokens, rows rounded up to a power of two), and sample each one's
-        next token from its last position (so prefill's weights choose it, as in disaggregated
-        serving). Returns (the next tokens, in the order of reqs; calls run)."""
+    def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None
+                ) -> tuple[list[int | None], int]:
+        """Cache the tokens of reqs not yet in their pages, a chunk of each per call (one row per
+        request that still has tokens, rows rounded up to a power of two), at most max_calls calls
+        (None: until every prompt is cached). A request whose last chunk ran samples its next token
+        from its last position (so prefill's weights choose it, as in disaggregated serving).
+        Returns (the next token of each of reqs, None where its prefill goes on; calls run)."""
         c = self.cfg
         last_call = [None] * len(reqs)  # (sampled tokens of the call that finished reqs[i], its row)
         calls = 0
-        while todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]:
+        while (max_calls is None or calls < max_calls) and (
+                todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
             R = _power_of_two_at_least(len(todo), c.max_batch)
             slots, start, count = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
@@ -80,10 +84,11 @@ class ModelRunner:
                 width=self._width(table, start + count))
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 r.cached += k
-                last_call[i] = (sampled, row)  # read once all calls are queued: no sync per chunk
+                if r.cached == len(r.tokens):
+                    last_call[i] = (sampled, row)  # read once all calls are queued: no sync per chunk
             calls += 1
-        host = {id(sampled): np.asarray(sampled) for sampled, _ in last_call}
-        return [int(host[id(sampled)][row]) for sampled, row in last_call], calls
+        host = {id(call[0]): np.asarray(call[0]) for call in last_call if call is not None}
+        return [None if call is None else int(host[id(call[0])][call[1]]) for call in last_call], calls
 
     def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
         """One step for every live request (one token each) -> (next token, integrity ok), row i

@@ -45,6 +45,7 @@ class Request:
     slot: int | None = None  # batch row while running
     pages: int = 0  # pages held (host mirror of the page table)
     cached: int = 0  # tokens whose KV is in the pages
+    prefilled: bool = False  # its (re)admission's prefill is done: it decodes from here on
     t_submit: float = 0.0
     t_last: float = 0.0
     ttft: float | None = None

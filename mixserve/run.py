@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_position_embeddings. Longer requests are rejected, each with its reason")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=int, default=4, help="maximum requests decoded together (the batch)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="most tokens of one request per prefill call")
+    p.add_argument("--prefill-calls-per-step", type=int, default=1,
+                   help="prefill calls per engine step before its decode step (chunked prefill: running requests "
+                        "decode between a long prompt's chunks); 0 = no limit, each prompt prefills fully first")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
                         "int4 (group 32, routed experts; RTN)")
@@ -99,6 +103,7 @@ def main(argv=None) -> dict:
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
     engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
                     max_batch=args.concurrency, integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
+                    prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                     decode_model=None if args.decode_weights == args.prefill_weights else decode_model)
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model))}
     if args.decode_weights != args.prefill_weights:

@@ -3,11 +3,11 @@
 `PageManager` drives the functional page table (mixserve/page_table.py) from the host: it
 allocates, shares and releases pages through jitted table updates, mirrors the free count, and
 indexes full prompt pages by a chained hash so that an identical prefix reuses them (ref counts).
-`Scheduler` admits waiting requests while a batch slot and their pages are free, in batches that
-prefill together (a request that would share a prefix page still being prefilled waits for the
-next batch), and before each decode step makes room for every running request's next token,
-preempting the youngest when the pool is full: the victim is requeued and recomputed from its
-prompt plus what it generated, so nothing is dropped.
+`Scheduler` admits waiting requests while a batch slot and their pages are free, to prefill beside
+those still prefilling (a request that would share a prefix page still being prefilled waits
+until that prefill is done), and before each decode step makes room for every running request's
+next token, preempting the youngest when the pool is full: the victim (mid-prefill or decoding)
+is requeued and recomputed from its prompt plus what it generated, so nothing is dropped.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class PageManager:
         self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
         refs = np.asarray(self.table.ref_count_P)
         self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
-        req.slot, req.pages, req.cached = None, 0, 0
+        req.slot, req.pages, req.cached, req.prefilled = None, 0, 0, False
 
     # ---- prefix sharing: full pages of identical token prefixes, as nano-vllm's BlockManager ----
     def _page_hashes(self, tokens: list[int]) -> list[int]:
@@ -120,11 +120,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self, max_rows: int) -> list[Request]:
-        """Give waiting requests, in order, a slot and pages (sharing cached full prompt pages): one
-        prefill batch of at most max_rows. A request with a full prompt page that one already in the
-        batch will index ends the batch, so that it is admitted after that prefill and shares it."""
+        """Give waiting requests, in order, a slot and pages (sharing cached full prompt pages): at
+        most max_rows of them, to prefill beside those still prefilling. A request with a full prompt
+        page that a prefilling one will index waits, so that it is admitted after that prefill and
+        shares the page."""
         free_slots = sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
-        batch, indexing = [], set()
+        batch = []
+        indexing = set().union(*(self.pages.unindexed_prefix(r) for r in self.prefilling()))
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
             new_pages = self.pages.unindexed_prefix(req)
@@ -166,8 +168,13 @@ class Scheduler:
                 if victim is req:
                     break
 
+    def prefilling(self) -> list[Request]:
+        """Admitted requests whose prefill has not finished (it may take several steps)."""
+        return [r for r in self.running if r.result is None and r.slot is not None and not r.prefilled]
+
     def live(self) -> list[Request]:
-        return [r for r in self.running if r.result is None and r.slot is not None]
+        """The requests the next decode step runs."""
+        return [r for r in self.running if r.result is None and r.slot is not None and r.prefilled]
 
     def retire_finished(self) -> None:
         for req in [r for r in self.running if r.result is not None]:

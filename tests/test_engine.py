@@ -90,7 +90,7 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     ps = prompts()[:3]
     rows = {}
     for min_rows in (1, 8):
-        e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows)
+        e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows, prefill_calls_per_step=None)
         rows[min_rows] = record_shapes(e.runner, "_decode_fn", arg=3, axis=0)  # slots_R
         results = e.generate(ps, max_new_tokens=NEW)
         [one] = e.generate(ps[:1], max_new_tokens=NEW)
@@ -99,6 +99,64 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
             assert r.tokens == greedy_reference(model, p, NEW)
     assert rows[1] == [4] * (NEW - 1) + [1] * (NEW - 1)
     assert rows[8] == [8] * (2 * (NEW - 1))
+
+
+def test_chunked_prefill_lets_the_running_requests_decode_between_a_long_prompts_chunks():
+    """A 30-token prompt (chunks of 8: 8, 8, 8, 6) arrives while two requests decode. With one
+    prefill call per step (the default), each of the next four steps runs one chunk and still gives
+    both running requests a token; the long request's first token comes out of the fourth. With
+    prefill_calls_per_step=None the first step runs all four calls before its decode step. The
+    tokens are the cache-free forward's either way."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    rng = np.random.default_rng(5)
+    short = [[int(t) for t in rng.integers(0, 256, 5)] for _ in range(2)]
+    long = [int(t) for t in rng.integers(0, 256, 30)]
+    for budget, calls_per_step, first_token_step in ((1, [1, 1, 1, 1], 3), (None, [4], 0)):
+        e = engine(model, num_pages=64, prefill_calls_per_step=budget)
+        a, b = (e.submit(p, max_new_tokens=10) for p in short)
+        calls, steps = [], []
+        while e.has_work():
+            if len(steps) == 2:
+                c = e.submit(long, max_new_tokens=4)
+            before = e.counters.prefill_chunks
+            steps.append({u.rid: u for u in e.step()})
+            calls.append(e.counters.prefill_chunks - before)
+        late = calls[2:]
+        assert late[: len(calls_per_step)] == calls_per_step and not any(late[len(calls_per_step):])
+        for k in range(2, 2 + len(calls_per_step)):  # the running two got a token in every one of these steps
+            assert len(steps[k][a].new_tokens) == len(steps[k][b].new_tokens) == 1
+        assert min(k for k, s in enumerate(steps) if c in s) == 2 + first_token_step
+        tokens = {rid: [t for s in steps for t in (s[rid].new_tokens if rid in s else [])] for rid in (a, b, c)}
+        assert tokens[c] == greedy_reference(model, long, 4)
+        assert tokens[a] == greedy_reference(model, short[0], 10)
+
+
+def test_a_request_preempted_mid_prefill_is_recomputed_and_loses_nothing():
+    """Pool of 5 pages of 4. A (2 + 16 tokens) decodes; B (14-token prompt, chunks of 4) is
+    admitted with the last 4 free pages. Two chunks in, A's fifth token needs a page: B, the
+    youngest, is preempted mid-prefill, waits for A to finish, and prefills again from scratch.
+    Both get the tokens of a roomy engine, and every page comes back."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    rng = np.random.default_rng(6)
+    pa, pb = [int(t) for t in rng.integers(0, 256, 2)], [int(t) for t in rng.integers(0, 256, 14)]
+    roomy = engine(model, num_pages=64)
+    expected = [roomy.generate([p], max_new_tokens=n)[0].tokens for p, n in ((pa, 16), (pb, 2))]
+    e = engine(model, num_pages=5, prefill_chunk=4)
+    a = e.submit(pa, max_new_tokens=16)
+    tokens, results, steps = {a: []}, {}, 0
+    while e.has_work():
+        if steps == 1:
+            b = e.submit(pb, max_new_tokens=2)
+            tokens[b] = []
+        steps += 1
+        for u in e.step():
+            tokens[u.rid] += u.new_tokens
+            if u.result is not None:
+                results[u.rid] = u.result
+    assert e.counters.preemptions == 1
+    assert e.counters.prefill_tokens == 2 + 8 + 14  # A, B's first two chunks, B again from scratch
+    assert [tokens[a], tokens[b]] == [results[a].tokens, results[b].tokens] == expected
+    assert e.free_pages == e.num_pages
 
 
 def test_prefill_chunks_are_their_tokens_rounded_up_and_requests_admitted_together_prefill_together():

@@ -27,13 +27,15 @@ def test_serving_script_runs(tmp_path):
     out = run("serving.py", "--repeats", "1", "--new-tokens", "2", "--concurrency", "2",
               "--context-limits", "1024", "--max-batch", "8", "--live", "3",
               "--prefill-chunk", "64", "--prompt-lengths", "20", "--closed-loop-requests", "3",
-              "--closed-loop-prompt", "20", "--prefill-prompts", "2", "--out", str(tmp_path / "s.md"))
+              "--closed-loop-prompt", "20", "--prefill-prompts", "2", "--long-prompt", "64",
+              "--out", str(tmp_path / "s.md"))
     assert "| kimi-k2.6 | 70,272 | 35,136 |" in out and "Integrity check overhead" in out
     assert "| -0.38% |" in out  # concurrency 2's row, beside the seed's throughput change
     assert "| 20 | 1 | 2 |" in out  # prefill rows: 2 prompts of 20 tokens in 1 call together, 2 alone
     assert "| 1,024 | 64 |" in out  # attended width: 1024 tokens in pages of 16
     assert "| 3 | 4 |" in out  # decode rows: 3 live requests run 4 rows
     assert "| 20 | 32 |" in out  # prefill: a 20-token prompt runs a chunk of 32, not 64
+    assert "| None |" in out and "(2 prefill calls of 32 tokens for the long prompt)" in out  # chunked prefill
 
 
 def test_gpu_benchmark_reports_a_failing_or_late_row_and_goes_on():
