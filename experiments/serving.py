@@ -180,11 +180,12 @@ def arrival_during_decode(engine, running: int, long_prompt: int, new_tokens: in
     prompts[-1] = workload(1, long_prompt, seed + 1000)[0]
     t0 = time.perf_counter()
     rids = [engine.submit(p, max_new_tokens=new_tokens) for p in prompts[:running]]
-    engine.step(), engine.step()
-    late = engine.submit(prompts[-1], max_new_tokens=8)
-    results = {}
-    while engine.has_work():
+    results, steps = {}, 0
+    while steps <= 2 or engine.has_work():
+        if steps == 2:
+            late = engine.submit(prompts[-1], max_new_tokens=8)
         results.update({u.rid: u.result for u in engine.step() if u.result is not None})
+        steps += 1
     wall = time.perf_counter() - t0
     assert all(r.status == "ok" for r in results.values())
     gaps = [g for rid in rids for g in results[rid].token_latencies_s]
