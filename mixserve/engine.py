@@ -24,8 +24,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
 import pallas_kernels
 from mixserve import page_table as pt
+from mixserve import sharding
 from mixserve.kv_cache import bytes_per_token, storage_dtype
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
@@ -44,7 +47,8 @@ class Engine:
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
-                 max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1):
+                 max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
+                 mesh: Mesh | None = None):
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
@@ -64,8 +68,11 @@ class Engine:
         self.kv_dtype = storage_dtype(kv_dtype, model.dtype)
         self.page_size = page_size
         self.bytes_per_token = bytes_per_token(cfg, self.kv_dtype)
+        # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
+        self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
+        self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_dtype, mesh)
         if num_pages is None:
-            num_pages = kv_memory_bytes // (self.bytes_per_token * page_size)
+            num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
             raise ValueError(f"the KV budget holds no page ({self.bytes_per_token * page_size} bytes per page)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
@@ -90,6 +97,15 @@ class Engine:
                 raise ValueError(f"{name} must be finite and positive")
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
+        if mesh is not None:
+            if sharding.MODEL_AXIS not in mesh.shape:
+                raise ValueError(f"the mesh needs a {sharding.MODEL_AXIS!r} axis to split over, got {tuple(mesh.shape)}")
+            kernels = {self.attention_backend, model.backend, (decode_model or model).backend} - {"xla"}
+            if kernels:
+                raise ValueError(f"backend {kernels.pop()!r} under a mesh: the Pallas kernels are not partitioned "
+                                 "yet (they would need shard_map); use the 'xla' backend with a mesh")
+            model = sharding.shard_model(model, mesh)
+            decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh)
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook
@@ -102,7 +118,7 @@ class Engine:
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens))
+            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh))
         self._next_rid = 0
         self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
 

@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+from jax.sharding import Mesh
 
 from mixserve import page_table as pt
+from mixserve import sharding
 from mixserve.kv_cache import PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request
@@ -52,12 +54,16 @@ class RunnerConfig:
     min_attended_tokens: int  # the smallest attended width, in tokens (see attended_pages)
     min_decode_rows: int  # the fewest rows a decode step runs (see decode_rows)
     min_prefill_tokens: int  # the shortest prefill chunk (see prefill_tokens)
+    mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
 
 
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_dtype)
+        self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh)
+        if cfg.mesh is not None:
+            self.pools = jax.device_put(self.pools, self._pool_shardings)
 
     def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None
                 ) -> tuple[list[int | None], int]:
@@ -131,6 +137,11 @@ class ModelRunner:
         step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
         return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend)
 
+    def _placed(self, pools):
+        """The step's new pools, kept in the pools' sharding (so the next step neither reshards
+        nor recompiles)."""
+        return pools if self._pool_shardings is None else jax.lax.with_sharding_constraint(pools, self._pool_shardings)
+
     @functools.cached_property
     def _prefill_fn(self):
         module = self.model.module
@@ -141,7 +152,7 @@ class ModelRunner:
             valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < count_R[:, None]
             logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=jnp.maximum(count_R - 1, 0),
                                   valid_BT=valid_RC)
-            return kv.new_pools, sample(logits[:, 0], temp, top_p, keys)
+            return self._placed(kv.new_pools), sample(logits[:, 0], temp, top_p, keys)
 
         return jax.jit(prefill, donate_argnums=1, static_argnames="width")
 
@@ -167,7 +178,7 @@ class ModelRunner:
             kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
                                   valid_BT=step.count_B[:, None] > 0)[:, 0]
-            return kv.new_pools, sample(logits, temp, top_p, keys), ok_R
+            return self._placed(kv.new_pools), sample(logits, temp, top_p, keys), ok_R
 
         step_fn = checkify.checkify(decode) if integrity == "strict" else decode
         return jax.jit(step_fn, donate_argnums=1, static_argnames="width")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -16,8 +17,9 @@ import jax
 
 import mixserve
 import pallas_kernels
+from mixserve import sharding
 from mixserve.engine import Engine
-from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.kv_cache import storage_dtype
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-calls-per-step", type=int, default=1,
                    help="prefill calls per engine step before its decode step (chunked prefill: running requests "
                         "decode between a long prompt's chunks); 0 = no limit, each prompt prefills fully first")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="devices to split the weights and KV heads over (mesh axis 'model'; the KV budget is per "
+                        "device). On CPU it simulates them (XLA's host device count); kernels: xla only")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
                         "int4 (group 32, routed experts; RTN)")
@@ -96,24 +101,33 @@ def param_bytes(model) -> int:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.tensor_parallel > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # Read when JAX starts its CPU backend, so only before the first computation; GPUs ignore it.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.tensor_parallel}").strip()
     backend = pallas_kernels.resolve_backend(args.backend)
+    mesh = sharding.tp_mesh(args.tensor_parallel) if args.tensor_parallel > 1 else None
     model = mixserve.load(args.model, progress=not args.json, backend=backend)  # converted copies keep it
     random_weights = args.model in TINY_PRESETS
     budget = parse_memory(args.kv_memory)
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
     engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
                     max_batch=args.concurrency, integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
-                    prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
+                    prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None, mesh=mesh,
                     decode_model=None if args.decode_weights == args.prefill_weights else decode_model)
-    weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model))}
+    # (plan, bytes in all, bytes on the fullest device): equal without tensor parallelism
+    weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model),
+                               sharding.bytes_per_device(engine.runner.model.params))}
     if args.decode_weights != args.prefill_weights:
-        weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model))
+        weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
+                                 sharding.bytes_per_device(engine.runner.decode_model.params))
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
     wall = time.perf_counter() - t0
     c = engine.counters
-    capacity = {name: budget // (bytes_per_token(model.config, storage_dtype(name, model.dtype)) * args.page_size) * args.page_size
+    capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, storage_dtype(name, model.dtype), mesh)
+                                 * args.page_size) * args.page_size
                 for name in ("bfloat16", "fp8_e4m3")}
     report = {
         "model": args.model,
@@ -122,7 +136,9 @@ def main(argv=None) -> dict:
         "integrity": args.integrity,
         "backend": backend,
         "weight_sets": weight_sets,
+        "tensor_parallel": args.tensor_parallel,
         "kv_bytes_per_token": engine.bytes_per_token,
+        "kv_bytes_per_token_per_device": engine.kv_bytes_per_token_per_device,
         "pool_tokens": engine.capacity_tokens,
         "max_seq_len": engine.max_seq_len,
         "pool_tokens_at_same_memory": capacity,
@@ -146,9 +162,10 @@ def main(argv=None) -> dict:
     else:
         print(f"model: {args.model}")
     print(f"KV cache: {args.kv_cache_dtype}, page size {args.page_size}, integrity={args.integrity}, kernels: {backend}")
-    for phase, (plan, nbytes) in weight_sets.items():
+    for phase, (plan, nbytes, device_bytes) in weight_sets.items():
         label = f"{phase} weights" if len(weight_sets) == 2 else "weights"
-        print(f"{label}: {plan} ({nbytes / 2**20:.2f} MiB)")
+        split = f", {device_bytes / 2**20:.2f} MiB on each of {args.tensor_parallel} devices" if mesh else ""
+        print(f"{label}: {plan} ({nbytes / 2**20:.2f} MiB{split})")
     if len(weight_sets) == 2:
         print("two weight sets on one device: prefill and decode formats differ (disaggregated serving would split them)")
     for i, r in enumerate(report["requests"]):
@@ -157,7 +174,9 @@ def main(argv=None) -> dict:
     print(f"prefill: {c.prefill_tokens} tokens in {c.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     bf16, fp8 = capacity["bfloat16"], capacity["fp8_e4m3"]
-    print(f"KV bytes per token: {engine.bytes_per_token}; pool: {engine.capacity_tokens} tokens in {budget} bytes")
+    per_device = f" ({engine.kv_bytes_per_token_per_device} per device)" if mesh else ""
+    print(f"KV bytes per token: {engine.bytes_per_token}{per_device}; pool: {engine.capacity_tokens} tokens in "
+          f"{budget} bytes{' per device' if mesh else ''}")
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens ({fp8 / bf16:.2f}x)")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={c.rejections} peak pages={c.peak_pages_in_use}")
     return report

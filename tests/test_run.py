@@ -23,7 +23,7 @@ def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
                        "--prompt", "hello", "--kv-cache-dtype", "bfloat16", "--integrity", "off"])
     text = capsys.readouterr().out
     assert "two weight sets on one device" in text
-    (prefill_plan, _), (decode_plan, _) = report["weight_sets"]["prefill"], report["weight_sets"]["decode"]
+    (prefill_plan, *_), (decode_plan, *_) = report["weight_sets"]["prefill"], report["weight_sets"]["decode"]
     assert "fp8_block" in prefill_plan and "int4-g32" in decode_plan
     assert report["requests"][0]["status"] == "ok"
 

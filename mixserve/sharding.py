@@ -1,0 +1,89 @@
+"""Tensor parallelism over a device mesh: logical axis names -> the mesh axis "model".
+
+Every parameter names its axes (`Model.param_axes`). `TP_RULES` says which of them
+Megatron-style tensor parallelism splits: attention heads, the MLP and expert hidden widths, and
+the vocabulary. Column-parallel projections (q/k/v, gate/up) split their output, row-parallel
+ones (o, down) their input, and XLA's SPMD partitioner adds the all-reduces. Every other axis
+is replicated, and so is an axis whose size does not divide by the mesh's "model" size (tiny-glm4
+has 2 KV heads: on 4 devices they are replicated, as vLLM replicates KV heads when there are
+fewer than devices).
+
+KV pools follow the heads: a GQA pool [KVH, P, S, D] splits its KV heads, so each device holds
+1/tp of every token. An MLA pool [P, S, C] holds one latent per token that every head reads,
+so each device holds all of it: at TP8 every device still stores Kimi's whole 1,152 B per token
+per layer in BF16 (SGLang's reason for DP attention). The engine's KV budget is per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mixserve.kv_cache import bytes_per_token
+
+MODEL_AXIS = "model"
+TP_RULES: dict[str, str] = {"heads": MODEL_AXIS, "kv_heads": MODEL_AXIS, "mlp": MODEL_AXIS,
+                            "moe_mlp": MODEL_AXIS, "vocab": MODEL_AXIS}
+
+
+def tp_mesh(tp: int) -> Mesh:
+    """A 1-D mesh ("model",) over the first tp devices (on CPU, start Python with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)."""
+    if not 0 < tp <= jax.device_count():
+        raise ValueError(f"tensor parallel size {tp}: {jax.device_count()} devices available (on CPU, set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} before starting Python)")
+    return Mesh(jax.devices()[:tp], (MODEL_AXIS,))
+
+
+def as_auto(mesh: Mesh) -> Mesh:
+    """The same devices and names with every axis Auto: the engine's steps are written without
+    sharding annotations, and XLA's partitioner propagates the parameters' and pools' shardings."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get(MODEL_AXIS, 1)
+
+
+def spec_for(names: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """One leaf's PartitionSpec: each named axis that TP_RULES splits and that divides evenly."""
+    tp = tensor_parallel_size(mesh)
+    return PartitionSpec(*(TP_RULES.get(name) if name in TP_RULES and size % tp == 0 else None
+                           for name, size in zip(names, shape)))
+
+
+def param_shardings(model, mesh: Mesh):
+    """A NamedSharding per parameter leaf (quantized weights: per packed/scale leaf)."""
+    specs = jax.tree.leaves(model.param_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves, treedef = jax.tree.flatten(model.params)
+    return treedef.unflatten([NamedSharding(mesh, spec_for(tuple(s), leaf.shape, mesh)) for s, leaf in zip(specs, leaves)])
+
+
+def pool_shardings(pools: list[dict], mesh: Mesh) -> list[dict]:
+    """GQA pools split their KV heads (axis 0, when it divides); MLA and indexer pools replicate."""
+    tp = tensor_parallel_size(mesh)
+    return [{name: NamedSharding(mesh, PartitionSpec(MODEL_AXIS) if name in ("k", "v") and pool.shape[0] % tp == 0
+                                 else PartitionSpec()) for name, pool in layer.items()} for layer in pools]
+
+
+def shard_model(model, mesh: Mesh):
+    """The model with its parameters placed on the mesh (a copy of the handle, same config)."""
+    return dataclasses.replace(model, params=jax.device_put(model.params, param_shardings(model, mesh)))
+
+
+def kv_bytes_per_device(cfg, dtype, mesh: Mesh | None) -> int:
+    """KV bytes per token that one device stores: GQA's share of the KV heads, MLA's whole latent."""
+    tp = tensor_parallel_size(mesh)
+    total = bytes_per_token(cfg, dtype)
+    return total // tp if cfg.attention_kind == "gqa" and cfg.num_kv_heads % tp == 0 else total
+
+
+def bytes_per_device(tree) -> int:
+    """The most bytes any one device holds of the arrays in tree (replicated arrays count fully)."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
