@@ -23,7 +23,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh
 
 import pallas_kernels
@@ -74,7 +73,8 @@ class Engine:
         if num_pages is None:
             num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
-            raise ValueError(f"the KV budget holds no page ({self.bytes_per_token * page_size} bytes per page)")
+            raise ValueError(f"the KV budget holds no page ({self.kv_bytes_per_token_per_device * page_size} bytes "
+                             "per page on a device)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
         # Prefilling requests share each prefill call, a row each (at most max_prefill_rows x
         # prefill_chunk tokens per call); 1 prefills one request at a time.
