@@ -100,10 +100,6 @@ class Engine:
         if mesh is not None:
             if sharding.MODEL_AXIS not in mesh.shape:
                 raise ValueError(f"the mesh needs a {sharding.MODEL_AXIS!r} axis to split over, got {tuple(mesh.shape)}")
-            kernels = {self.attention_backend, model.backend, (decode_model or model).backend} - {"xla"}
-            if kernels:
-                raise ValueError(f"backend {kernels.pop()!r} under a mesh: the Pallas kernels are not partitioned "
-                                 "yet (they would need shard_map); use the 'xla' backend with a mesh")
             model = sharding.shard_model(model, mesh)
             decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh)
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks

@@ -23,8 +23,10 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from models import partitioning
 from models.config import ModelConfig
 from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask, top_k_positions
 from models.weights import saturating_cast
@@ -189,11 +191,15 @@ class LayerKV:
         v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)
         if T == 1 and kv.backend != "xla":
             pages, lengths = self._kernel_table(k_pool.shape[1])
-            out = pallas_kernels.paged_attention_gqa(
-                q_BTHD[:, 0], k_pool, v_pool, pages, lengths,
-                k_scale=kv.k_scale, v_scale=kv.v_scale, softmax_scale=scale, backend=kv.backend,
-            )
-            return out[:, None]
+            kernel = lambda q, k, v, ks, vs, pages, lengths: pallas_kernels.paged_attention_gqa(
+                q, k, v, pages, lengths, k_scale=ks, v_scale=vs, softmax_scale=scale, backend=kv.backend)
+            # Tensor parallel: each device attends with its query heads over its KV heads' pools.
+            mesh = partitioning.context_mesh()
+            head = partitioning.split_if(k_pool.shape[0] % partitioning.tp_size(mesh) == 0)
+            scale_spec = lambda s: P(head) if s.ndim else P()
+            kernel = partitioning.per_device(kernel, mesh, (P(None, head), P(head), P(head), scale_spec(kv.k_scale),
+                                                            scale_spec(kv.v_scale), P(), P()), P(None, head))
+            return kernel(q_BTHD[:, 0], k_pool, v_pool, kv.k_scale, kv.v_scale, pages, lengths)[:, None]
         decode = T == 1
         dt = q_BTHD.dtype
         head_scale = lambda s: s[:, None] if s.ndim else s  # [KVH] broadcasts over head_dim
@@ -220,12 +226,20 @@ class LayerKV:
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
             if kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
                 pages, lengths = self._kernel_table(pool.shape[0])
-                common = dict(kv_lora_rank=L, scale=latent_scale, softmax_scale=scale, backend=kv.backend)
+                common = dict(kv_lora_rank=L, softmax_scale=scale, backend=kv.backend)
                 if index_mask is None:
-                    out_lat = pallas_kernels.paged_attention_mla(q, pool, pages, lengths, **common)
+                    kernel = lambda q, pool, s, pages, lengths: pallas_kernels.paged_attention_mla(
+                        q, pool, pages, lengths, scale=s, **common)
+                    rows = (pages, lengths)
                 else:
-                    out_lat = pallas_kernels.sparse_paged_attention_mla(
-                        q, pool, pages, index_mask.token_ids_BK, index_mask.count_B, **common)
+                    kernel = lambda q, pool, s, pages, ids, count: pallas_kernels.sparse_paged_attention_mla(
+                        q, pool, pages, ids, count, scale=s, **common)
+                    rows = (pages, index_mask.token_ids_BK, index_mask.count_B)
+                # Tensor parallel: each device runs its query heads over the whole (replicated) latent pool.
+                mesh = partitioning.context_mesh()
+                head = partitioning.split_if(H % partitioning.tp_size(mesh) == 0)
+                kernel = partitioning.per_device(kernel, mesh, (P(None, head),) + (P(),) * (2 + len(rows)), P(None, head))
+                out_lat = kernel(q, pool, latent_scale, *rows)
             else:
                 latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)  # [B, N*S, C]
                 mask = self._context_mask(1, True) if index_mask is None else index_mask

@@ -84,10 +84,11 @@ class ModelRunner:
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
-            self.pools, sampled = self._prefill_fn(
-                self.model.params, self.pools, table.pages_BN, jnp.asarray(slots), jnp.asarray(start),
-                jnp.asarray(count), jnp.asarray(chunk), *self._sampling([r for _, r in todo], range(len(todo)), R),
-                width=self._width(table, start + count))
+            with jax.set_mesh(c.mesh):  # traced under the mesh: the kernels run per device (models/partitioning.py)
+                self.pools, sampled = self._prefill_fn(
+                    self.model.params, self.pools, table.pages_BN, jnp.asarray(slots), jnp.asarray(start),
+                    jnp.asarray(count), jnp.asarray(chunk), *self._sampling([r for _, r in todo], range(len(todo)), R),
+                    width=self._width(table, start + count))
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 r.cached += k
                 if r.cached == len(r.tokens):
@@ -108,11 +109,12 @@ class ModelRunner:
         args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(tokens), *self._sampling(live, range(len(live)), R))
         width = self._width(table, start + count)
+        with jax.set_mesh(c.mesh):
+            out = self._decode_fn(*args, width=width)
         if c.integrity == "strict":
-            err, (self.pools, next_tok, ok) = self._decode_fn(*args, width=width)
+            err, out = out
             err.throw()
-        else:
-            self.pools, next_tok, ok = self._decode_fn(*args, width=width)
+        self.pools, next_tok, ok = out
         return np.asarray(next_tok), np.asarray(ok)
 
     @staticmethod
@@ -189,7 +191,8 @@ class ModelRunner:
         z = jnp.zeros(B, jnp.int32)
         args = (self.decode_model.params, self.pools, table, z, z, z, jnp.zeros((B, 1), jnp.int32),
                 jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
-        return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
+        with jax.set_mesh(self.cfg.mesh):
+            return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
 
 
 def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int) -> int:

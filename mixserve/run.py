@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode between a long prompt's chunks); 0 = no limit, each prompt prefills fully first")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="devices to split the weights and KV heads over (mesh axis 'model'; the KV budget is per "
-                        "device). On CPU it simulates them (XLA's host device count); kernels: xla only")
+                        "device). On CPU it simulates them (XLA's host device count)")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
                         "int4 (group 32, routed experts; RTN)")

@@ -1,12 +1,13 @@
-"""Tensor parallelism over a device mesh: logical axis names -> the mesh axis "model".
+"""Tensor parallelism over a device mesh: where the engine places parameters and KV pools.
 
-Every parameter names its axes (`Model.param_axes`). `TP_RULES` says which of them
-Megatron-style tensor parallelism splits: attention heads, the MLP and expert hidden widths, and
-the vocabulary. Column-parallel projections (q/k/v, gate/up) split their output, row-parallel
-ones (o, down) their input, and XLA's SPMD partitioner adds the all-reduces. Every other axis
-is replicated, and so is an axis whose size does not divide by the mesh's "model" size (tiny-glm4
-has 2 KV heads: on 4 devices they are replicated, as vLLM replicates KV heads when there are
-fewer than devices).
+Every parameter names its axes (`Model.param_axes`); models/partitioning.py says which of them
+Megatron-style tensor parallelism splits over the mesh axis "model": attention heads, the MLP and
+expert hidden widths, and the vocabulary. Column-parallel projections (q/k/v, gate/up) split
+their output, row-parallel ones (o, down) their input, and XLA's SPMD partitioner adds the
+all-reduces; the Pallas kernels run per device under shard_map. Every other axis is replicated,
+and so is an axis whose size does not divide by the mesh's "model" size (tiny-glm4 has 2 KV
+heads: on 4 devices they are replicated, as vLLM replicates KV heads when there are fewer than
+devices).
 
 KV pools follow the heads: a GQA pool [KVH, P, S, D] splits its KV heads, so each device holds
 1/tp of every token. An MLA pool [P, S, C] holds one latent per token that every head reads,
@@ -22,10 +23,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import bytes_per_token
-
-MODEL_AXIS = "model"
-TP_RULES: dict[str, str] = {"heads": MODEL_AXIS, "kv_heads": MODEL_AXIS, "mlp": MODEL_AXIS,
-                            "moe_mlp": MODEL_AXIS, "vocab": MODEL_AXIS}
+from models.partitioning import MODEL_AXIS, int4_split, spec_for, tp_size
+from models.weights import Int4Weight
 
 
 def tp_mesh(tp: int) -> Mesh:
@@ -43,27 +42,23 @@ def as_auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
-def tensor_parallel_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape.get(MODEL_AXIS, 1)
-
-
-def spec_for(names: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """One leaf's PartitionSpec: each named axis that TP_RULES splits and that divides evenly."""
-    tp = tensor_parallel_size(mesh)
-    return PartitionSpec(*(TP_RULES.get(name) if name in TP_RULES and size % tp == 0 else None
-                           for name, size in zip(names, shape)))
-
-
 def param_shardings(model, mesh: Mesh):
     """A NamedSharding per parameter leaf (quantized weights: per packed/scale leaf)."""
-    specs = jax.tree.leaves(model.param_axes, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    leaves, treedef = jax.tree.flatten(model.params)
-    return treedef.unflatten([NamedSharding(mesh, spec_for(tuple(s), leaf.shape, mesh)) for s, leaf in zip(specs, leaves)])
+    tp = tp_size(mesh)
+
+    def place(leaf, names):
+        if isinstance(leaf, Int4Weight):  # packed values and scales split alike (whole groups per device)
+            row, col = int4_split(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape, tp)
+            spec = NamedSharding(mesh, PartitionSpec(*(None,) * (leaf.packed_QN.ndim - 2), row, col))
+            return Int4Weight(spec, spec, leaf.group_size)
+        return NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp))
+
+    return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
 def pool_shardings(pools: list[dict], mesh: Mesh) -> list[dict]:
     """GQA pools split their KV heads (axis 0, when it divides); MLA and indexer pools replicate."""
-    tp = tensor_parallel_size(mesh)
+    tp = tp_size(mesh)
     return [{name: NamedSharding(mesh, PartitionSpec(MODEL_AXIS) if name in ("k", "v") and pool.shape[0] % tp == 0
                                  else PartitionSpec()) for name, pool in layer.items()} for layer in pools]
 
@@ -75,7 +70,7 @@ def shard_model(model, mesh: Mesh):
 
 def kv_bytes_per_device(cfg, dtype, mesh: Mesh | None) -> int:
     """KV bytes per token that one device stores: GQA's share of the KV heads, MLA's whole latent."""
-    tp = tensor_parallel_size(mesh)
+    tp = tp_size(mesh)
     total = bytes_per_token(cfg, dtype)
     return total // tp if cfg.attention_kind == "gqa" and cfg.num_kv_heads % tp == 0 else total
 

@@ -101,7 +101,7 @@ class LatentUpProjection(nn.Module):
         )
 
     def __call__(self, c_kv):
-        return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend)
+        return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend, axes=("kv_lora", "heads"))
 
     def dense_kernel(self):
         return dequantize(self.kernel, self.dtype)

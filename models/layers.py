@@ -82,7 +82,7 @@ class Linear(nn.Module):
         kernel: Weight = self.param(
             "kernel", boxed_weight_init(self.fmt, self.axes, self.dtype), (x.shape[-1], self.features)
         )
-        y = matmul(x.astype(self.dtype), kernel, backend=self.backend)
+        y = matmul(x.astype(self.dtype), kernel, backend=self.backend, axes=self.axes)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]), (self.features,), self.dtype)
             y = y + bias.astype(y.dtype)

@@ -85,17 +85,18 @@ class RoutedExperts(nn.Module):
         cfg = self.cfg
         num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, x_TD.shape[-1]
         init = lambda axes: boxed_weight_init(self.fmt, axes, self.dtype)
-        gate = self.param("gate_proj", init(("experts", "embed", "moe_mlp")), (num_experts, hidden, inter))
-        up = self.param("up_proj", init(("experts", "embed", "moe_mlp")), (num_experts, hidden, inter))
-        down = self.param("down_proj", init(("experts", "moe_mlp", "embed")), (num_experts, inter, hidden))
+        up_axes, down_axes = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
+        gate = self.param("gate_proj", init(up_axes), (num_experts, hidden, inter))
+        up = self.param("up_proj", init(up_axes), (num_experts, hidden, inter))
+        down = self.param("down_proj", init(down_axes), (num_experts, inter, hidden))
 
         num_tokens, k = experts_TK.shape
         order, group_sizes = expert_groups(experts_TK, valid_T, num_experts)
         token_of_row = order // k
         x_sorted = x_TD.astype(self.dtype)[token_of_row]
-        mm = lambda a, w: expert_matmul(a, w, group_sizes, backend=self.backend)
-        h = nn.silu(mm(x_sorted, gate)) * mm(x_sorted, up)
-        y_sorted = mm(h, down).astype(jnp.float32) * weights_TK.reshape(-1)[order][:, None]
+        mm = lambda a, w, axes: expert_matmul(a, w, group_sizes, backend=self.backend, axes=axes)
+        h = nn.silu(mm(x_sorted, gate, up_axes)) * mm(x_sorted, up, up_axes)
+        y_sorted = mm(h, down, down_axes).astype(jnp.float32) * weights_TK.reshape(-1)[order][:, None]
         y = jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of_row].add(y_sorted)
         return y.astype(x_TD.dtype)
 

@@ -17,12 +17,15 @@ Formats (on-disk names in brackets):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from models import partitioning
 
 FP8_BLOCK = 128
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn; it has no infinity, so an unclamped overflow is NaN
@@ -143,25 +146,44 @@ def dequantize(w: Weight, dtype) -> jax.Array:
     return w.astype(dtype) if isinstance(w, jax.Array) else w.dequantize(dtype)
 
 
-def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla") -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in x's dtype, float32 accumulation."""
+def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla", axes: tuple[str, str] | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype, float32 accumulation. axes: w's logical
+    axis names, which say how a kernel splits under tensor parallelism (_int4_kernel)."""
     if isinstance(w, Int4Weight):
         lead = x.shape[:-1]
-        y = pallas_kernels.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed_QN, w.scales_GN, group_size=w.group_size, backend=backend)
-        return y.reshape(*lead, -1)
+        kernel = functools.partial(pallas_kernels.int4_matmul, group_size=w.group_size, backend=backend)
+        return _int4_kernel(kernel, x.reshape(-1, x.shape[-1]), w, axes, backend).reshape(*lead, -1)
     w = dequantize(w, x.dtype)
     return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backend: str | None = "xla") -> jax.Array:
+def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backend: str | None = "xla",
+                  axes: tuple[str, str, str] | None = None) -> jax.Array:
     """Rows of x sorted by expert, group_sizes_E rows per expert; w [E, K, N] -> [T, N]."""
     if isinstance(w, Int4Weight):
-        return pallas_kernels.moe_int4_matmul(
-            x_TK, w.packed_QN, w.scales_GN, group_sizes_E, group_size=w.group_size, backend=backend
-        )
+        kernel = functools.partial(pallas_kernels.moe_int4_matmul, group_size=w.group_size, backend=backend)
+        return _int4_kernel(kernel, x_TK, w, axes, backend, group_sizes_E)
     w = dequantize(w, x_TK.dtype)
     y = jax.lax.ragged_dot(x_TK, w, group_sizes_E, preferred_element_type=jnp.float32)
     return y.astype(x_TK.dtype)
+
+
+def _int4_kernel(kernel, x_MK, w: Int4Weight, axes, backend, *replicated):
+    """kernel(x, packed, scales, *replicated), per device under tensor parallelism: a weight split
+    on its output features (column-parallel) gives each device its output columns; one split on its
+    input features (row-parallel) its share of the contraction, summed over devices. The XLA
+    reference needs none of this: XLA's partitioner splits it."""
+    mesh = partitioning.context_mesh() if backend != "xla" and axes else None
+    row, col = partitioning.int4_split(axes, w.packed_QN.shape, w.scales_GN.shape, partitioning.tp_size(mesh)) \
+        if mesh is not None else (None, None)
+    w_spec = P(*(None,) * (w.packed_QN.ndim - 2), row, col)
+
+    def local(x, packed, scales, *rest):
+        y = kernel(x, packed, scales, *rest)
+        return jax.lax.psum(y, partitioning.MODEL_AXIS) if row else y
+
+    run = partitioning.per_device(local, mesh, (P(None, row), w_spec, w_spec) + (P(),) * len(replicated), P(None, col))
+    return run(x_MK, w.packed_QN, w.scales_GN, *replicated)
 
 
 def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:

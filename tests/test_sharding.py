@@ -1,72 +1,109 @@
 """Tensor-parallel serving: the engine over 8 CPU devices (XLA's host device count) serves the
-tokens of one device, with weights and GQA KV heads split and no weight gathered."""
+tokens of one device, with weights and GQA KV heads split, no weight gathered, and the Pallas
+kernels run per device. Each test runs a script in a subprocess: the device count is fixed when
+JAX starts."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent("""
-    import re
-    import jax, numpy as np, pytest
-    import mixserve
-    from mixserve import run, sharding
-    from mixserve.engine import Engine
-    assert jax.device_count() == 8
-    rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 1, 14)]
-    kw = dict(kv_dtype="fp8_e4m3", page_size=4, kv_memory_bytes=64 << 10, max_batch=4, prefill_chunk=8,
-              stop_tokens=(), integrity="check")
-    for preset, tp in (("tiny-glm4", 2), ("tiny-kimi", 4), ("tiny-glm5", 4)):
-        model = mixserve.load(preset, dtype="float32")
-        single = Engine(model, **kw)
-        expected = [r.tokens for r in single.generate(prompts, max_new_tokens=6)]
-        mesh = jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explicit axes: the engine makes them Auto
-        split = Engine(model, mesh=mesh, **kw)
-        assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected, preset
-        assert split.runner._decode_fn._cache_size() == single.runner._decode_fn._cache_size()  # no resharding
-        # Weights: expert hidden width and attention heads split tp ways.
-        params = split.runner.model.params
-        gate = params["layers_1"]["mlp"]["experts"]["gate_proj"]
-        assert gate.addressable_shards[0].data.shape == (8, 64, model.config.moe_intermediate_size // tp)
-        total = sum(x.nbytes for x in jax.tree.leaves(model.params))
-        assert sharding.bytes_per_device(params) < total * {2: 0.55, 4: 0.35}[tp], preset
-        # KV: GQA splits its KV heads, so a device's budget holds tp times the pages; MLA's latent
-        # is read by every head and is replicated.
-        pool = jax.tree.leaves(split.runner.pools)[0]
-        if model.config.attention_kind == "gqa":
-            assert pool.addressable_shards[0].data.shape[0] == model.config.num_kv_heads // tp
-            assert split.num_pages == tp * single.num_pages
-        else:
-            assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
-        # The decode step's collectives move activations only: no all-gather yields a split weight.
+PRELUDE = """
+import dataclasses, re
+import jax, numpy as np, pytest
+import mixserve
+from mixserve import run, sharding
+from mixserve.engine import Engine
+from mixserve.quantize import plan_for, quantize_model
+from models.weights import WeightFormat
+assert jax.device_count() == 8
+rng = np.random.default_rng(0)
+prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 1, 14)]
+kw = dict(kv_dtype="fp8_e4m3", page_size=4, kv_memory_bytes=64 << 10, max_batch=4, prefill_chunk=8,
+          stop_tokens=(), integrity="check")
+CASES = (("tiny-glm4", 2), ("tiny-kimi", 4), ("tiny-glm5", 4))
+mesh_for = lambda tp: jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explicit axes: the engine makes them Auto
+"""
+
+XLA_PATH = """
+for preset, tp in CASES:
+    model = mixserve.load(preset, dtype="float32")
+    single = Engine(model, **kw)
+    expected = [r.tokens for r in single.generate(prompts, max_new_tokens=6)]
+    split = Engine(model, mesh=mesh_for(tp), **kw)
+    assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected, preset
+    assert split.runner._decode_fn._cache_size() == single.runner._decode_fn._cache_size()  # no resharding
+    # Weights: expert hidden width and attention heads split tp ways.
+    params = split.runner.model.params
+    gate = params["layers_1"]["mlp"]["experts"]["gate_proj"]
+    assert gate.addressable_shards[0].data.shape == (8, 64, model.config.moe_intermediate_size // tp)
+    total = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    assert sharding.bytes_per_device(params) < total * {2: 0.55, 4: 0.35}[tp], preset
+    # KV: GQA splits its KV heads, so a device's budget holds tp times the pages; MLA's latent is
+    # read by every head and is replicated.
+    pool = jax.tree.leaves(split.runner.pools)[0]
+    if model.config.attention_kind == "gqa":
+        assert pool.addressable_shards[0].data.shape[0] == model.config.num_kv_heads // tp
+        assert split.num_pages == tp * single.num_pages
+    else:
+        assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
+    # The decode step's collectives move activations only: no all-gather yields a split weight.
+    with jax.set_mesh(split.mesh):
         text = split.runner._decode_fn.lower(
             split.runner.decode_model.params, split.runner.pools, split.table, *[np.zeros(4, np.int32)] * 3,
             np.zeros((4, 1), np.int32), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros((4, 3), np.uint32),
             width=4).compile().as_text()
-        gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
-                    for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
-        split_shapes = {x.shape for x in jax.tree.leaves(params) if not x.sharding.is_fully_replicated}
-        assert gathered and not gathered & split_shapes, (preset, gathered & split_shapes)
-    with pytest.raises(ValueError, match="not partitioned"):
-        Engine(model, mesh=mesh, attention_backend="interpret", **kw)
-    with pytest.raises(ValueError, match="needs a 'model' axis"):
-        Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
-    report = run.main(["--tensor-parallel", "2", "--model", "tiny-glm4", "--max-new-tokens", "3", "--json"])
-    assert report["kv_bytes_per_token_per_device"] * 2 == report["kv_bytes_per_token"]
-    assert all(r["status"] == "ok" for r in report["requests"])
-    (plan, total, per_device), = report["weight_sets"].values()
-    assert per_device < 0.55 * total
-    print("ok")
-""")
+    gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
+                for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
+    split_shapes = {x.shape for x in jax.tree.leaves(params) if not x.sharding.is_fully_replicated}
+    assert gathered and not gathered & split_shapes, (preset, gathered & split_shapes)
+with pytest.raises(ValueError, match="needs a 'model' axis"):
+    Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
+report = run.main(["--tensor-parallel", "2", "--model", "tiny-glm4", "--max-new-tokens", "3", "--json"])
+assert report["kv_bytes_per_token_per_device"] * 2 == report["kv_bytes_per_token"]
+assert all(r["status"] == "ok" for r in report["requests"])
+(plan, total, per_device), = report["weight_sets"].values()
+assert per_device < 0.55 * total
+print("ok")
+"""
+
+KERNELS = """
+two = [prompts[1], prompts[3]]  # 11 and 14 tokens: every prefill call has the same shape (one compile)
+for preset, tp in CASES:
+    model = mixserve.load(preset, dtype="float32")
+    int4, _ = quantize_model(model, plan_for(WeightFormat("int4", 16), "all"))
+    want = [r.tokens for r in Engine(int4, **kw).generate(two, max_new_tokens=3)]
+    kernels = Engine(dataclasses.replace(int4, backend="interpret"), attention_backend="interpret",
+                     mesh=mesh_for(tp), **kw)
+    assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want, preset
+    text = kernels.lowered_decode_text()
+    assert "int4_matmul/pallas_call" in text and "_attention_" in text
+    # Every layer's attention kernel and at least its INT4 projections sit inside shard_map.
+    assert text.count("sdy.manual_computation") >= 2 * model.config.num_layers, preset
+print("ok")
+"""
+
+
+def run_on_8_devices(body: str) -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    script = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
 
 
 def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weight():
-    """GLM-4 (GQA) at TP2 and Kimi, GLM-5 (MLA) at TP4 on a mesh of 8 CPU devices: the same greedy
-    tokens as one device (FP8 KV, chunked prefill, integrity check on), no recompile, expert and
-    head weights split, GQA pools split by KV head (twice the pages at TP2 for the same per-device
-    budget), MLA pools replicated, and the compiled decode step gathers no split weight. Runs in a
-    subprocess: the device count is fixed when JAX starts."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
+    """GLM-4 (GQA) at TP2 and Kimi, GLM-5 (MLA) at TP4 on the XLA path: the same greedy tokens as
+    one device (FP8 KV, chunked prefill of ragged prompts, integrity check on), no recompile,
+    expert and head weights split, GQA pools split by KV head (twice the pages at TP2 for the same
+    per-device budget), MLA pools replicated, and the compiled decode step gathers no split
+    weight. `mixserve.run --tensor-parallel 2` reports the per-device bytes."""
+    run_on_8_devices(XLA_PATH)
+
+
+def test_tensor_parallel_runs_the_pallas_kernels_per_device():
+    """INT4 weights (group 16, every linear layer and the experts) and the Pallas kernels in
+    interpret mode under the same meshes: INT4 dense and grouped-MoE matmuls (column-parallel,
+    row-parallel with a psum, or whole where the groups do not divide: the experts' down_proj at
+    TP4 has 2 groups), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
+    each device's query heads. Same greedy tokens as one device on the XLA references."""
+    run_on_8_devices(KERNELS)
