@@ -90,6 +90,8 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
     ps = prompts()[:3]
     rows = {}
     for min_rows in (1, 8):
+        # Whole prefills: with chunked prefill the 5- and 1-token prompts would decode while the
+        # 11-token one still prefills, and the first step would run 2 rows, not 4.
         e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows, prefill_calls_per_step=None)
         rows[min_rows] = record_shapes(e.runner, "_decode_fn", arg=3, axis=0)  # slots_R
         results = e.generate(ps, max_new_tokens=NEW)
