@@ -174,8 +174,8 @@ def prefill_rows_table(model, prompts: int, prompt_lengths, repeats: int, prefil
 
 def arrival_during_decode(engine, running: int, long_prompt: int, new_tokens: int, seed: int):
     """`running` requests (24-token prompts) decode; after two steps a `long_prompt`-token request
-    arrives. Returns (the running requests' token gaps, the longest of them, the long request's
-    time to first token, generated tokens per wall-clock second)."""
+    arrives. Returns (the running requests' token gaps, the long request's time to first token,
+    generated tokens per wall-clock second)."""
     prompts = workload(running + 1, 24, seed)
     prompts[-1] = workload(1, long_prompt, seed + 1000)[0]
     t0 = time.perf_counter()
