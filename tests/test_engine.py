@@ -436,9 +436,10 @@ def test_pallas_kernels_serve_the_same_tokens(model):
     rng = np.random.default_rng(2)
     # Longer than tiny-glm5's index_topk (16): the DSA choice drops tokens.
     ps = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 37, 1, 30)]
-    xla_engine = engine(int4, kv_dtype="fp8_e4m3")
-    kernel_engine = engine(dataclasses.replace(int4, backend="interpret"), kv_dtype="fp8_e4m3",
-                           attention_backend="interpret")
+    # One decode row count and one chunk length: each interpret-mode shape costs seconds to compile.
+    kw = dict(kv_dtype="fp8_e4m3", min_decode_rows=4, min_prefill_tokens=8)
+    xla_engine = engine(int4, **kw)
+    kernel_engine = engine(dataclasses.replace(int4, backend="interpret"), attention_backend="interpret", **kw)
     ref = xla_engine.generate(ps, max_new_tokens=4)
     kernels = kernel_engine.generate(ps, max_new_tokens=4)
     assert all(r.status == "ok" for r in ref + kernels)

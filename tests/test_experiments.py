@@ -351,11 +351,11 @@ def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit
 
     flaky = "import sys, time\npart = sys.argv[sys.argv.index('--part') + 1] if '--part' in sys.argv else ''\n" \
             "if part == 'gqa':\n    sys.exit(1)\nif part == 'mla':\n    time.sleep(600)\n" + FAKE_NCU
-    table, complete = gp.profile(_script(tmp_path / "ncu", flaky), tmp_path / "out", "cpu", timeout_s=60)
+    table, complete = gp.profile(_script(tmp_path / "ncu", flaky), tmp_path / "out", "cpu", timeout_s=30)
     assert not complete
     int4_rows = [line for line in table.splitlines() if line.startswith("| INT4 matmul")]
     assert len(int4_rows) == 6 and all("| int4_matmul_x |" in row for row in int4_rows)
-    assert "| gqa: RuntimeError: ncu exited with 1 |" in table and "| mla: not profiled, the 60 s limit was reached |" in table
+    assert "| gqa: RuntimeError: ncu exited with 1 |" in table and "| mla: not profiled, the 30 s limit was reached |" in table
     assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
     assert [f.name for f in sorted((tmp_path / "out").glob("gpu_profile_raw_*.csv"))] == ["gpu_profile_raw_int4.csv"]
 
