@@ -1,9 +1,10 @@
 """Continuous-batching engine over paged KV pools, with KV integrity tags checked every decode step.
 
 One request's path through the files:
-  `Engine.submit` (here) validates it (mixserve/request.py: bad input -> status "rejected", per
-  request) and queues it; each `Engine.step` is one turn of the loop and reports what every
-  request got in it (`generate` submits a batch and steps until it is done). In a step the
+  `Engine.submit` (mixserve/frontend.py) validates it (mixserve/request.py: bad input -> status
+  "rejected", per request) and queues it; each `Engine.step` is one turn of the loop
+  (`_advance`, here) and reports what every request got in it (`generate` submits a batch and
+  steps until it is done). In a step the
   Scheduler (mixserve/scheduler.py) gives the request a batch slot and pages from the functional
   page table (mixserve/page_table.py); the ModelRunner (mixserve/model_runner.py) prefills its
   prompt in chunks, one call per step by default (chunked prefill: the running requests decode
@@ -13,7 +14,8 @@ One request's path through the files:
   attention kernels (pallas_kernels/) or their XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
 dropped. A request whose pages fail the integrity check is aborted with a reason naming the page
-and the tags; the others go on untouched.
+and the tags; the others go on untouched. A prefill_only engine stops after the first token:
+mixserve/disaggregated.py hands the request's pages to a decode engine.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mixserve import sharding
 from mixserve.kv_cache import bytes_per_token, storage_dtype
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
+from mixserve.frontend import Frontend
 from mixserve.request import Request, Result, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
@@ -39,7 +42,7 @@ __all__ = ["Counters", "Engine", "Result", "Update"]
 _verify_jit = jax.jit(pt.verify)
 
 
-class Engine:
+class Engine(Frontend):
     def __init__(self, model: Model, *, kv_dtype: str = "auto", page_size: int = 16, num_pages: int | None = None,
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
@@ -47,7 +50,8 @@ class Engine:
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, prefill_only: bool = False):
+        super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
             raise ValueError(f"integrity must be 'off', 'check' or 'strict', got {integrity!r}")
@@ -83,6 +87,9 @@ class Engine:
         # long prompt delays the running requests' next token by one call, not by its whole
         # prefill. None prefills every admitted prompt fully first (better time to first token).
         self.prefill_calls_per_step = prefill_calls_per_step
+        # A prefill server (mixserve/disaggregated.py): it never decodes; a prefilled request keeps
+        # its pages until the decode server has taken them.
+        self.prefill_only = prefill_only
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -115,8 +122,6 @@ class Engine:
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh))
-        self._next_rid = 0
-        self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -135,62 +140,22 @@ class Engine:
     def table(self) -> pt.PageTable:
         return self.pages.table
 
-    def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0) -> int:
-        """Queue one request and return its id; `step` runs it. A request that can never be served
-        is rejected here, without raising: its Update (status "rejected", with the reason) comes
-        out of the next step. Requests with the same prompt, seed and options sample the same."""
-        return self._submit(prompt, max_new_tokens, temperature, top_p, seed, index=0).rid
+    def _reject_reason(self, req: Request) -> str | None:
+        return reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
+                             page_size=self.page_size, num_pages=self.num_pages, prompt_only=self.prefill_only)
 
-    def has_work(self) -> bool:
-        """Whether a submitted request has not yet been reported finished by `step`."""
-        return bool(self._unreported)
+    def _enqueue(self, req: Request) -> None:
+        self.scheduler.waiting.append(req)
 
-    def step(self) -> list[Update]:
-        """One turn of the loop: admit what fits and run up to prefill_calls_per_step prefill calls,
-        one decode step over the requests whose prefill is done, retire the finished. Returns an
-        Update for every request that got tokens or finished in it (a request whose prefill ends
-        gets its first token)."""
+    def _advance(self) -> None:
+        """Admit what fits and run up to prefill_calls_per_step prefill calls, one decode step over
+        the requests whose prefill is done (none with prefill_only), retire the finished."""
         if self.scheduler.has_work():
             self._prefill()
-            if self.scheduler.running:
+            if self.scheduler.running and not self.prefill_only:
                 self.scheduler.make_room_for_decode()
                 self._decode(self.scheduler.live())
             self.scheduler.retire_finished()
-        updates = []
-        for req in list(self._unreported.values()):
-            if len(req.out) > req.streamed or req.result is not None:
-                updates.append(Update(req.rid, req.out[req.streamed:], req.result))
-                req.streamed = len(req.out)
-                if req.result is not None:
-                    del self._unreported[req.rid]
-        return updates
-
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0) -> list[Result]:
-        """Serve prompts to completion (one batch: they share the slots, pages and steps); results
-        in prompt order. Prompt i samples with keys from (seed, i, token index)."""
-        if self._unreported:
-            raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
-                               "has_work() is False before generate(), which would swallow their updates")
-        requests = [self._submit(p, max_new_tokens, temperature, top_p, seed, index=i) for i, p in enumerate(prompts)]
-        while self._unreported:
-            self.step()
-        return [r.result for r in requests]
-
-    def _submit(self, prompt, max_new_tokens, temperature, top_p, seed, *, index: int) -> Request:
-        req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
-                      max_new_tokens, temperature, top_p, seed, index, t_submit=time.perf_counter())
-        self._next_rid += 1
-        reason = reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
-                               page_size=self.page_size, num_pages=self.num_pages)
-        if reason:
-            req.result = Result([], "rejected", reason)
-            self.counters.rejections += 1
-        else:
-            self.scheduler.waiting.append(req)
-        self._unreported[req.rid] = req
-        return req
 
     def lowered_decode_text(self) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""

@@ -73,6 +73,13 @@ def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[
     return pools
 
 
+def pool_scale(name: str, k_scale, v_scale):
+    """The scale a pool entry is stored with: keys and values their own (scalar or one per KV
+    head), the MLA latent one scalar (k_scale's mean: keys and values share the latent), the DSA
+    index keys 1 (LayerNorm outputs)."""
+    return {"k": k_scale, "v": v_scale, "latent": jnp.mean(k_scale), "index": jnp.float32(1.0)}[name]
+
+
 def quantize_for_pool(x, dtype, scale):
     """value -> stored: divide by the scale, then saturate into FP8's finite range."""
     if not is_fp8(dtype):
@@ -216,7 +223,7 @@ class LayerKV:
         kv = self.kv
         B, T, H, N = q_nope.shape
         L = c_kv.shape[-1]
-        latent_scale = jnp.mean(kv.k_scale)
+        latent_scale = pool_scale("latent", kv.k_scale, kv.v_scale)
         pool = self._write("latent", jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), latent_scale, False)
         dt = q_nope.dtype
         if T == 1:  # absorbed decode: queries move into latent space; values stay latent until W_UV
@@ -258,9 +265,10 @@ class LayerKV:
 
     def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
         """DSA over the cache: the index keys live in their own pool; same masks as attention."""
-        T = q_BTHD.shape[1]
-        pool = self._write("index", k_BTD, jnp.float32(1.0), False)
-        k_ctx = dequantize_from_pool(self._gather(pool, False), 1.0, jnp.float32)
+        T, kv = q_BTHD.shape[1], self.kv
+        scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
+        pool = self._write("index", k_BTD, scale_1, False)
+        k_ctx = dequantize_from_pool(self._gather(pool, False), scale_1, jnp.float32)
         if T == 1 and self.kv.backend != "xla":
             # top_k_mask's choice, kept as positions for the sparse kernel.
             valid_B1S = self._context_mask(1, True)

@@ -72,8 +72,10 @@ class Request:
                              time.perf_counter() - self.t_submit)
 
 
-def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int) -> str | None:
-    """Why this request can never be served (None if it can): checked before it is queued."""
+def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
+                  prompt_only: bool = False) -> str | None:
+    """Why this request can never be served (None if it can): checked before it is queued.
+    prompt_only: the engine only prefills (disaggregated), so only the prompt must fit."""
     p = req.prompt
     if not isinstance(p, list) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
         return "prompt must be a list of integer token ids"
@@ -92,9 +94,10 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
     if not isinstance(req.seed, (int, np.integer)):
         return f"seed must be an integer, got {req.seed!r}"
-    total = len(p) + req.max_new_tokens
+    total = len(p) + (0 if prompt_only else req.max_new_tokens)
     if total > max_seq_len:
-        return f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total} exceeds the context limit {max_seq_len}"
+        counted = f"prompt ({len(p)})" if prompt_only else f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
+        return f"{counted} exceeds the context limit {max_seq_len}"
     pages = -(-total // page_size)
     if pages > num_pages:
         return f"needs {pages} pages, the pool has {num_pages} in all"

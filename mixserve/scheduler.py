@@ -73,11 +73,15 @@ class PageManager:
         self.counters.shared_pages += len(pages)
 
     def release(self, req: Request) -> None:
-        self.table = _release_jit(self.table, jnp.int32(req.slot))
+        self.release_slot(req.slot)
+        req.slot, req.pages, req.cached, req.prefilled = None, 0, 0, False
+
+    def release_slot(self, slot: int) -> None:
+        """Return a slot's pages (a page another request shares stays theirs)."""
+        self.table = _release_jit(self.table, jnp.int32(slot))
         self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
         refs = np.asarray(self.table.ref_count_P)
         self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
-        req.slot, req.pages, req.cached, req.prefilled = None, 0, 0, False
 
     # ---- prefix sharing: full pages of identical token prefixes, as nano-vllm's BlockManager ----
     def _page_hashes(self, tokens: list[int]) -> list[int]:
@@ -124,7 +128,7 @@ class Scheduler:
         most max_rows of them, to prefill beside those still prefilling. A request with a full prompt
         page that a prefilling one will index waits, so that it is admitted after that prefill and
         shares the page."""
-        free_slots = sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
+        free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.pages.unindexed_prefix(r) for r in self.prefilling()))
         while self.waiting and free_slots and len(batch) < max_rows:
@@ -150,6 +154,29 @@ class Scheduler:
             batch.append(req)
             indexing |= new_pages
         return batch
+
+    def adopt(self, req: Request) -> int | None:
+        """Take a request prefilled elsewhere (disaggregated serving): a slot, and pages for its
+        req.cached tokens, sharing its indexed prompt prefix. Returns how many of its pages were
+        shared (the rest await their KV), or None, changing nothing, when there is no room or a
+        request this scheduler preempted is waiting (it goes first)."""
+        free_slots = self._free_slots()
+        if self.waiting or not free_slots:
+            return None
+        cached, shared = req.cached, self.pages.shared_prefix(req)
+        need = self.pages.pages_for(cached) - len(shared)
+        if need > self.pages.free_pages:
+            return None
+        req.slot, req.pages = free_slots[0], 0
+        if shared:
+            self.pages.share(req, shared)
+        self.pages.allocate(req, need)
+        req.cached, req.prefilled = cached, True
+        self.running.append(req)
+        return len(shared)
+
+    def _free_slots(self) -> list[int]:
+        return sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
 
     def make_room_for_decode(self) -> None:
         """Each running request needs a page for the token it decodes next; preempt the youngest if not."""

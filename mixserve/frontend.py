@@ -1,0 +1,80 @@
+"""What users call on any engine: `submit`, `step`, `generate`, `has_work`.
+
+One engine (mixserve/engine.py) and a prefill/decode pair (mixserve/disaggregated.py) serve
+requests the same way; this base class holds that part once. A subclass says how a request is
+checked (`_reject_reason`), where it is queued (`_enqueue`), and what one turn of its loop does
+(`_advance`). Reporting goes by the requests themselves, so it does not matter which engine of
+a pair gave a request its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mixserve.request import Request, Result, Update
+
+
+class Frontend:
+    counters: object  # the subclass's counters: `rejections` is counted here
+
+    def __init__(self):
+        self._next_rid = 0
+        self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
+
+    def _reject_reason(self, req: Request) -> str | None:
+        raise NotImplementedError
+
+    def _enqueue(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def _advance(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0) -> int:
+        """Queue one request and return its id; `step` runs it. A request that can never be served
+        is rejected here, without raising: its Update (status "rejected", with the reason) comes
+        out of the next step. Requests with the same prompt, seed and options sample the same."""
+        return self._submit(prompt, max_new_tokens, temperature, top_p, seed, index=0).rid
+
+    def has_work(self) -> bool:
+        """Whether a submitted request has not yet been reported finished by `step`."""
+        return bool(self._unreported)
+
+    def step(self) -> list[Update]:
+        """One turn of the loop. Returns an Update for every request that got tokens or finished
+        in it (a request whose prefill ends gets its first token)."""
+        self._advance()
+        updates = []
+        for req in list(self._unreported.values()):
+            if len(req.out) > req.streamed or req.result is not None:
+                updates.append(Update(req.rid, req.out[req.streamed:], req.result))
+                req.streamed = len(req.out)
+                if req.result is not None:
+                    del self._unreported[req.rid]
+        return updates
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> list[Result]:
+        """Serve prompts to completion (one batch: they share the slots, pages and steps); results
+        in prompt order. Prompt i samples with keys from (seed, i, token index)."""
+        if self._unreported:
+            raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
+                               "has_work() is False before generate(), which would swallow their updates")
+        requests = [self._submit(p, max_new_tokens, temperature, top_p, seed, index=i) for i, p in enumerate(prompts)]
+        while self._unreported:
+            self.step()
+        return [r.result for r in requests]
+
+    def _submit(self, prompt, max_new_tokens, temperature, top_p, seed, *, index: int) -> Request:
+        req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
+                      max_new_tokens, temperature, top_p, seed, index, t_submit=time.perf_counter())
+        self._next_rid += 1
+        reason = self._reject_reason(req)
+        if reason:
+            req.result = Result([], "rejected", reason)
+            self.counters.rejections += 1
+        else:
+            self._enqueue(req)
+        self._unreported[req.rid] = req
+        return req
