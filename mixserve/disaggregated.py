@@ -1,0 +1,116 @@
+"""Disaggregated serving: a prefill engine and a decode engine, with KV pages handed between them.
+
+The seed's measurements come from disaggregated H200 deployments (separate prefill and decode
+servers), and its hybrid split lives there: prefill runs FP8 weights over a BF16 KV pool (it is
+compute-bound), decode runs INT4 weights over an FP8 KV pool (it is memory-bound). Here each side
+is an `Engine` with its own weights, pool, page table and integrity tags, and optionally its own
+devices (a mesh each); one request's path:
+
+  1. `submit` checks it against both engines' limits and queues it on the prefill engine, which is
+     built with prefill_only=True: it admits, prefills (chunked, batched) and samples the first
+     token as any engine does, then keeps the request's pages instead of decoding.
+  2. Each step, `_hand_over` moves the prefilled requests, oldest first, while the decode engine
+     has a slot and pages (`Scheduler.adopt`, which also shares a prompt prefix the decode pool
+     already holds, so those pages are not sent). Their pages are gathered and converted to the
+     decode pool's format on the prefill side (mixserve/kv_transfer.py), moved to the decode
+     engine's devices, and written into the pages adopt allocated, which carry fresh integrity
+     tags. The prefill engine then frees its copy. A request the decode engine cannot take yet
+     waits on the prefill side, holding its pages: when decode is full, prefill admission stops
+     too (back-pressure), and nothing is dropped.
+  3. The decode engine decodes it with the others, checking the tags every step. If it must
+     preempt the request, it recomputes it itself, like any preempted request.
+
+Both engines run in this one Python loop, so they take turns: what this shows is the formats, the
+hand-over and its bytes, not two servers overlapping in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from mixserve import kv_transfer
+from mixserve.engine import Engine
+from mixserve.frontend import Frontend
+from mixserve.request import Request
+
+
+@dataclasses.dataclass
+class HandoverCounters:
+    rejections: int = 0
+    handovers: int = 0  # requests moved from the prefill engine to the decode engine
+    pages_sent: int = 0
+    bytes_sent: int = 0  # in the decode pool's format, padding not counted
+    pages_shared: int = 0  # prompt pages the decode pool already held: not sent
+    handover_s: float = 0.0
+
+
+class DisaggregatedEngine(Frontend):
+    def __init__(self, prefill: Engine, decode: Engine):
+        if not prefill.prefill_only or decode.prefill_only:
+            raise ValueError("build the prefill engine with prefill_only=True and the decode engine without it")
+        if prefill.cfg != decode.cfg:
+            raise ValueError("prefill and decode must serve the same model (same config); weight formats may differ")
+        if prefill.page_size != decode.page_size:
+            raise ValueError(f"pages move whole: page sizes must match, got {prefill.page_size} and {decode.page_size}")
+        super().__init__()
+        self.prefill, self.decode = prefill, decode
+        self.counters = HandoverCounters()
+        p_cfg, d_cfg = prefill.runner.cfg, decode.runner.cfg
+        self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)
+        self._convert = kv_transfer.needs_conversion(prefill.kv_dtype, self._src_scales, decode.kv_dtype,
+                                                     self._dst_scales)
+        # Where the pages land: the decode pools' devices and sharding (GQA: split by KV head).
+        self._dst_shardings = jax.tree.map(lambda pool: pool.sharding, decode.runner.pools)
+        # Committed there from the start, as a step's output is: else the first import compiles twice.
+        decode.runner.pools = jax.device_put(decode.runner.pools, self._dst_shardings)
+
+    def _reject_reason(self, req: Request) -> str | None:
+        for name, engine in (("prefill", self.prefill), ("decode", self.decode)):
+            reason = engine._reject_reason(req)
+            if reason:
+                return f"{name} engine: {reason}"
+        return None
+
+    def _enqueue(self, req: Request) -> None:
+        self.prefill._enqueue(req)
+
+    def _advance(self) -> None:
+        self.prefill._advance()  # prefill only: prefilled requests wait, holding their pages
+        self._hand_over()
+        self.decode._advance()
+
+    def _hand_over(self) -> None:
+        """Move every prefilled request the decode engine can take now, in one transfer."""
+        p, d = self.prefill, self.decode
+        t0 = time.perf_counter()
+        src_table, src_ids, moved = np.asarray(p.table.pages_BN), [], []
+        for req in p.scheduler.live():  # prefilled, not finished: oldest first
+            src_slot, n = req.slot, req.pages
+            shared = d.scheduler.adopt(req)  # req's slot and pages are the decode engine's from here
+            if shared is None:
+                break  # no room on the decode side: it waits here, with its pages
+            src_ids += src_table[src_slot, shared:n].tolist()
+            p.scheduler.running.remove(req)
+            moved.append((req, shared, src_slot))
+        if not moved:
+            return
+        dst_table = np.asarray(d.table.pages_BN)
+        dst_ids = [page for req, shared, _ in moved for page in dst_table[req.slot, shared : req.pages].tolist()]
+        if src_ids:
+            sent = kv_transfer.export_pages(p.runner.pools, kv_transfer.padded(src_ids, 0), self._src_scales,
+                                            self._dst_scales, dst_dtype=d.kv_dtype, convert=self._convert)
+            sent = jax.device_put(sent, self._dst_shardings)
+            d.runner.pools = kv_transfer.import_pages(d.runner.pools, kv_transfer.padded(dst_ids, d.num_pages), sent)
+            jax.block_until_ready(d.runner.pools)  # the next decode step waits for it anyway: time it here
+        for req, shared, src_slot in moved:
+            p.pages.release_slot(src_slot)  # the prefill engine's copy is no longer needed
+            d.pages.register_prefix(req)  # its prompt pages hold their KV now: later requests share them
+            self.counters.pages_shared += shared
+        self.counters.handovers += len(moved)
+        self.counters.pages_sent += len(src_ids)
+        self.counters.bytes_sent += len(src_ids) * d.bytes_per_token * d.page_size
+        self.counters.handover_s += time.perf_counter() - t0

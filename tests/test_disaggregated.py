@@ -1,0 +1,207 @@
+"""Disaggregated serving: a prefill engine hands each request's KV pages to a decode engine.
+
+The reference is one Engine serving the same prompts: with the same KV format on both sides the
+pages move unchanged, so every token must be the same. With BF16 prefill pages and an FP8 decode
+pool, the conversion must store exactly what an FP8 engine stores."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mixserve
+from mixserve import faults
+from mixserve import kv_transfer
+from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import Engine
+from mixserve.kv_cache import init_pools
+
+PAGE = 4
+# One decode row count and one prefill chunk length: fewer compiles (the shapes are tested elsewhere).
+CFG = dict(page_size=PAGE, max_batch=4, prefill_chunk=8, integrity="check", min_decode_rows=4, min_prefill_tokens=8)
+
+
+def prompts(seed, lengths=(5, 11, 1, 14)):
+    """Prompts that end mid-page and span several pages (page size 4), one of a single token."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 256, n)] for n in lengths]
+
+
+def pair(model, prefill_kw=None, decode_kw=None, decode_model=None, **kw):
+    prefill = Engine(model, prefill_only=True, **{**CFG, "num_pages": 64, **kw, **(prefill_kw or {})})
+    decode = Engine(decode_model or model, **{**CFG, "num_pages": 64, **kw, **(decode_kw or {})})
+    return DisaggregatedEngine(prefill, decode)
+
+
+def assert_all_pages_returned(dis):
+    for engine in (dis.prefill, dis.decode):
+        assert engine.free_pages == engine.num_pages
+
+
+@pytest.fixture(scope="module", params=["tiny-kimi", "tiny-glm4", "tiny-glm5"])
+def model(request):
+    return mixserve.load(request.param, dtype="float32")
+
+
+def test_handover_serves_the_tokens_one_engine_serves(model):
+    """Same FP8 format on both sides (calibrated-looking scales, not 1): pages move unchanged.
+    Prompts end mid-page and span several prefill chunks; half the requests sample."""
+    scales = dict(kv_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.04)
+    ps = prompts(1) + [[7] * 30]
+    one = Engine(model, num_pages=64, **CFG, **scales)
+    dis = pair(model, **scales)
+    for temperature in (0.0, 0.8):
+        want = one.generate(ps, max_new_tokens=6, temperature=temperature, seed=3)
+        got = dis.generate(ps, max_new_tokens=6, temperature=temperature, seed=3)
+        assert [r.status for r in got] == ["ok"] * len(ps)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+    prompt_pages = sum(math.ceil(len(p) / PAGE) for p in ps)
+    assert dis.counters.handovers == 2 * len(ps)
+    assert dis.counters.pages_sent + dis.counters.pages_shared == 2 * prompt_pages
+    assert dis.counters.bytes_sent == dis.counters.pages_sent * PAGE * dis.decode.bytes_per_token
+    assert dis.prefill.counters.decode_tokens == 0  # the prefill engine never decodes
+    assert dis.decode.counters.prefill_tokens == 0  # nothing was recomputed on the decode side
+    assert_all_pages_returned(dis)
+
+
+def _random_pools(cfg, num_pages, dtype, rng):
+    pools = init_pools(cfg, num_pages, PAGE, jnp.float32)
+    return jax.tree.map(lambda z: jnp.asarray(rng.normal(0, 3, z.shape), jnp.float32).astype(dtype), pools)
+
+
+def _fp8_reference(pages, sender_scale, receiver_scale):
+    """float32 arithmetic in numpy, then a saturating cast to e4m3 (448 is its largest finite).
+    A BF16 pool holds real values: scales apply to FP8 pools only."""
+    real = np.asarray(pages, np.float32)
+    if pages.dtype == ml_dtypes.float8_e4m3fn:
+        real = real * np.asarray(sender_scale, np.float32)
+    return np.clip(real / np.float32(receiver_scale), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("sender", [jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("name", ["tiny-glm4", "tiny-glm5"])
+def test_export_converts_to_the_receivers_format_and_import_writes_only_its_pages(name, sender):
+    """BF16 pages, or FP8 pages with one set of scales, into an FP8 pool with another (GQA: per
+    KV head; GLM-5: the MLA latent and the DSA index pool). The receiving pool starts as random
+    FP8 bytes, so a page written wrongly, or written where it should not be, shows."""
+    cfg = mixserve.load(name, dtype="float32").config
+    rng = np.random.default_rng()
+    H = cfg.num_kv_heads
+    src_scales = (jnp.asarray(rng.uniform(0.5, 2, H), jnp.float32), jnp.asarray(rng.uniform(0.5, 2, H), jnp.float32))
+    dst_scales = (jnp.asarray(rng.uniform(0.01, 0.05, H), jnp.float32), jnp.asarray(rng.uniform(0.01, 0.05, H), jnp.float32))
+    if cfg.attention_kind == "mla":
+        src_scales, dst_scales = (jnp.float32(1.5), jnp.float32(1.5)), (jnp.float32(0.02), jnp.float32(0.02))
+    src = _random_pools(cfg, 12, sender, rng)
+    dst = _random_pools(cfg, 10, jnp.float8_e4m3fn, rng)
+    before = jax.tree.map(np.asarray, dst)
+    src_ids, dst_ids = [3, 11, 0, 7, 5], [9, 2, 4, 0, 6]
+    sent = kv_transfer.export_pages(src, kv_transfer.padded(src_ids, 0), src_scales, dst_scales,
+                                    dst_dtype=jnp.dtype(jnp.float8_e4m3fn), convert=True)
+    new = kv_transfer.import_pages(dst, kv_transfer.padded(dst_ids, 10), sent)
+    checked = set()
+    for layer, (s_layer, b_layer, n_layer) in enumerate(zip(src, before, new)):
+        for key, pool in n_layer.items():
+            axis = kv_transfer.page_axis(key)
+            got, old, s = (np.moveaxis(np.asarray(x), axis, 0) for x in (pool, b_layer[key], s_layer[key]))
+            if key in ("k", "v"):
+                i = "kv".index(key)
+                shape = (1, -1, 1, 1)  # per KV head, after moving pages first: [N, KVH, S, D]
+                sender, receiver = np.asarray(src_scales[i]).reshape(shape), np.asarray(dst_scales[i]).reshape(shape)
+            else:
+                sender, receiver = (np.float32(1), np.float32(1)) if key == "index" else (
+                    np.asarray(src_scales[0]), np.asarray(dst_scales[0]))
+            want = _fp8_reference(s[src_ids], sender, receiver)
+            np.testing.assert_array_equal(got[dst_ids].view(np.uint8), want.view(np.uint8))
+            untouched = [p for p in range(got.shape[0]) if p not in dst_ids]
+            np.testing.assert_array_equal(got[untouched].view(np.uint8), old[untouched].view(np.uint8))
+            checked.add(key)
+    assert checked == ({"k", "v"} if cfg.attention_kind == "gqa" else {"latent", "index"})
+
+
+def test_bf16_prefill_pages_reach_the_fp8_decode_pool_as_an_fp8_engine_stores_them():
+    """The seed's split: prefill keeps BF16 KV, decode FP8. With prompts of one chunk, prefill
+    attends only to its fresh keys, so the FP8 pages that arrive must equal an FP8 engine's byte
+    for byte: the same tokens follow. The transfer carries FP8 bytes, half of BF16."""
+    model = mixserve.load("tiny-glm4", dtype="bfloat16")
+    ps = [p[:8] for p in prompts(2)]
+    scales = dict(k_scale=jnp.asarray([0.03, 0.05]), v_scale=0.02)
+    want = Engine(model, num_pages=64, kv_dtype="fp8_e4m3", **CFG, **scales).generate(ps, max_new_tokens=8)
+    dis = pair(model, prefill_kw=dict(kv_dtype="bfloat16"), decode_kw=dict(kv_dtype="fp8_e4m3", **scales))
+    got = dis.generate(ps, max_new_tokens=8)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    bf16 = Engine(model, num_pages=1, kv_dtype="bfloat16", **CFG).bytes_per_token
+    assert dis.counters.bytes_sent * 2 == dis.counters.pages_sent * PAGE * bf16
+    assert_all_pages_returned(dis)
+
+
+def test_a_full_decode_engine_holds_requests_on_the_prefill_side_and_loses_nothing():
+    """Decode has 2 slots and 7 pages for 5 requests: the prefilled ones wait on the prefill side
+    with their pages, and the decode engine preempts and recomputes when its pages run out."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(4) + [[9] * 10]
+    want = Engine(model, num_pages=64, **CFG).generate(ps, max_new_tokens=8)
+    dis = pair(model, decode_kw=dict(max_batch=2, num_pages=7))
+    for i, p in enumerate(ps):
+        dis.submit(p, max_new_tokens=8)
+    held, out = 0, {}
+    while dis.has_work():
+        for u in dis.step():
+            out.setdefault(u.rid, []).extend(u.new_tokens)
+            assert u.result is None or u.result.status == "ok"
+        held = max(held, len(dis.prefill.scheduler.live()))
+    assert [out[i] for i in range(len(ps))] == [r.tokens for r in want]
+    assert held >= 1  # a prefilled request waited for the decode side
+    assert dis.decode.counters.preemptions >= 1 and dis.decode.counters.prefill_tokens > 0
+    assert_all_pages_returned(dis)
+
+
+def test_the_decode_pool_shares_a_prompt_prefix_it_already_holds_instead_of_receiving_it():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    system = [int(t) for t in np.random.default_rng(5).integers(0, 256, 12)]  # 3 full pages
+    ps = [system + [1, 2, 3], system + [4, 5]]
+    want = Engine(model, num_pages=64, **CFG).generate(ps, max_new_tokens=5)
+    dis = pair(model)
+    got = dis.generate(ps, max_new_tokens=5)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert dis.counters.pages_shared == 3
+    assert dis.counters.pages_sent == 4 + 4 - 3  # 15 and 14 tokens: 4 pages each
+    assert_all_pages_returned(dis)
+
+
+def test_handed_over_pages_are_checked_on_the_decode_side():
+    """A bookkeeping fault in the decode engine's table after the handover aborts that request
+    only, with the reason; the other finishes with the tokens of one engine."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps = prompts(6)[:2]
+    want = Engine(model, num_pages=64, **CFG).generate(ps, max_new_tokens=6)
+    hook = lambda table, step: faults.stale_tag(table, 1) if step == 2 else table
+    dis = pair(model, decode_kw=dict(fault_hook=hook))
+    got = dis.generate(ps, max_new_tokens=6)
+    assert got[0].status == "ok" and got[0].tokens == want[0].tokens
+    assert got[1].status == "aborted" and "tag" in got[1].reason
+    assert got[1].tokens == want[1].tokens[: len(got[1].tokens)]
+
+
+def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_its_name():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    other = mixserve.load("tiny-glm4", dtype="float32")
+    p = lambda **kw: Engine(model, prefill_only=True, num_pages=8, **{**CFG, **kw})
+    d = lambda m=model, **kw: Engine(m, num_pages=8, **{**CFG, **kw})
+    with pytest.raises(ValueError, match="prefill_only"):
+        DisaggregatedEngine(d(), d())
+    with pytest.raises(ValueError, match="same model"):
+        DisaggregatedEngine(p(), d(other))
+    with pytest.raises(ValueError, match="page sizes"):
+        DisaggregatedEngine(p(), d(page_size=8))
+    # The prefill engine holds only prompts: 3 pages (12 tokens) and a context of 12 suffice for a
+    # 12-token prompt with 6 new tokens. The decode engine's context limit of 16 does not.
+    dis = DisaggregatedEngine(p(num_pages=3, max_seq_len=12), d(max_seq_len=16))
+    got = dis.generate([[1] * 9, [2] * 12, [3] * 13], max_new_tokens=6)
+    assert got[0].status == "ok" and len(got[0].tokens) == 6
+    assert got[1].status == "rejected" and got[1].reason == (
+        "decode engine: prompt (12) + max_new_tokens (6) = 18 exceeds the context limit 16")
+    assert got[2].status == "rejected" and got[2].reason == "prefill engine: prompt (13) exceeds the context limit 12"
+    assert dis.counters.rejections == 2
