@@ -146,14 +146,19 @@ def test_a_full_decode_engine_holds_requests_on_the_prefill_side_and_loses_nothi
     dis = pair(model, decode_kw=dict(max_batch=2, num_pages=7))
     for i, p in enumerate(ps):
         dis.submit(p, max_new_tokens=8)
-    held, out = 0, {}
+    held, out, preempted_waiting = 0, {}, 0
     while dis.has_work():
+        waiting, handovers = bool(dis.decode.scheduler.waiting), dis.counters.handovers
         for u in dis.step():
             out.setdefault(u.rid, []).extend(u.new_tokens)
             assert u.result is None or u.result.status == "ok"
         held = max(held, len(dis.prefill.scheduler.live()))
+        if waiting:  # a request the decode engine preempted goes before any new one
+            assert dis.counters.handovers == handovers
+            preempted_waiting += 1
     assert [out[i] for i in range(len(ps))] == [r.tokens for r in want]
     assert held >= 1  # a prefilled request waited for the decode side
+    assert preempted_waiting >= 1
     assert dis.decode.counters.preemptions >= 1 and dis.decode.counters.prefill_tokens > 0
     assert_all_pages_returned(dis)
 
