@@ -18,6 +18,7 @@ import jax
 import mixserve
 import pallas_kernels
 from mixserve import sharding
+from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.kv_cache import storage_dtype
 from mixserve.quantize import plan_for, quantize_model
@@ -68,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "int4 (group 32, routed experts; RTN)")
     p.add_argument("--decode-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights decode runs on (the seed: FP8 prefill, INT4 decode); a second weight set if it differs")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
+                        "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
+                        "on --tensor-parallel devices of its own, each with the --kv-memory budget")
+    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+                   help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
+                        "pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
                    help="kernels for paged decode attention and INT4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
@@ -101,31 +109,44 @@ def param_bytes(model) -> int:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    if args.tensor_parallel > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    tp = args.tensor_parallel
+    devices = tp * (2 if args.disaggregate else 1)
+    if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Read when JAX starts its CPU backend, so only before the first computation; GPUs ignore it.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.tensor_parallel}").strip()
+                                   f" --xla_force_host_platform_device_count={devices}").strip()
     backend = pallas_kernels.resolve_backend(args.backend)
-    mesh = sharding.tp_mesh(args.tensor_parallel) if args.tensor_parallel > 1 else None
+    if args.disaggregate and jax.device_count() >= devices:  # prefill on devices [0, tp), decode on [tp, 2 tp)
+        prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
+    else:  # one engine, or a pair sharing a single device
+        prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
     model = mixserve.load(args.model, progress=not args.json, backend=backend)  # converted copies keep it
     random_weights = args.model in TINY_PRESETS
     budget = parse_memory(args.kv_memory)
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
-    engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, page_size=args.page_size, kv_memory_bytes=budget,
-                    max_batch=args.concurrency, integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
-                    prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None, mesh=mesh,
-                    decode_model=None if args.decode_weights == args.prefill_weights else decode_model)
+    common = dict(page_size=args.page_size, kv_memory_bytes=budget, max_batch=args.concurrency, integrity=args.integrity,
+                  attention_backend=backend, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
+                  prefill_calls_per_step=args.prefill_calls_per_step or None)
+    two_sets = args.disaggregate or args.decode_weights != args.prefill_weights
+    if args.disaggregate:
+        engine = DisaggregatedEngine(
+            Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
+            Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common))
+        prefiller, decoder = engine.prefill, engine.decode
+    else:
+        engine = prefiller = decoder = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
+                                              decode_model=decode_model if two_sets else None)
     # (plan, bytes in all, bytes on the fullest device): equal without tensor parallelism
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model),
-                               sharding.bytes_per_device(engine.runner.model.params))}
-    if args.decode_weights != args.prefill_weights:
+                               sharding.bytes_per_device(prefiller.runner.model.params))}
+    if two_sets:
         weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
-                                 sharding.bytes_per_device(engine.runner.decode_model.params))
+                                 sharding.bytes_per_device(decoder.runner.decode_model.params))
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
     wall = time.perf_counter() - t0
-    c = engine.counters
+    pc, c = prefiller.counters, decoder.counters
     capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, storage_dtype(name, model.dtype), mesh)
                                  * args.page_size) * args.page_size
                 for name in ("bfloat16", "fp8_e4m3")}
@@ -137,12 +158,12 @@ def main(argv=None) -> dict:
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,
-        "kv_bytes_per_token": engine.bytes_per_token,
-        "kv_bytes_per_token_per_device": engine.kv_bytes_per_token_per_device,
-        "pool_tokens": engine.capacity_tokens,
-        "max_seq_len": engine.max_seq_len,
+        "kv_bytes_per_token": decoder.bytes_per_token,  # the decode pool's (the one that holds the running requests)
+        "kv_bytes_per_token_per_device": decoder.kv_bytes_per_token_per_device,
+        "pool_tokens": decoder.capacity_tokens,
+        "max_seq_len": decoder.max_seq_len,
         "pool_tokens_at_same_memory": capacity,
-        "prefill_tok_per_s": c.prefill_tokens / c.prefill_s if c.prefill_s else None,
+        "prefill_tok_per_s": pc.prefill_tokens / pc.prefill_s if pc.prefill_s else None,
         "decode_tok_per_s": c.decode_tokens / c.decode_s if c.decode_s else None,
         "wall_s": wall,
         "counters": vars(c),
@@ -153,6 +174,14 @@ def main(argv=None) -> dict:
             for p, r in zip(prompts, results)
         ],
     }
+    if args.disaggregate:
+        report["disaggregated"] = {
+            "prefill_devices": sorted(str(d) for d in jax.tree.leaves(prefiller.runner.pools)[0].devices()),
+            "decode_devices": sorted(str(d) for d in jax.tree.leaves(decoder.runner.pools)[0].devices()),
+            "prefill_kv_cache_dtype": args.prefill_kv_cache_dtype,
+            "prefill_counters": vars(pc),
+            "handover": vars(engine.counters),
+        }
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
@@ -164,21 +193,26 @@ def main(argv=None) -> dict:
     print(f"KV cache: {args.kv_cache_dtype}, page size {args.page_size}, integrity={args.integrity}, kernels: {backend}")
     for phase, (plan, nbytes, device_bytes) in weight_sets.items():
         label = f"{phase} weights" if len(weight_sets) == 2 else "weights"
-        split = f", {device_bytes / 2**20:.2f} MiB on each of {args.tensor_parallel} devices" if mesh else ""
+        split = f", {device_bytes / 2**20:.2f} MiB on each of {tp} devices" if tp > 1 else ""
         print(f"{label}: {plan} ({nbytes / 2**20:.2f} MiB{split})")
-    if len(weight_sets) == 2:
-        print("two weight sets on one device: prefill and decode formats differ (disaggregated serving would split them)")
+    if args.disaggregate:
+        d, h = report["disaggregated"], engine.counters
+        print(f"disaggregated: prefill on {', '.join(d['prefill_devices'])} ({args.prefill_kv_cache_dtype} KV), decode on "
+              f"{', '.join(d['decode_devices'])} ({args.kv_cache_dtype} KV); {h.handovers} requests handed over: "
+              f"{h.pages_sent} pages, {h.bytes_sent} bytes, {h.pages_shared} shared by the decode pool, {h.handover_s:.2f} s")
+    elif len(weight_sets) == 2:
+        print("two weight sets on one device: prefill and decode formats differ (--disaggregate splits them)")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))
-    print(f"prefill: {c.prefill_tokens} tokens in {c.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
+    print(f"prefill: {pc.prefill_tokens} tokens in {pc.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     bf16, fp8 = capacity["bfloat16"], capacity["fp8_e4m3"]
-    per_device = f" ({engine.kv_bytes_per_token_per_device} per device)" if mesh else ""
-    print(f"KV bytes per token: {engine.bytes_per_token}{per_device}; pool: {engine.capacity_tokens} tokens in "
-          f"{budget} bytes{' per device' if mesh else ''}")
+    per_device = f" ({decoder.kv_bytes_per_token_per_device} per device)" if tp > 1 else ""
+    print(f"KV bytes per token: {decoder.bytes_per_token}{per_device}; pool: {decoder.capacity_tokens} tokens in "
+          f"{budget} bytes{' per device' if tp > 1 else ''}")
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens ({fp8 / bf16:.2f}x)")
-    print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={c.rejections} peak pages={c.peak_pages_in_use}")
+    print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
 
 

@@ -27,13 +27,14 @@ from models.partitioning import MODEL_AXIS, int4_split, spec_for, tp_size
 from models.weights import Int4Weight
 
 
-def tp_mesh(tp: int) -> Mesh:
-    """A 1-D mesh ("model",) over the first tp devices (on CPU, start Python with
-    XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices)."""
-    if not 0 < tp <= jax.device_count():
-        raise ValueError(f"tensor parallel size {tp}: {jax.device_count()} devices available (on CPU, set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={tp} before starting Python)")
-    return Mesh(jax.devices()[:tp], (MODEL_AXIS,))
+def tp_mesh(tp: int, first: int = 0) -> Mesh:
+    """A 1-D mesh ("model",) over tp devices from device `first` on (on CPU, start Python with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices). Disaggregated serving puts
+    its prefill engine on one such mesh and its decode engine on the next."""
+    if tp <= 0 or first < 0 or first + tp > jax.device_count():
+        raise ValueError(f"devices [{first}, {first + tp}): {jax.device_count()} devices available (on CPU, set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={first + tp} before starting Python)")
+    return Mesh(jax.devices()[first : first + tp], (MODEL_AXIS,))
 
 
 def as_auto(mesh: Mesh) -> Mesh:

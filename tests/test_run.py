@@ -1,6 +1,7 @@
 """`python -m mixserve.run`: the default job, the JSON report, hybrid weights and --help."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
                  "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
-                 "--max-seq-len"):
+                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype"):
         assert flag in out
 
 
@@ -56,3 +57,23 @@ def test_max_seq_len_rejects_only_the_request_that_exceeds_it(capsys):
     ok, rejected = report["requests"]
     assert ok["status"] == "ok" and len(ok["tokens"]) == 4
     assert rejected["status"] == "rejected" and "13 exceeds the context limit 12" in rejected["reason"]
+
+
+def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
+    """Two simulated CPU devices: prefill on one, decode on the other. With the same KV format on
+    both sides the pages move unchanged, so the tokens are those of one engine."""
+    script = (
+        "import json; from mixserve import run\n"
+        "args = ['--json', '--max-new-tokens', '4', '--prefill-chunk', '8']\n"
+        "pair = run.main(args + ['--disaggregate', '--prefill-kv-cache-dtype', 'fp8_e4m3'])\n"
+        "one = run.main(args)\n"
+        "print('RESULT', json.dumps([pair['disaggregated'], [r['tokens'] for r in pair['requests']],\n"
+        "                            [r['tokens'] for r in one['requests']]]))\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where, pair_tokens, one_tokens = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert where["prefill_devices"] != where["decode_devices"]
+    assert where["handover"]["handovers"] == len(run.DEFAULT_PROMPTS) and where["handover"]["bytes_sent"] > 0
+    assert where["prefill_counters"]["decode_tokens"] == 0
+    assert pair_tokens == one_tokens
