@@ -38,6 +38,16 @@ def test_serving_script_runs(tmp_path):
     assert "| None |" in out and "(2 prefill calls of 32 tokens for the long prompt)" in out  # chunked prefill
 
 
+def test_disaggregated_script_runs(tmp_path):
+    out = run("disaggregated.py", "--models", "tiny-glm4", "--prompts", "2", "--new-tokens", "2", "--repeats", "1",
+              "--prompt-range", "40", "48", "--handover-requests", "2", "--handover-prompt", "40",
+              "--out", str(tmp_path / "d.md"))
+    assert "| tiny-glm4 | pair: FP8 -> FP8 (control) |" in out
+    # tiny-kimi's KV is 120 bytes per token in FP8, 240 in BF16; 40 tokens are sent as 3 pages of 16.
+    assert "| fp8_e4m3 | 144.0 |" in out and "| bfloat16 | 288.0 |" in out
+    assert (tmp_path / "d.md").read_text() in out
+
+
 def test_gpu_benchmark_reports_a_failing_or_late_row_and_goes_on():
     """On the GPU a kernel may fail to compile where interpret mode passed: that
     row says FAILED with the error, the rest of the table is still measured, and
