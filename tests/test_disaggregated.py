@@ -193,8 +193,8 @@ def test_handed_over_pages_are_checked_on_the_decode_side():
 def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_its_name():
     model = mixserve.load("tiny-kimi", dtype="float32")
     other = mixserve.load("tiny-glm4", dtype="float32")
-    p = lambda **kw: Engine(model, prefill_only=True, num_pages=8, **{**CFG, **kw})
-    d = lambda m=model, **kw: Engine(m, num_pages=8, **{**CFG, **kw})
+    p = lambda **kw: Engine(model, prefill_only=True, **{**CFG, "num_pages": 8, **kw})
+    d = lambda m=model, **kw: Engine(m, **{**CFG, "num_pages": 8, **kw})
     with pytest.raises(ValueError, match="prefill_only"):
         DisaggregatedEngine(d(), d())
     with pytest.raises(ValueError, match="same model"):
