@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from experiments.fp8_kv_agreement import token_agreement
+from experiments.report import publish
 import mixserve
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
@@ -46,15 +48,6 @@ def pair(model, prefill_kv: str, decode_kv: str, batch: int) -> DisaggregatedEng
                                Engine(model, kv_dtype=decode_kv, max_batch=batch, min_decode_rows=batch, **COMMON))
 
 
-def agreement(ref, test, new: int) -> tuple[float, float, float]:
-    """(first token agrees, all positions agree, mean common prefix) of two lists of Results."""
-    first = np.mean([a.tokens[0] == b.tokens[0] for a, b in zip(ref, test)])
-    pos = np.mean([x == y for a, b in zip(ref, test) for x, y in zip(a.tokens, b.tokens)])
-    prefix = np.mean([next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), new)
-                      for a, b in zip(ref, test)])
-    return float(first), float(pos), float(prefix)
-
-
 def format_table(models, prompts: int, new: int, lo: int, hi: int) -> list[str]:
     rows = ["| model | serving | first token agrees | all positions agree | mean common prefix |", "|---|---|---|---|---|"]
     ps = long_prompts(prompts, lo, hi, seed=0)
@@ -69,7 +62,7 @@ def format_table(models, prompts: int, new: int, lo: int, hi: int) -> list[str]:
         if control != [r.tokens for r in results["one engine, FP8 KV"]]:
             raise SystemExit(f"{name}: the FP8 -> FP8 pair's tokens differ from one FP8 engine's: a hand-over bug")
         for label, got in results.items():
-            first, pos, prefix = agreement(ref, got, new)
+            first, pos, prefix = token_agreement(ref, got, new)
             rows.append(f"| {name} | {label} | {first:.2f} | {pos:.2f} | {prefix:.1f} / {new} |")
     return rows
 
@@ -125,11 +118,7 @@ def main(argv=None) -> None:
              f"{args.repeats} interleaved runs after a warm-up. Both engines run on the same CPU cores in one loop, "
              "taking turns: the pair's time includes both.", "",
              *handover_table(args.handover_requests, args.handover_prompt, args.new_tokens, args.repeats)]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import datetime
 
 import numpy as np
 
+from experiments.report import publish
 import mixserve
 from mixserve.engine import Engine
 
@@ -22,7 +23,11 @@ def agreement(model, kv_dtype: str, prompts, new: int) -> tuple[float, float, fl
     """(first-token agreement, position-wise agreement, mean length of the common prefix)."""
     run = lambda d: Engine(model, kv_dtype=d, num_pages=256, page_size=16, max_batch=len(prompts),
                            stop_tokens=()).generate(prompts, max_new_tokens=new)
-    ref, test = run("auto"), run(kv_dtype)
+    return token_agreement(run("auto"), run(kv_dtype), new)
+
+
+def token_agreement(ref, test, new: int) -> tuple[float, float, float]:
+    """(first token agrees, all positions agree, mean common prefix) of two lists of Results."""
     first = np.mean([a.tokens[0] == b.tokens[0] for a, b in zip(ref, test)])
     pos = np.mean([x == y for a, b in zip(ref, test) for x, y in zip(a.tokens, b.tokens)])
     prefix = np.mean([next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), new) for a, b in zip(ref, test)])
@@ -49,11 +54,7 @@ def main(argv=None) -> None:
         for kv in ("fp8_e4m3", "fp8_e5m2"):
             first, pos, prefix = agreement(model, kv, prompts, args.new_tokens)
             lines.append(f"| {name} | {kv} | {first:.2f} | {pos:.2f} | {prefix:.1f} / {args.new_tokens} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

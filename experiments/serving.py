@@ -34,6 +34,7 @@ import time
 import jax
 import numpy as np
 
+from experiments.report import publish
 import mixserve
 from mixserve import page_table as pt
 from mixserve.engine import Engine
@@ -346,11 +347,7 @@ def main(argv=None) -> None:
               f"decode {args.new_tokens} tokens, prefill_chunk 32, {2 * args.repeats} interleaved runs)", ""]
     lines += chunked_prefill_table(model, 4, args.long_prompt, 32, args.new_tokens, 2 * args.repeats)
     lines += ["", "CPU times on a shared 2-core machine: ratios within one run are the result, absolute rates are not."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
