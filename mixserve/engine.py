@@ -140,6 +140,11 @@ class Engine(Frontend):
     def table(self) -> pt.PageTable:
         return self.pages.table
 
+    def step(self):
+        if self.prefill_only:  # its requests would never get past their first token
+            raise RuntimeError("a prefill_only engine never decodes: serve through DisaggregatedEngine(it, decode_engine)")
+        return super().step()
+
     def _reject_reason(self, req: Request) -> str | None:
         return reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
                              page_size=self.page_size, num_pages=self.num_pages, prompt_only=self.prefill_only)

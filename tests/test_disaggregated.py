@@ -197,6 +197,8 @@ def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_it
     d = lambda m=model, **kw: Engine(m, **{**CFG, "num_pages": 8, **kw})
     with pytest.raises(ValueError, match="prefill_only"):
         DisaggregatedEngine(d(), d())
+    with pytest.raises(RuntimeError, match="never decodes"):  # alone it would loop forever
+        p().generate([[1, 2]], max_new_tokens=2)
     with pytest.raises(ValueError, match="same model"):
         DisaggregatedEngine(p(), d(other))
     with pytest.raises(ValueError, match="page sizes"):

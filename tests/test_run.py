@@ -60,20 +60,23 @@ def test_max_seq_len_rejects_only_the_request_that_exceeds_it(capsys):
 
 
 def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
-    """Two simulated CPU devices: prefill on one, decode on the other. With the same KV format on
-    both sides the pages move unchanged, so the tokens are those of one engine."""
+    """Four simulated CPU devices, tensor parallel 2 on each side: prefill on devices 0-1, decode
+    on 2-3, tiny-glm4's KV heads split over each pair, so pages move between two shardings. With
+    the same KV format on both sides the pages move unchanged: the tokens are one device's."""
     script = (
         "import json; from mixserve import run\n"
-        "args = ['--json', '--max-new-tokens', '4', '--prefill-chunk', '8']\n"
-        "pair = run.main(args + ['--disaggregate', '--prefill-kv-cache-dtype', 'fp8_e4m3'])\n"
+        "args = ['--json', '--model', 'tiny-glm4', '--max-new-tokens', '4', '--prefill-chunk', '8']\n"
+        "pair = run.main(args + ['--disaggregate', '--tensor-parallel', '2', '--prefill-kv-cache-dtype', 'fp8_e4m3'])\n"
         "one = run.main(args)\n"
+        "split = pair['kv_bytes_per_token'] // pair['kv_bytes_per_token_per_device']\n"
         "print('RESULT', json.dumps([pair['disaggregated'], [r['tokens'] for r in pair['requests']],\n"
-        "                            [r['tokens'] for r in one['requests']]]))\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+        "                            [r['tokens'] for r in one['requests']], split]))\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    where, pair_tokens, one_tokens = json.loads(out.stdout.split("RESULT ", 1)[1])
-    assert where["prefill_devices"] != where["decode_devices"]
+    where, pair_tokens, one_tokens, split = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert split == 2  # each decode device holds one of the two KV heads
+    assert where["prefill_devices"] == ["cpu:0", "cpu:1"] and where["decode_devices"] == ["cpu:2", "cpu:3"]
     assert where["handover"]["handovers"] == len(run.DEFAULT_PROMPTS) and where["handover"]["bytes_sent"] > 0
     assert where["prefill_counters"]["decode_tokens"] == 0
     assert pair_tokens == one_tokens
