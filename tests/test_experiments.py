@@ -48,6 +48,17 @@ def test_disaggregated_script_runs(tmp_path):
     assert (tmp_path / "d.md").read_text() in out
 
 
+def test_fixed_memory_script_runs(tmp_path):
+    """A budget of 2 BF16 requests of 24 + 8 tokens (2 pages each): at concurrency 4 the BF16
+    engine can run only 2 requests per decode step, the FP8 one all 4."""
+    out = run("fixed_memory.py", "--concurrency", "4", "--fit", "2", "--repeats", "1", "--new-tokens", "8",
+              "--prompt-len", "24", "--out", str(tmp_path / "f.md"))
+    row = next(line for line in out.splitlines() if line.startswith("| 4 |")).split(" | ")
+    assert row[2] == "2.0" and row[5] == "4.0", row  # requests per decode step, BF16 then FP8
+    assert "the seed's Kimi K2.6 on H200: 2,192 / 1,558 tok/s = 1.41x" in out
+    assert (tmp_path / "f.md").read_text() in out
+
+
 def test_gpu_benchmark_reports_a_failing_or_late_row_and_goes_on():
     """On the GPU a kernel may fail to compile where interpret mode passed: that
     row says FAILED with the error, the rest of the table is still measured, and
