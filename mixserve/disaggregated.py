@@ -9,9 +9,11 @@ devices (a mesh each); one request's path:
   1. `submit` checks it against both engines' limits and queues it on the prefill engine, which is
      built with prefill_only=True: it admits, prefills (chunked, batched) and samples the first
      token as any engine does, then keeps the request's pages instead of decoding.
-  2. Each step, `_hand_over` moves the prefilled requests, oldest first, while the decode engine
-     has a slot and pages (`Scheduler.adopt`, which also shares a prompt prefix the decode pool
-     already holds, so those pages are not sent). Their pages are gathered and converted to the
+  2. Each step, `_hand_over` checks the prefilled requests' page mappings on the prefill side
+     (the seed's check just before pages are read: a request that fails is aborted with the
+     reason, not sent), then moves them, oldest first, while the decode engine has a slot and
+     pages (`Scheduler.adopt`, which also shares a prompt prefix the decode pool already holds,
+     so those pages are not sent). Their pages are gathered and converted to the
      decode pool's format on the prefill side (mixserve/kv_transfer.py), moved to the decode
      engine's devices, and written into the pages adopt allocated, which carry fresh integrity
      tags. The prefill engine then frees its copy. A request the decode engine cannot take yet
@@ -83,12 +85,29 @@ class DisaggregatedEngine(Frontend):
         self._hand_over()
         self.decode._advance()
 
+    def _checked(self, ready: list[Request]) -> list[Request]:
+        """The seed's check before pages are read, on the prefill side (unless its integrity is
+        "off"): a request whose mapping fails may point at another request's KV, so it is aborted
+        with the reason (strict: raised), not handed over."""
+        p = self.prefill
+        if p.integrity == "off" or not ready:
+            return ready
+        passed = []
+        for req, why in zip(ready, p.integrity_failures(ready)):
+            if why is None:
+                passed.append(req)
+            elif p.integrity == "strict":
+                raise RuntimeError(f"KV integrity check failed before hand-over: {why}")
+            else:
+                p.abort(req, f"KV integrity check failed before hand-over: {why}")
+        return passed
+
     def _hand_over(self) -> None:
         """Move every prefilled request the decode engine can take now, in one transfer."""
         p, d = self.prefill, self.decode
         t0 = time.perf_counter()
         src_table, src_ids, moved = np.asarray(p.table.pages_BN), [], []
-        for req in p.scheduler.live():  # prefilled, not finished: oldest first
+        for req in self._checked(p.scheduler.live()):  # prefilled, not finished: oldest first
             src_slot, n = req.slot, req.pages
             shared = d.scheduler.adopt(req)  # req's slot and pages are the decode engine's from here
             if shared is None:

@@ -25,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 import pallas_kernels
@@ -166,6 +167,18 @@ class Engine(Frontend):
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
         return self.runner.lowered_decode_text(self.pages.table)
 
+    def integrity_failures(self, reqs: list[Request]) -> list[str | None]:
+        """The integrity check of reqs' page mappings, run on its own: for each, None if it
+        passes, else which page failed and how."""
+        active = jnp.zeros(self.max_batch, bool).at[jnp.asarray([r.slot for r in reqs])].set(True)
+        report = _verify_jit(self.pages.table, active)
+        ok = np.asarray(report.ok_B)
+        return [None if ok[r.slot] else pt.describe(report, r.slot) for r in reqs]
+
+    def abort(self, req: Request, reason: str) -> None:
+        req.finish("aborted", reason)
+        self.counters.aborts += 1
+
     # ---- one step's parts ------------------------------------------------------------------------
     def _prefill(self) -> None:
         """Prefill calls over the prefilling requests plus those admitted now, within the budget."""
@@ -200,14 +213,11 @@ class Engine(Frontend):
         self.counters.steps += 1
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
-        report = None
+        why = None
         for r, row_ok, token in zip(live, ok, next_tok):
             if not row_ok:
-                if report is None:  # the step's check said which rows; this says why
-                    active = jnp.zeros(self.max_batch, bool).at[jnp.asarray([q.slot for q in live])].set(True)
-                    report = _verify_jit(self.pages.table, active)
-                r.finish("aborted", "KV integrity check failed: " + pt.describe(report, r.slot))
-                self.counters.aborts += 1
+                why = why or self.integrity_failures(live)  # the step's check said which rows; this says why
+                self.abort(r, "KV integrity check failed: " + why[live.index(r)])
                 continue
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1

@@ -190,6 +190,41 @@ def test_handed_over_pages_are_checked_on_the_decode_side():
     assert got[1].tokens == want[1].tokens[: len(got[1].tokens)]
 
 
+@pytest.mark.parametrize("integrity", ["check", "strict"])
+def test_a_corrupt_mapping_on_the_prefill_side_is_caught_before_its_pages_are_sent(integrity):
+    """Right after the second request's prefill, a bookkeeping bug re-tags one of its pages on
+    the prefill side. Its hand-over would send whatever that page now holds; instead it is
+    aborted with the reason (strict: raised), and the other request is served as one engine."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps = prompts(7)[:2]  # 5 and 11 tokens: prefilled in steps 1 and 2
+    want = Engine(model, num_pages=64, **CFG).generate(ps, max_new_tokens=6)
+    dis = pair(model, integrity=integrity)
+    advance, corrupted = dis.prefill._advance, []
+
+    def advance_then_corrupt():
+        advance()
+        for r in dis.prefill.scheduler.live():
+            if r.rid == 1 and not corrupted:
+                dis.prefill.pages.table = faults.stale_tag(dis.prefill.pages.table, r.slot)
+                corrupted.append(r.rid)
+
+    dis.prefill._advance = advance_then_corrupt
+    if integrity == "strict":
+        with pytest.raises(RuntimeError, match="before hand-over: page .* expected tag"):
+            dis.generate(ps, max_new_tokens=6)
+        return
+    got = dis.generate(ps, max_new_tokens=6)
+    assert corrupted == [1]
+    assert got[0].status == "ok" and got[0].tokens == want[0].tokens
+    assert got[1].status == "aborted" and got[1].tokens == want[1].tokens[:1]  # its first token came from prefill
+    assert got[1].reason.startswith("KV integrity check failed before hand-over: page ")
+    assert dis.counters.handovers == 1 and dis.prefill.counters.aborts == 1
+    # The re-tagged page no longer matches the request's record, so release leaves it out of
+    # circulation (page_table.release: a corrupt mapping never frees a page); the rest return.
+    assert dis.prefill.free_pages == dis.prefill.num_pages - 1
+    assert dis.decode.free_pages == dis.decode.num_pages
+
+
 def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_its_name():
     model = mixserve.load("tiny-kimi", dtype="float32")
     other = mixserve.load("tiny-glm4", dtype="float32")
