@@ -31,10 +31,10 @@ from jax.sharding import Mesh
 import pallas_kernels
 from mixserve import page_table as pt
 from mixserve import sharding
+from mixserve.frontend import Frontend
 from mixserve.kv_cache import bytes_per_token, storage_dtype
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
-from mixserve.frontend import Frontend
 from mixserve.request import Request, Result, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
@@ -141,7 +141,7 @@ class Engine(Frontend):
     def table(self) -> pt.PageTable:
         return self.pages.table
 
-    def step(self):
+    def step(self) -> list[Update]:
         if self.prefill_only:  # its requests would never get past their first token
             raise RuntimeError("a prefill_only engine never decodes: serve through DisaggregatedEngine(it, decode_engine)")
         return super().step()
@@ -214,10 +214,10 @@ class Engine(Frontend):
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
         why = None
-        for r, row_ok, token in zip(live, ok, next_tok):
+        for i, (r, row_ok, token) in enumerate(zip(live, ok, next_tok)):
             if not row_ok:
                 why = why or self.integrity_failures(live)  # the step's check said which rows; this says why
-                self.abort(r, "KV integrity check failed: " + why[live.index(r)])
+                self.abort(r, "KV integrity check failed: " + why[i])
                 continue
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1

@@ -6,8 +6,9 @@ compute-bound) and decode's in FP8 (decode is memory-bound, and FP8 holds twice 
 and scales, so the transfer carries the receiver's bytes (FP8: half of BF16). `import_pages`
 writes them into the pages the receiver allocated for them.
 
-Conversion goes through float32: real = stored * sender's scale, then `quantize_for_pool(real,
-receiver's dtype, receiver's scale)`, the saturating cast a write into the receiver's pool makes.
+Conversion goes through float32: real = stored * sender's scale (a BF16 pool stores real values:
+scales apply to FP8 pools only), then `quantize_for_pool(real, receiver's dtype, receiver's
+scale)`, the saturating cast a write into the receiver's pool makes.
 So a BF16 page of a BF16 model arrives as exactly the FP8 bytes the receiver would have stored
 had it computed those keys itself. When dtypes and scales are equal, pages are copied unchanged.
 
