@@ -106,8 +106,11 @@ class DisaggregatedEngine(Frontend):
         """Move every prefilled request the decode engine can take now, in one transfer."""
         p, d = self.prefill, self.decode
         t0 = time.perf_counter()
+        ready = self._checked(p.scheduler.live())  # prefilled, not finished: oldest first
+        if not ready:
+            return  # most steps: no host round trip
         src_table, src_ids, moved = np.asarray(p.table.pages_BN), [], []
-        for req in self._checked(p.scheduler.live()):  # prefilled, not finished: oldest first
+        for req in ready:
             src_slot, n = req.slot, req.pages
             shared = d.scheduler.adopt(req)  # req's slot and pages are the decode engine's from here
             if shared is None:
