@@ -23,7 +23,7 @@ from experiments.report import publish
 from experiments.serving import closed_loop
 import mixserve
 from mixserve.engine import Engine
-from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.kv_cache import bytes_per_token, kv_format
 
 SEED_KIMI = {1: (137, 125), 16: (1106, 1028), 32: (1558, 1489), 64: (None, 2192)}  # tok/s BF16, FP8 KV
 
@@ -31,7 +31,7 @@ SEED_KIMI = {1: (137, 125), 16: (1106, 1028), 32: (1558, 1489), 64: (None, 2192)
 def budget_for(model, fit: int, tokens_per_request: int, page_size: int) -> int:
     """KV bytes that hold `fit` requests of tokens_per_request tokens in BF16, in whole pages."""
     pages = fit * -(-tokens_per_request // page_size)
-    return pages * page_size * bytes_per_token(model.config, storage_dtype("bfloat16", None))
+    return pages * page_size * bytes_per_token(model.config, kv_format("bfloat16", None))
 
 
 def fixed_memory_table(model, concurrencies, fit: int, prompt_len: int, new_tokens: int, repeats: int,

@@ -38,7 +38,7 @@ from experiments.report import publish
 import mixserve
 from mixserve import page_table as pt
 from mixserve.engine import Engine
-from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.kv_cache import bytes_per_token, kv_format
 from mixserve.model_runner import decode_rows, prefill_tokens
 from models.presets import PRESETS
 
@@ -48,7 +48,7 @@ SEED_KIMI_BF16_TOKENS = 686_000  # the seed: Kimi K2.6 KV pool, BF16 -> ~1.37 M 
 def capacity_table(budget_bytes: int, page_size: int) -> list[str]:
     rows = ["| preset | KV bytes/token BF16 | FP8 | tokens in budget BF16 | FP8 | ratio |", "|---|---|---|---|---|---|"]
     for name, cfg in PRESETS.items():
-        b16, f8 = (bytes_per_token(cfg, storage_dtype(d, None)) for d in ("bfloat16", "fp8_e4m3"))
+        b16, f8 = (bytes_per_token(cfg, kv_format(d, None)) for d in ("bfloat16", "fp8_e4m3"))
         t16, t8 = (budget_bytes // (b * page_size) * page_size for b in (b16, f8))
         rows.append(f"| {name} | {b16:,} | {f8:,} | {t16:,} | {t8:,} | {t8 / t16:.3f} |")
     return rows
@@ -59,7 +59,7 @@ def concurrency_table(budget_bytes: int, page_size: int, prompt: int, generated:
     pages_per_request = -(-(prompt + generated) // page_size)
     for name in ("kimi-k2.6", "glm-4.6", "glm-5"):
         cfg = PRESETS[name]
-        counts = [budget_bytes // (bytes_per_token(cfg, storage_dtype(d, None)) * page_size) // pages_per_request
+        counts = [budget_bytes // (bytes_per_token(cfg, kv_format(d, None)) * page_size) // pages_per_request
                   for d in ("bfloat16", "fp8_e4m3")]
         rows.append(f"| {name} | {counts[0]:,} | {counts[1]:,} |")
     return rows
@@ -319,8 +319,8 @@ def main(argv=None) -> None:
     lines += ["## KV tokens in a 48 GiB budget (page size 64)", ""] + capacity_table(budget, 64)
     kimi = PRESETS["kimi-k2.6"]
     lines += ["", f"The seed's Kimi K2.6 pool holds ~{SEED_KIMI_BF16_TOKENS:,} tokens in BF16 -> ~1.37 M in FP8; "
-              f"{SEED_KIMI_BF16_TOKENS:,} tokens x {bytes_per_token(kimi, storage_dtype('bfloat16', None)):,} B = "
-              f"{SEED_KIMI_BF16_TOKENS * bytes_per_token(kimi, storage_dtype('bfloat16', None)) / 2**30:.1f} GiB.", ""]
+              f"{SEED_KIMI_BF16_TOKENS:,} tokens x {bytes_per_token(kimi, kv_format('bfloat16', None)):,} B = "
+              f"{SEED_KIMI_BF16_TOKENS * bytes_per_token(kimi, kv_format('bfloat16', None)) / 2**30:.1f} GiB.", ""]
     lines += ["## Largest concurrency that fits (48 GiB, 8192 + 1000 tokens per request, the seed's overhead workload)", ""]
     lines += concurrency_table(budget, 64, 8192, 1000)
     lines += ["", f"## Decode throughput by concurrency ({args.model}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats)", ""]

@@ -63,8 +63,9 @@ class DisaggregatedEngine(Frontend):
         self.counters = HandoverCounters()
         p_cfg, d_cfg = prefill.runner.cfg, decode.runner.cfg
         self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)
-        self._convert = kv_transfer.needs_conversion(prefill.kv_dtype, self._src_scales, decode.kv_dtype,
+        self._convert = kv_transfer.needs_conversion(prefill.kv_format, self._src_scales, decode.kv_format,
                                                      self._dst_scales)
+        self._dst_layout = kv_transfer.layout(decode.runner.pools)
         # Where the pages land: the decode pools' devices and sharding (GQA: split by KV head).
         self._dst_shardings = jax.tree.map(lambda pool: pool.sharding, decode.runner.pools)
         # Committed there from the start, as a step's output is: else the first import compiles twice.
@@ -124,7 +125,7 @@ class DisaggregatedEngine(Frontend):
         dst_ids = [page for req, shared, _ in moved for page in dst_table[req.slot, shared : req.pages].tolist()]
         if src_ids:
             sent = kv_transfer.export_pages(p.runner.pools, kv_transfer.padded(src_ids, 0), self._src_scales,
-                                            self._dst_scales, dst_dtype=d.kv_dtype, convert=self._convert)
+                                            self._dst_scales, dst_layout=self._dst_layout, convert=self._convert)
             sent = jax.device_put(sent, self._dst_shardings)
             d.runner.pools = kv_transfer.import_pages(d.runner.pools, kv_transfer.padded(dst_ids, d.num_pages), sent)
             jax.block_until_ready(d.runner.pools)  # the next decode step waits for it anyway: time it here

@@ -32,7 +32,7 @@ import pallas_kernels
 from mixserve import page_table as pt
 from mixserve import sharding
 from mixserve.frontend import Frontend
-from mixserve.kv_cache import bytes_per_token, storage_dtype
+from mixserve.kv_cache import bytes_per_token, kv_format
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, Update, reject_reason
@@ -69,12 +69,12 @@ class Engine(Frontend):
         if decode_model is not None and decode_model.config != cfg:
             raise ValueError("decode_model must be the same model (same config) in another weight format")
         self.cfg, self.integrity = cfg, integrity
-        self.kv_dtype = storage_dtype(kv_dtype, model.dtype)
+        self.kv_format = kv_format(kv_dtype, model.dtype)
         self.page_size = page_size
-        self.bytes_per_token = bytes_per_token(cfg, self.kv_dtype)
+        self.bytes_per_token = bytes_per_token(cfg, self.kv_format)
         # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
         self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
-        self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_dtype, mesh)
+        self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh)
         if num_pages is None:
             num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
@@ -121,7 +121,7 @@ class Engine(Frontend):
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
-            self.num_pages, page_size, self.kv_dtype, max_batch, prefill_chunk, k_scale, v_scale,
+            self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh))
 
     # ---- public ---------------------------------------------------------------------------------

@@ -8,6 +8,14 @@ FP8 pools quantize on write: stored = saturate(value / scale), real = stored * s
 per-tensor scale (1.0 by default, or calibrated) or per-KV-head scales (GQA). e4m3fn has no
 infinity, so the saturating clamp is what keeps an outlier from becoming NaN.
 
+"fp8_ds_mla" (MLA only; vLLM's name for FlashMLA's FP8 layout, pallas_kernels/tiled_fp8.py)
+stores each latent as latent_PSL [P, S, L] e4m3 with latent_scale_PSG [P, S, L/128] float32
+(a power of two per token and 128-column tile) and rope_PSR [P, S, R] bfloat16: 656 bytes per
+token and layer at L = 512, R = 64. Its DSA index keys are e4m3 with index_scale_PS1 [P, S, 1],
+one scale per token (as DeepSeek-V3.2's indexer cache). The scales are computed at write time
+from each token's own values, so there is nothing to calibrate. A pool dict describes itself:
+an entry `name` is tiled when `name + "_scale"` is among its arrays (`encode`, `decode`).
+
 `PagedKV` implements the model-facing interface of models/kv.py for one engine step: each layer
 writes this step's fresh keys/values into its pages, then attends. Decode (one token per row)
 reads everything from the pages, through the pluggable attention backend (XLA reference or the
@@ -30,47 +38,82 @@ from models import partitioning
 from models.config import ModelConfig
 from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask, top_k_positions
 from models.weights import saturating_cast
+from pallas_kernels.paged_attention_mla import TiledLatentPages
+from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles, tile_width
 
-KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"]
+KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]
 STORAGE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+TILED = "fp8_ds_mla"
 
 
-def storage_dtype(kv_dtype: str, model_dtype) -> jnp.dtype:
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """How an engine's pools store keys and values.
+
+    dtype: the storage dtype (FP8 with the engine's per-tensor or per-head scales).
+    tiled: FlashMLA's layout (kv_cache_dtype "fp8_ds_mla"; MLA only): e4m3 with a scale per
+      token and tile, and the RoPE part in bf16 (module docstring).
+    """
+
+    dtype: jnp.dtype
+    tiled: bool = False
+
+    @property
+    def name(self) -> str:
+        return TILED if self.tiled else jnp.dtype(self.dtype).name
+
+
+def kv_format(kv_dtype: str, model_dtype) -> KVFormat:
+    """The format a --kv-cache-dtype names ("auto": the model's dtype)."""
     if kv_dtype == "auto":
-        return jnp.dtype(model_dtype)
+        return KVFormat(jnp.dtype(model_dtype))
+    if kv_dtype == TILED:
+        return KVFormat(jnp.dtype(jnp.float8_e4m3fn), tiled=True)
     if kv_dtype not in STORAGE:
-        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected auto, {', '.join(STORAGE)}")
-    return jnp.dtype(STORAGE[kv_dtype])
+        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected auto, {', '.join(STORAGE)}, {TILED}")
+    return KVFormat(jnp.dtype(STORAGE[kv_dtype]))
 
 
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    """KV bytes per token over all layers, DSA indexer keys included."""
-    item = jnp.dtype(dtype).itemsize
+def _check_format(cfg: ModelConfig, fmt: KVFormat) -> None:
+    if fmt.tiled and cfg.attention_kind != "mla":
+        raise ValueError(f"kv_cache_dtype {TILED} is FlashMLA's layout for MLA latents; this model uses "
+                         f"{cfg.attention_kind.upper()} attention: use fp8_e4m3")
+
+
+def _mla_layer_pool(cfg: ModelConfig, layer: int, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
+    """The arrays of one MLA layer: [P, S, width] each, by name."""
+    L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    dsa = cfg.family == "glm_moe_dsa" and cfg.indexer_types[layer] == "full"
+    if fmt.tiled:
+        widths = {"latent": (L, fmt.dtype), "latent_scale": (L // tile_width(L), jnp.float32), "rope": (R, jnp.bfloat16)}
+        if dsa:
+            widths |= {"index": (cfg.index_head_dim, fmt.dtype), "index_scale": (1, jnp.float32)}
+    else:
+        widths = {"latent": (L + R, fmt.dtype)} | ({"index": (cfg.index_head_dim, fmt.dtype)} if dsa else {})
+    return {name: jax.ShapeDtypeStruct((num_pages, page_size, width), dtype) for name, (width, dtype) in widths.items()}
+
+
+def bytes_per_token(cfg: ModelConfig, fmt: KVFormat) -> int:
+    """KV bytes per token over all layers, DSA indexer keys (and tile scales) included."""
+    _check_format(cfg, fmt)
     if cfg.attention_kind == "gqa":
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
-    total = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * item
-    if cfg.family == "glm_moe_dsa":
-        total += sum(t == "full" for t in cfg.indexer_types) * cfg.index_head_dim * item
-    return total
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(fmt.dtype).itemsize
+    return sum(x.shape[2] * x.dtype.itemsize for layer in range(cfg.num_layers)
+               for x in _mla_layer_pool(cfg, layer, 1, 1, fmt).values())
 
 
-def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> list[dict]:
+def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, fmt: KVFormat) -> list[dict]:
     """Zeroed pools, one dict per layer."""
-    pools = []
-    for layer in range(cfg.num_layers):
-        if cfg.attention_kind == "gqa":
-            shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-            pools.append({"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)})
-        else:
-            pool = {"latent": jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), dtype)}
-            if cfg.family == "glm_moe_dsa" and cfg.indexer_types[layer] == "full":
-                pool["index"] = jnp.zeros((num_pages, page_size, cfg.index_head_dim), dtype)
-            pools.append(pool)
-    return pools
+    _check_format(cfg, fmt)
+    if cfg.attention_kind == "gqa":
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        return [{"k": jnp.zeros(shape, fmt.dtype), "v": jnp.zeros(shape, fmt.dtype)} for _ in range(cfg.num_layers)]
+    return [{name: jnp.zeros(x.shape, x.dtype) for name, x in _mla_layer_pool(cfg, layer, num_pages, page_size, fmt).items()}
+            for layer in range(cfg.num_layers)]
 
 
 def pool_scale(name: str, k_scale, v_scale):
@@ -91,6 +134,37 @@ def dequantize_from_pool(x, scale, dtype):
     if not is_fp8(x.dtype):
         return x.astype(dtype)
     return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
+def stored_names(pools: dict, name: str) -> tuple[str, ...]:
+    """The arrays that hold entry `name` ("k", "v", "latent", "index") in one layer's pools."""
+    if name + "_scale" not in pools:
+        return (name,)
+    return (name, name + "_scale") + (("rope",) if name == "latent" else ())
+
+
+def encode(pools: dict, name: str, real, scale) -> dict:
+    """Real values of entry `name` [..., width] -> its stored arrays {array name: [..., width']},
+    as `pools` (one layer's) lay them out. scale: the entry's per-tensor scale (untiled FP8)."""
+    if name + "_scale" not in pools:
+        return {name: quantize_for_pool(real, pools[name].dtype, scale)}
+    width, tiles = pools[name].shape[-1], pools[name + "_scale"].shape[-1]
+    stored, scales = quantize_tiles(real[..., :width], width // tiles)
+    rope = {"rope": real[..., width:].astype(pools["rope"].dtype)} if name == "latent" else {}
+    return {name: stored, name + "_scale": scales, **rope}
+
+
+def decode(stored: dict, name: str, scale, dtype):
+    """encode's inverse: the arrays of entry `name` (whole pools or gathered pages) -> real values."""
+    if name + "_scale" not in stored:
+        return dequantize_from_pool(stored[name], scale, dtype)
+    real = dequantize_tiles(stored[name], stored[name + "_scale"], dtype)
+    return jnp.concatenate([real, stored["rope"].astype(dtype)], axis=-1) if name == "latent" else real
+
+
+def entries(pools: dict) -> tuple[str, ...]:
+    """The entries one layer's pools hold (each stored in one array, or tiled in two or three)."""
+    return tuple(n for n in ("k", "v", "latent", "index") if n in pools)
 
 
 @jax.tree_util.register_dataclass
@@ -145,16 +219,18 @@ class LayerKV:
         real = jnp.arange(T)[None, :] < step.count_B[:, None]
         return jnp.where(real, page_BT, num_pages), pos_BT % S
 
-    def _write(self, name: str, fresh, scale, head_axis: bool):
-        pool = self.kv.new_pools[self.i][name]
+    def _write(self, name: str, fresh, scale, head_axis: bool) -> dict:
+        """Stores this step's fresh values of entry `name`; returns the entry's updated arrays."""
+        layer = self.kv.new_pools[self.i]
         page, off = self._slots(fresh.shape[1])
-        stored = quantize_for_pool(fresh, pool.dtype, scale[:, None] if scale.ndim else scale)
-        if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
-            pool = pool.at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
-        else:
-            pool = pool.at[page, off].set(stored, mode="drop")
-        self.kv.new_pools[self.i] = {**self.kv.new_pools[self.i], name: pool}
-        return pool
+        updated = {}
+        for array, stored in encode(layer, name, fresh, scale[:, None] if scale.ndim else scale).items():
+            if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
+                updated[array] = layer[array].at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
+            else:
+                updated[array] = layer[array].at[page, off].set(stored, mode="drop")
+        self.kv.new_pools[self.i] = {**layer, **updated}
+        return updated
 
     # ---- reading ------------------------------------------------------------------------------
     def _kernel_table(self, num_pages: int):
@@ -190,12 +266,16 @@ class LayerKV:
             return jnp.moveaxis(g, 0, -2).reshape(B, N * pool.shape[2], pool.shape[0], pool.shape[-1])
         return pool[pages].reshape(B, N * pool.shape[1], *pool.shape[2:])
 
+    def _read(self, stored: dict, name: str, scale, dtype):
+        """Entry `name` (MLA latent or DSA index keys) of every row in logical order: [B, N*S, width]."""
+        return decode({array: self._gather(pool, False) for array, pool in stored.items()}, name, scale, dtype)
+
     # ---- the model-facing interface ------------------------------------------------------------
     def attend_gqa(self, q_BTHD, k_BTKD, v_BTKD, *, scale):
         kv = self.kv
         T = q_BTHD.shape[1]
-        k_pool = self._write("k", k_BTKD, kv.k_scale, head_axis=True)
-        v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)
+        k_pool = self._write("k", k_BTKD, kv.k_scale, head_axis=True)["k"]
+        v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)["v"]
         if T == 1 and kv.backend != "xla":
             pages, lengths = self._kernel_table(k_pool.shape[1])
             kernel = lambda q, k, v, ks, vs, pages, lengths: pallas_kernels.paged_attention_gqa(
@@ -224,7 +304,7 @@ class LayerKV:
         B, T, H, N = q_nope.shape
         L = c_kv.shape[-1]
         latent_scale = pool_scale("latent", kv.k_scale, kv.v_scale)
-        pool = self._write("latent", jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), latent_scale, False)
+        stored = self._write("latent", jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), latent_scale, False)
         dt = q_nope.dtype
         if T == 1:  # absorbed decode: queries move into latent space; values stay latent until W_UV
             w = kv_b.dense_kernel().reshape(L, H, -1)
@@ -232,15 +312,17 @@ class LayerKV:
             q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
             if kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
+                tiled = "latent_scale" in stored
+                pool = TiledLatentPages(stored["latent"], stored["latent_scale"], stored["rope"]) if tiled else stored["latent"]
                 pages, lengths = self._kernel_table(pool.shape[0])
                 common = dict(kv_lora_rank=L, softmax_scale=scale, backend=kv.backend)
                 if index_mask is None:
                     kernel = lambda q, pool, s, pages, lengths: pallas_kernels.paged_attention_mla(
-                        q, pool, pages, lengths, scale=s, **common)
+                        q, pool, pages, lengths, scale=None if tiled else s, **common)
                     rows = (pages, lengths)
                 else:
                     kernel = lambda q, pool, s, pages, ids, count: pallas_kernels.sparse_paged_attention_mla(
-                        q, pool, pages, ids, count, scale=s, **common)
+                        q, pool, pages, ids, count, scale=None if tiled else s, **common)
                     rows = (pages, index_mask.token_ids_BK, index_mask.count_B)
                 # Tensor parallel: each device runs its query heads over the whole (replicated) latent pool.
                 mesh = partitioning.context_mesh()
@@ -248,12 +330,12 @@ class LayerKV:
                 kernel = partitioning.per_device(kernel, mesh, (P(None, head),) + (P(),) * (2 + len(rows)), P(None, head))
                 out_lat = kernel(q, pool, latent_scale, *rows)
             else:
-                latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)  # [B, N*S, C]
+                latent = self._read(stored, "latent", latent_scale, dt)  # [B, N*S, C]
                 mask = self._context_mask(1, True) if index_mask is None else index_mask
                 out_lat = masked_attention(q[:, None], latent[:, :, None, :], latent[:, :, None, :L], mask, scale)[:, 0]
             out = jnp.einsum("bhl,lhv->bhv", out_lat.astype(dt), w_uv.astype(dt), preferred_element_type=jnp.float32)
             return out.astype(dt)[:, None]
-        latent = dequantize_from_pool(self._gather(pool, False), latent_scale, dt)
+        latent = self._read(stored, "latent", latent_scale, dt)
         c_all = jnp.concatenate([latent[..., :L], c_kv.astype(dt)], axis=1)
         pe_all = jnp.concatenate([latent[..., L:], k_pe.astype(dt)], axis=1)
         q, k, v = expand_mla(q_nope, q_pe, c_all, pe_all, kv_b)
@@ -267,8 +349,7 @@ class LayerKV:
         """DSA over the cache: the index keys live in their own pool; same masks as attention."""
         T, kv = q_BTHD.shape[1], self.kv
         scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
-        pool = self._write("index", k_BTD, scale_1, False)
-        k_ctx = dequantize_from_pool(self._gather(pool, False), scale_1, jnp.float32)
+        k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
         if T == 1 and self.kv.backend != "xla":
             # top_k_mask's choice, kept as positions for the sparse kernel.
             valid_B1S = self._context_mask(1, True)
@@ -317,7 +398,10 @@ def calibrate_scales(model, tokens_BT, *, kv_dtype: str = "fp8_e4m3", per_head: 
     SGLang/vLLM's per-tensor k_scale/v_scale). MLA gets one scale for its latent."""
     if per_head and model.config.attention_kind == "mla":
         raise ValueError("MLA keeps one latent per token for all heads: per-head scales do not apply")
-    fp8_max = float(jnp.finfo(storage_dtype(kv_dtype, model.dtype)).max)
+    fmt = kv_format(kv_dtype, model.dtype)
+    if fmt.tiled:
+        raise ValueError(f"{TILED} computes a scale per token and tile as it writes: there is nothing to calibrate")
+    fp8_max = float(jnp.finfo(fmt.dtype).max)
 
     def absmax(params, tokens):
         kv = _RecordingKV(per_head)

@@ -6,14 +6,17 @@ compute-bound) and decode's in FP8 (decode is memory-bound, and FP8 holds twice 
 and scales, so the transfer carries the receiver's bytes (FP8: half of BF16). `import_pages`
 writes them into the pages the receiver allocated for them.
 
-Conversion goes through float32: real = stored * sender's scale (a BF16 pool stores real values:
-scales apply to FP8 pools only), then `quantize_for_pool(real, receiver's dtype, receiver's
-scale)`, the saturating cast a write into the receiver's pool makes.
+Conversion goes through float32, one entry (k, v, latent, index) at a time: `decode` with the
+sender's layout and scale (real = stored * scale; a BF16 pool stores real values: scales apply
+to FP8 pools only), then `encode` with the receiver's, the same code and saturating cast a write
+into the receiver's pool runs. A tiled receiver ("fp8_ds_mla") computes each token's tile scales
+on the sender, and an entry tiled on one side only changes arrays on the way (one latent array
+into three, or back).
 So a BF16 page of a BF16 model arrives as exactly the FP8 bytes the receiver would have stored
 had it computed those keys itself. When dtypes and scales are equal, pages are copied unchanged.
 
 Pages per layer, as mixserve/kv_cache.py lays them out: the page axis is 1 in a GQA pool
-[KVH, P, S, D] and 0 in the others ([P, S, C]). Page id lists are padded to a power of two
+[KVH, P, S, D] and 0 in the others ([P, S, width]). Page id lists are padded to a power of two
 (bounded compiles); padding reads page 0 on the sender and is dropped on the receiver.
 """
 
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixserve.kv_cache import dequantize_from_pool, pool_scale, quantize_for_pool
+from mixserve.kv_cache import KVFormat, decode, encode, entries, pool_scale, stored_names
 
 
 def page_axis(name: str) -> int:
@@ -37,20 +40,29 @@ def _per_page(scale):
     return scale.reshape(scale.shape + (1, 1, 1)) if scale.ndim else scale
 
 
-@functools.partial(jax.jit, static_argnames=("dst_dtype", "convert"))
-def export_pages(pools, page_ids_N, src_scales, dst_scales, *, dst_dtype, convert: bool):
-    """Pages page_ids_N of every layer, in the receiver's dtype: a list (per layer) of dicts of
-    [..., N, S, ...] arrays. src_scales / dst_scales: (k_scale, v_scale) of the two engines."""
+def layout(pools) -> tuple:
+    """What `encode` needs of a pool, hashable (static under jit): per layer, per array, its
+    name, last-axis width and dtype."""
+    return tuple(tuple((name, x.shape[-1], jnp.dtype(x.dtype).name) for name, x in layer.items()) for layer in pools)
+
+
+@functools.partial(jax.jit, static_argnames=("dst_layout", "convert"))
+def export_pages(pools, page_ids_N, src_scales, dst_scales, *, dst_layout: tuple, convert: bool):
+    """Pages page_ids_N of every layer, as the receiver stores them (dst_layout: `layout` of its
+    pools): a list (per layer) of dicts of [..., N, S, ...] arrays. src_scales / dst_scales:
+    (k_scale, v_scale) of the two engines."""
     sent = []
-    for layer in pools:
-        out = {}
-        for name, pool in layer.items():
-            pages = jnp.take(pool, page_ids_N, axis=page_axis(name), mode="clip")
-            if convert:
-                real = dequantize_from_pool(pages, _per_page(pool_scale(name, *src_scales)), jnp.float32)
-                pages = quantize_for_pool(real, dst_dtype, _per_page(pool_scale(name, *dst_scales)))
-            out[name] = pages
-        sent.append(out)
+    for layer, dst in zip(pools, dst_layout):
+        pages = {name: jnp.take(pool, page_ids_N, axis=page_axis(name), mode="clip") for name, pool in layer.items()}
+        if convert:
+            like = {name: jax.ShapeDtypeStruct((width,), jnp.dtype(dtype)) for name, width, dtype in dst}
+            converted = {}
+            for entry in entries(layer):
+                real = decode({n: pages[n] for n in stored_names(layer, entry)}, entry,
+                              _per_page(pool_scale(entry, *src_scales)), jnp.float32)
+                converted |= encode(like, entry, real, _per_page(pool_scale(entry, *dst_scales)))
+            pages = converted
+        sent.append(pages)
     return sent
 
 
@@ -67,11 +79,11 @@ def import_pages(pools, page_ids_N, sent):
     return new
 
 
-def needs_conversion(src_dtype, src_scales, dst_dtype, dst_scales) -> bool:
-    """Whether pages change on the way (host-side: the scales are small concrete arrays)."""
-    same = jnp.dtype(src_dtype) == jnp.dtype(dst_dtype) and all(
-        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src_scales, dst_scales))
-    return not same
+def needs_conversion(src: KVFormat, src_scales, dst: KVFormat, dst_scales) -> bool:
+    """Whether pages change on the way (host-side: the scales are small concrete arrays). Tiled
+    pools carry their scales in their pages, so they copy whatever the engines' scales."""
+    same_scales = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(src_scales, dst_scales))
+    return not (src == dst and (src.tiled or same_scales))
 
 
 def padded(ids: list[int], fill: int) -> jax.Array:

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 from mixserve import page_table as pt
 from mixserve import sharding
-from mixserve.kv_cache import PagedKV, StepInputs, init_pools
+from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request
 
@@ -44,7 +44,7 @@ from mixserve.request import Request
 class RunnerConfig:
     num_pages: int
     page_size: int
-    kv_dtype: jnp.dtype
+    kv_format: KVFormat
     max_batch: int
     prefill_chunk: int
     k_scale: jax.Array
@@ -60,7 +60,7 @@ class RunnerConfig:
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
-        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_dtype)
+        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format)
         self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh)
         if cfg.mesh is not None:
             self.pools = jax.device_put(self.pools, self._pool_shardings)

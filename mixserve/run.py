@@ -20,7 +20,7 @@ import pallas_kernels
 from mixserve import sharding
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
-from mixserve.kv_cache import storage_dtype
+from mixserve.kv_cache import TILED, kv_format
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -32,6 +32,7 @@ WEIGHT_CHOICES = {
     "int4": plan_for(WeightFormat("int4", 32), "experts"),
 }
 DEFAULT_PROMPTS = ["The cheapest token is the one", "KV cache pages", "FP8 e4m3 has no infinity", "Hello"]
+KV_CHOICES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", TILED]
 
 
 def parse_memory(text: str) -> int:
@@ -45,8 +46,9 @@ def parse_memory(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mixserve.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory or preset name (default {DEFAULT_MODEL}, random weights)")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV pool storage (SGLang/vLLM names); auto = the model dtype")
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_CHOICES,
+                   help="KV pool storage (SGLang/vLLM names); auto = the model dtype; fp8_ds_mla (MLA models): "
+                        "FlashMLA's layout, e4m3 with a scale per token and 128-column tile, RoPE part in BF16")
     p.add_argument("--integrity", default="check", choices=["off", "check", "strict"],
                    help="KV page-tag check before every decode step: off (no-op), check (abort the bad request), strict (raise)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
                         "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
                         "on --tensor-parallel devices of its own, each with the --kv-memory budget")
-    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_CHOICES,
                    help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
                         "pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
@@ -147,9 +149,10 @@ def main(argv=None) -> dict:
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
-    capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, storage_dtype(name, model.dtype), mesh)
+    formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
+    capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, kv_format(name, model.dtype), mesh)
                                  * args.page_size) * args.page_size
-                for name in ("bfloat16", "fp8_e4m3")}
+                for name in formats}
     report = {
         "model": args.model,
         "random_weights": random_weights,
@@ -211,7 +214,8 @@ def main(argv=None) -> dict:
     per_device = f" ({decoder.kv_bytes_per_token_per_device} per device)" if tp > 1 else ""
     print(f"KV bytes per token: {decoder.bytes_per_token}{per_device}; pool: {decoder.capacity_tokens} tokens in "
           f"{budget} bytes{' per device' if tp > 1 else ''}")
-    print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens ({fp8 / bf16:.2f}x)")
+    tiled = f"; {TILED}: {capacity[TILED]} tokens ({capacity[TILED] / bf16:.2f}x)" if TILED in capacity else ""
+    print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens ({fp8 / bf16:.2f}x){tiled}")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
 

@@ -69,10 +69,10 @@ def shard_model(model, mesh: Mesh):
     return dataclasses.replace(model, params=jax.device_put(model.params, param_shardings(model, mesh)))
 
 
-def kv_bytes_per_device(cfg, dtype, mesh: Mesh | None) -> int:
+def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None) -> int:
     """KV bytes per token that one device stores: GQA's share of the KV heads, MLA's whole latent."""
     tp = tp_size(mesh)
-    total = bytes_per_token(cfg, dtype)
+    total = bytes_per_token(cfg, fmt)
     return total // tp if cfg.attention_kind == "gqa" and cfg.num_kv_heads % tp == 0 else total
 
 

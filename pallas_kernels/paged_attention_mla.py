@@ -22,15 +22,25 @@ tokens the indexer chose. Each chosen token is one row of the pool viewed as
 the page table: a block gathers 64 chosen latents (as FlashMLA's sparse
 decode does) and a step streams top-k latents, not the whole context.
 
+Tile-scaled FP8 (`TiledLatentPages`, FlashMLA's 656-byte layout, tiled_fp8.py):
+the latent comes as three pools, nope values in e4m3 with a power-of-two scale
+per token and 128-column tile, and the RoPE part in bf16. The kernel gathers
+all three per block and dequantizes the nope values into bf16 in registers,
+exactly (power-of-two scales), so the dots see the same operands as a bf16
+pool holding the dequantized values; `scale` does not apply.
+
 Shapes (see the glossary in pallas_kernels/__init__.py):
   q_BHC             [B, H, C]  bf16 or f32
-  latent_pages_PSC  [P, S, C]  bf16, f32, float8_e4m3fn or float8_e5m2
+  latent_pages_PSC  [P, S, C]  bf16, f32, float8_e4m3fn or float8_e5m2;
+                    or TiledLatentPages: nope [P, S, L] e4m3, scales [P, S, L/tile] f32,
+                    rope [P, S, C - L] bf16
   page_table_BN     [B, N] int32, lengths_B [B] int32 (0 allowed)
   scale             f32 scalar: real latent = stored latent * scale
   out_BHL           [B, H, L] in q's dtype
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,27 +49,55 @@ from jax.experimental import pallas as pl
 from pallas_kernels import flash_decoding as fd
 from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.tiled_fp8 import E4M3, dequantize_tiles, tile_width
+
+
+class TiledLatentPages(NamedTuple):
+    """A latent pool in FlashMLA's FP8 layout: real latent = [nope * tile scales, rope]."""
+
+    nope_PSL: jax.Array  # float8_e4m3fn
+    scales_PSG: jax.Array  # float32: one power of two per token per tile of nope columns
+    rope_PSR: jax.Array  # bfloat16
+
+    def map(self, fn) -> "TiledLatentPages":
+        return TiledLatentPages(*(fn(x) for x in self))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[P, S, C] of the latent these pools hold."""
+        p, s, rank = self.nope_PSL.shape
+        return p, s, rank + self.rope_PSR.shape[2]
+
+    def bytes_per_token(self) -> int:
+        return sum(x.shape[2] * x.dtype.itemsize for x in self)
+
+
+LatentPages = jax.Array | TiledLatentPages
 
 
 def paged_attention_mla(
     q_BHC: jax.Array,
-    latent_pages_PSC: jax.Array,
+    latent_pages_PSC: LatentPages,
     page_table_BN: jax.Array,
     lengths_B: jax.Array,
     *,
     kv_lora_rank: int,
-    scale,
+    scale=None,
     softmax_scale: float,
     backend: str | None = None,
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
 ) -> jax.Array:
     """softmax(q latent^T * softmax_scale) latent[:, :L] per request.
 
+    scale: real latent = stored * scale, a per-tensor scalar (None: 1); tiled pages
+      carry their own scales and take None.
     tuning: the kernel's launch choices (block size, splits, warps); not the result.
     """
     backend = resolve_backend(backend)
     _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
-    scale = jnp.asarray(scale, jnp.float32)
+    if isinstance(latent_pages_PSC, TiledLatentPages) and scale is not None:
+        raise ValueError("tiled FP8 latent pages carry a scale per token and tile: pass scale=None")
+    scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
     if scale.ndim != 0:
         raise ValueError(f"MLA latent scale must be a per-tensor scalar, got shape {scale.shape}")
     softmax_scale = jnp.float32(softmax_scale)
@@ -73,13 +111,13 @@ def paged_attention_mla(
 
 def sparse_paged_attention_mla(
     q_BHC: jax.Array,
-    latent_pages_PSC: jax.Array,
+    latent_pages_PSC: LatentPages,
     page_table_BN: jax.Array,
     token_ids_BK: jax.Array,
     counts_B: jax.Array,
     *,
     kv_lora_rank: int,
-    scale,
+    scale=None,
     softmax_scale: float,
     backend: str | None = None,
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
@@ -97,17 +135,35 @@ def sparse_paged_attention_mla(
     # Ignored entries are clamped into the table and the pool: the kernel loads whole blocks.
     ids_BK = jnp.clip(token_ids_BK.astype(jnp.int32), 0, page_table_BN.shape[1] * s - 1)
     pages_BK = jnp.clip(jnp.take_along_axis(page_table_BN.astype(jnp.int32), ids_BK // s, axis=1), 0, p - 1)
+    as_rows = lambda x: x.reshape(p * s, 1, x.shape[2])
+    rows = latent_pages_PSC.map(as_rows) if isinstance(latent_pages_PSC, TiledLatentPages) else as_rows(latent_pages_PSC)
     return paged_attention_mla(
-        q_BHC, latent_pages_PSC.reshape(p * s, 1, c), pages_BK * s + ids_BK % s,
+        q_BHC, rows, pages_BK * s + ids_BK % s,
         jnp.clip(counts_B, 0, token_ids_BK.shape[1]), kv_lora_rank=kv_lora_rank, scale=scale,
         softmax_scale=softmax_scale, backend=backend, tuning=tuning)
 
 
+def _check_tiled(pages: TiledLatentPages, kv_lora_rank: int) -> None:
+    nope, scales, rope = pages
+    if any(x.ndim != 3 or x.shape[:2] != nope.shape[:2] for x in pages):
+        raise ValueError(f"tiled latent pools must be [P, S, ...] alike, got {[x.shape for x in pages]}")
+    if (nope.dtype, scales.dtype, rope.dtype) != (E4M3, jnp.float32, jnp.bfloat16):
+        raise ValueError(f"tiled latent pools must be float8_e4m3fn, float32, bfloat16, got "
+                         f"{nope.dtype}, {scales.dtype}, {rope.dtype}")
+    if nope.shape[2] != kv_lora_rank:
+        raise ValueError(f"tiled nope width {nope.shape[2]} differs from kv_lora_rank={kv_lora_rank}")
+    if scales.shape[2] != kv_lora_rank // tile_width(kv_lora_rank):
+        raise ValueError(f"expected {kv_lora_rank // tile_width(kv_lora_rank)} tile scales per token, "
+                         f"got {scales.shape[2]}")
+
+
 def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:
-    if q_BHC.ndim != 3 or latent_pages_PSC.ndim != 3:
-        raise ValueError(f"expected q [B, H, C] and latent pages [P, S, C], got {q_BHC.shape}, {latent_pages_PSC.shape}")
-    if latent_pages_PSC.dtype not in fd.KV_DTYPES:
+    if isinstance(latent_pages_PSC, TiledLatentPages):
+        _check_tiled(latent_pages_PSC, kv_lora_rank)
+    elif latent_pages_PSC.ndim == 3 and latent_pages_PSC.dtype not in fd.KV_DTYPES:
         raise ValueError(f"unsupported latent dtype {latent_pages_PSC.dtype}; expected one of {fd.KV_DTYPES}")
+    if q_BHC.ndim != 3 or len(latent_pages_PSC.shape) != 3:
+        raise ValueError(f"expected q [B, H, C] and latent pages [P, S, C], got {q_BHC.shape}, {latent_pages_PSC.shape}")
     if q_BHC.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"q must be bf16 or f32, got {q_BHC.dtype}")
     b, _, c = q_BHC.shape
@@ -127,7 +183,12 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
     n = page_table_BN.shape[1]
     page_size = latent_pages_PSC.shape[1]
     valid_BT = jnp.arange(n * page_size)[None, :] < lengths_B[:, None]
-    latent_BTC = latent_pages_PSC[page_table_BN].astype(jnp.float32).reshape(b, n * page_size, c) * scale
+    if isinstance(latent_pages_PSC, TiledLatentPages):
+        nope, scales, rope = (x[page_table_BN] for x in latent_pages_PSC)
+        latent_BNSC = jnp.concatenate([dequantize_tiles(nope, scales), rope.astype(jnp.float32)], axis=-1)
+    else:
+        latent_BNSC = latent_pages_PSC[page_table_BN].astype(jnp.float32) * scale
+    latent_BTC = latent_BNSC.reshape(b, n * page_size, c)
     # Slots past the length may hold stale NaN/Inf bits; 0 * NaN is NaN.
     latent_BTC = jnp.where(valid_BT[:, :, None], latent_BTC, 0.0)
     logits_BHT = jnp.einsum("bhc,btc->bht", q_BHC.astype(jnp.float32), latent_BTC,
@@ -142,15 +203,16 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
     return out_BHL.astype(q_BHC.dtype)
 
 
-def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
-                acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int,
-                dot_dtype, prefetch: bool):
+def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int, dot_dtype,
+                prefetch: bool, tiled: bool):
     """One (request, split) grid step.
 
-    Refs: q [R, C] (R = H padded), latent pages [P, S, C], the split's page
+    Refs: q [R, C] (R = H padded); the latent pages [P, S, C], or (tiled) nope
+    [P, S, L], tile scales [P, S, L/tile] and rope [P, S, C - L]; the split's page
     ids [pages_per_split], length [1], logit scale [1]; outputs acc [R, L],
     max [R], sum [R].
     """
+    page_refs, (slots_ref, length_ref, logit_scale_ref, acc_ref, max_ref, sum_ref) = refs[:-6], refs[-6:]
     rows, width = q_ref.shape
     rope_dim = width - kv_lora_rank
     block_tokens = plan.pages_per_block * page_size
@@ -161,12 +223,18 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
     logit_scale = fd.row_logit_scale(logit_scale_ref[0], unscale_R)
 
     def gather(pages, valid_T):
-        return tuple(fd.gather_pages(latent_ref, pages, valid_T, start, size)
+        if tiled:
+            return tuple(fd.gather_pages(ref, pages, valid_T) for ref in page_refs)
+        return tuple(fd.gather_pages(page_refs[0], pages, valid_T, start, size)
                      for start, size in ((0, kv_lora_rank), (kv_lora_rank, rope_dim)) if size)
 
     def logits_and_values(tiles):
-        # Exact dequantization; the scale is applied to the f32 logits and output.
-        latent_TL, *rope = (t.reshape(block_tokens, -1).astype(dot_dtype) for t in tiles)
+        if tiled:  # exact: power-of-two tile scales times e4m3 values are bf16 values
+            nope, scales, *rope = (t.reshape(block_tokens, -1) for t in tiles)
+            latent_TL = dequantize_tiles(nope, scales, dot_dtype)
+            rope = [r.astype(dot_dtype) for r in rope]
+        else:  # exact dequantization; the scale is applied to the f32 logits and output
+            latent_TL, *rope = (t.reshape(block_tokens, -1).astype(dot_dtype) for t in tiles)
         logits_RT = mma.dot_nt(q_RL, latent_TL)
         if rope:
             logits_RT += mma.dot_nt(q_RR, rope[0])
@@ -181,23 +249,26 @@ def _mla_kernel(q_ref, latent_ref, slots_ref, length_ref, logit_scale_ref,
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
             kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning):
     b, h, c = q_BHC.shape
-    page_table_BN, latent_pages_PSC = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, latent_pages_PSC)
-    page_size = latent_pages_PSC.shape[1]
+    tiled = isinstance(latent_pages_PSC, TiledLatentPages)
+    pools = tuple(latent_pages_PSC) if tiled else (latent_pages_PSC,)
+    page_table_BN, *pools = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, *pools)
+    page_size = pools[0].shape[1]
     rows = mma.padded_rows(h)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
-                          kv_bytes_per_token=c * latent_pages_PSC.dtype.itemsize,
+                          kv_bytes_per_token=sum(x.shape[2] * x.dtype.itemsize for x in pools),
                           partial_bytes=rows * (kv_lora_rank + 2) * 4, tuning=tuning)
-    dtype = fd.compute_dtype(q_BHC.dtype, latent_pages_PSC.dtype, tuning)
+    # Tiled values are dequantized into the dot dtype: bf16 (f16 lacks the scales' range).
+    dtype = fd.compute_dtype(q_BHC.dtype, jnp.bfloat16 if tiled else pools[0].dtype, tuning)
     q_BRC = jnp.pad(q_BHC.astype(fd.kernel_query_dtype(dtype, q_BHC.dtype)), ((0, 0), (0, rows - h), (0, 0)))
     slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
         functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank,
-                          dot_dtype=dtype, prefetch=tuning.prefetch),
+                          dot_dtype=dtype, prefetch=tuning.prefetch, tiled=tiled),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),
-            pl.BlockSpec(latent_pages_PSC.shape, lambda bi, xi: (0, 0, 0)),
+            *(pl.BlockSpec(x.shape, lambda bi, xi: (0, 0, 0)) for x in pools),
             pl.BlockSpec((None, None, plan.pages_per_split), lambda bi, xi: (bi, xi, 0)),
             pl.BlockSpec((1,), lambda bi, xi: (bi,)),
             pl.BlockSpec((1,), lambda bi, xi: (0,)),
@@ -207,6 +278,6 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         compiler_params=fd.compiler_params(tuning, 8, dtype),
         interpret=interpret,
         name="paged_attention_mla",
-    )(q_BRC, latent_pages_PSC, slots_BXN, lengths_B, logit_scale)
+    )(q_BRC, *pools, slots_BXN, lengths_B, logit_scale)
     out_BRL = fd.combine_partials(*partials) * scale
     return out_BRL[:, :h].astype(q_BHC.dtype)

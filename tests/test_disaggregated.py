@@ -17,7 +17,9 @@ from mixserve import faults
 from mixserve import kv_transfer
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
-from mixserve.kv_cache import init_pools
+from mixserve.kv_cache import KVFormat, init_pools, kv_format
+from mixserve.kv_cache import bytes_per_token as kv_bytes_per_token
+from models.presets import TINY_PRESETS
 
 PAGE = 4
 # One decode row count and one prefill chunk length: fewer compiles (the shapes are tested elsewhere).
@@ -68,7 +70,7 @@ def test_handover_serves_the_tokens_one_engine_serves(model):
 
 
 def _random_pools(cfg, num_pages, dtype, rng):
-    pools = init_pools(cfg, num_pages, PAGE, jnp.float32)
+    pools = init_pools(cfg, num_pages, PAGE, KVFormat(jnp.dtype(jnp.float32)))
     return jax.tree.map(lambda z: jnp.asarray(rng.normal(0, 3, z.shape), jnp.float32).astype(dtype), pools)
 
 
@@ -99,7 +101,7 @@ def test_export_converts_to_the_receivers_format_and_import_writes_only_its_page
     before = jax.tree.map(np.asarray, dst)
     src_ids, dst_ids = [3, 11, 0, 7, 5], [9, 2, 4, 0, 6]
     sent = kv_transfer.export_pages(src, kv_transfer.padded(src_ids, 0), src_scales, dst_scales,
-                                    dst_dtype=jnp.dtype(jnp.float8_e4m3fn), convert=True)
+                                    dst_layout=kv_transfer.layout(dst), convert=True)
     new = kv_transfer.import_pages(dst, kv_transfer.padded(dst_ids, 10), sent)
     checked = set()
     for layer, (s_layer, b_layer, n_layer) in enumerate(zip(src, before, new)):
@@ -247,3 +249,68 @@ def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_it
         "decode engine: prompt (12) + max_new_tokens (6) = 18 exceeds the context limit 16")
     assert got[2].status == "rejected" and got[2].reason == "prefill engine: prompt (13) exceeds the context limit 12"
     assert dis.counters.rejections == 2
+
+
+def _random_tiled_or_plain(cfg, fmt, num_pages, rng):
+    """Pools of `fmt` holding random stored values (tiled: random e4m3, power-of-two scales, bf16 rope)."""
+    def fill(name, z):
+        if name.endswith("_scale"):
+            return jnp.asarray(2.0 ** rng.integers(-12, 4, z.shape), jnp.float32)
+        return jnp.asarray(rng.normal(0, 3, z.shape), jnp.float32).astype(z.dtype)
+    return [{name: fill(name, z) for name, z in layer.items()} for layer in init_pools(cfg, num_pages, PAGE, fmt)]
+
+
+@pytest.mark.parametrize("sender", ["bfloat16", "fp8_e4m3", "fp8_ds_mla"])
+def test_export_into_the_tiled_layout_is_the_format_bit_for_bit(sender):
+    """GLM-5 pages into an fp8_ds_mla pool: latent nope values and DSA index keys with a power-of-two
+    scale per token and tile, the RoPE part in bf16, byte for byte as numpy computes the format from
+    the sender's real values (test_kernels_tiled_fp8._quantize_float64). A tiled sender's pages are
+    copied. The receiving pools start random, so a misplaced or missing write shows."""
+    from test_kernels_tiled_fp8 import _quantize_float64
+
+    # Latents of 256 + 8 (two tiles per token): the tiny preset's 32 would be one.
+    cfg = TINY_PRESETS["tiny-glm5"].replace(kv_lora_rank=256)
+    rng = np.random.default_rng()
+    src_fmt, dst_fmt = kv_format(sender, jnp.float32), kv_format("fp8_ds_mla", jnp.float32)
+    src, dst = _random_tiled_or_plain(cfg, src_fmt, 12, rng), _random_tiled_or_plain(cfg, dst_fmt, 10, rng)
+    src_scales = (jnp.float32(1.5), jnp.float32(1.5))
+    before = jax.tree.map(np.asarray, dst)
+    src_ids, dst_ids = [3, 11, 0, 7, 5], [9, 2, 4, 0, 6]
+    convert = kv_transfer.needs_conversion(src_fmt, src_scales, dst_fmt, (jnp.float32(0.02), jnp.float32(0.02)))
+    assert convert == (sender != "fp8_ds_mla")
+    sent = kv_transfer.export_pages(src, kv_transfer.padded(src_ids, 0), src_scales, (jnp.float32(0.02),) * 2,
+                                    dst_layout=kv_transfer.layout(dst), convert=convert)
+    new = kv_transfer.import_pages(dst, kv_transfer.padded(dst_ids, 10), sent)
+    L = cfg.kv_lora_rank
+    for s_layer, b_layer, n_layer in zip(src, before, new):
+        got = {k: np.asarray(v) for k, v in n_layer.items()}
+        s = {k: np.asarray(v)[src_ids] for k, v in s_layer.items()}
+        if sender == "fp8_ds_mla":
+            want = s
+        else:
+            scale = 1.5 if sender == "fp8_e4m3" else 1.0
+            real = {k: np.asarray(v, np.float64) * (scale if k == "latent" else 1.0) for k, v in s.items()}
+            nope, nope_scale = _quantize_float64(real["latent"][..., :L], min(128, L))
+            want = {"latent": nope, "latent_scale": nope_scale, "rope": real["latent"][..., L:].astype(ml_dtypes.bfloat16)}
+            if "index" in real:
+                want["index"], want["index_scale"] = _quantize_float64(real["index"], cfg.index_head_dim)
+        assert set(want) == set(got)
+        for key in got:
+            np.testing.assert_array_equal(got[key][dst_ids].view(np.uint8),
+                                          np.asarray(want[key], got[key].dtype).view(np.uint8), err_msg=key)
+            untouched = [p for p in range(10) if p not in dst_ids]
+            np.testing.assert_array_equal(got[key][untouched].view(np.uint8), b_layer[key][untouched].view(np.uint8))
+
+
+def test_bf16_prefill_pages_reach_a_tiled_decode_pool_as_a_tiled_engine_stores_them():
+    """The seed's split with FlashMLA's layout on the decode side (GLM-5: latent and index keys):
+    one-chunk prompts give one fp8_ds_mla engine's tokens, and the transfer carries the tiled bytes."""
+    model = mixserve.load("tiny-glm5", dtype="bfloat16")
+    ps = [p[:8] for p in prompts(2)]
+    want = Engine(model, num_pages=64, kv_dtype="fp8_ds_mla", **CFG).generate(ps, max_new_tokens=8)
+    dis = pair(model, prefill_kw=dict(kv_dtype="bfloat16"), decode_kw=dict(kv_dtype="fp8_ds_mla"))
+    got = dis.generate(ps, max_new_tokens=8)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    tiled = kv_bytes_per_token(model.config, kv_format("fp8_ds_mla", None))
+    assert dis.counters.pages_sent > 0 and dis.counters.bytes_sent == dis.counters.pages_sent * PAGE * tiled
+    assert_all_pages_returned(dis)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mixserve.kv_cache import PagedKV, StepInputs, init_pools, storage_dtype
+from mixserve.kv_cache import PagedKV, StepInputs, bytes_per_token, init_pools, kv_format
+from models.kv import NoCache
 from models.presets import TINY_PRESETS
 
 CFG = TINY_PRESETS["tiny-glm4"].replace(num_layers=1)  # 4 query heads, 2 KV heads of 16
@@ -20,7 +21,7 @@ def run_attention(kv_dtype, q_BHD, k_BSKD, v_BSKD, k_scale, v_scale, page_size=4
     B, S1, K, D = k_BSKD.shape
     S = S1 - 1
     n_pages = -(-S1 // page_size)
-    pools = init_pools(CFG, B * n_pages, page_size, storage_dtype(kv_dtype, jnp.float32))
+    pools = init_pools(CFG, B * n_pages, page_size, kv_format(kv_dtype, jnp.float32))
     pages = jnp.arange(B * n_pages, dtype=jnp.int32).reshape(B, n_pages)
     scales = dict(k_scale=jnp.asarray(k_scale, jnp.float32), v_scale=jnp.asarray(v_scale, jnp.float32))
     prefill = PagedKV(pools, StepInputs(pages, jnp.zeros(B, jnp.int32), jnp.full(B, S, jnp.int32)), page_size, backend=backend, **scales)
@@ -90,3 +91,90 @@ def test_calibrated_per_head_scales_feed_the_engine():
     assert results[0].status == "ok"
     with pytest.raises(ValueError, match="per-head"):
         calibrate_scales(mixserve.load("tiny-kimi", dtype="float32"), batch, per_head=True)
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        calibrate_scales(mixserve.load("tiny-kimi", dtype="float32"), batch, kv_dtype="fp8_ds_mla")
+
+
+def test_fp8_ds_mla_bytes_per_token_are_flashmlas():
+    """656 bytes per token and layer at Kimi K2's 512 + 64 (512 e4m3, 4 float32 tile scales, 64
+    bf16 RoPE values); GLM-5's full indexer layers add 128 e4m3 keys and one float32 scale.
+    GQA has no latent to tile: asking for it is an error, not a silent fallback."""
+    from mixserve.engine import Engine
+    from models.presets import PRESETS
+    import mixserve
+
+    tiled = kv_format("fp8_ds_mla", None)
+    kimi, glm5 = PRESETS["kimi-k2"], PRESETS["glm-5"]
+    assert bytes_per_token(kimi, tiled) == 61 * 656
+    assert bytes_per_token(kimi, kv_format("fp8_e4m3", None)) == 61 * 576
+    full = sum(t == "full" for t in glm5.indexer_types)
+    assert bytes_per_token(glm5, tiled) == 78 * 656 + full * (128 + 4)
+    with pytest.raises(ValueError, match="MLA latents; this model uses GQA"):
+        Engine(mixserve.load("tiny-glm4", dtype="float32"), kv_dtype="fp8_ds_mla", num_pages=8)
+
+
+class _Recorder(NoCache):
+    """Cache-free attention that keeps every layer's latent [c_kv, k_pe] and DSA index keys."""
+
+    def __init__(self):
+        self.latents, self.index_keys = [], []
+
+    def layer(self, i):
+        return self
+
+    def attend_mla(self, q_nope, q_pe, c_kv, k_pe, kv_b, *, scale, index_mask=None):
+        self.latents.append(np.concatenate([np.asarray(c_kv), np.asarray(k_pe)], axis=-1)[0])
+        return super().attend_mla(q_nope, q_pe, c_kv, k_pe, kv_b, scale=scale, index_mask=index_mask)
+
+    def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
+        self.index_keys.append(np.asarray(k_BTD)[0])
+        return super().index_select(q_BTHD, k_BTD, w_BTH, scale=scale, top_k=top_k)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_fp8_ds_mla_pages_hold_each_tokens_latent_within_the_e4m3_bound(backend):
+    """GLM-5 (latent and index keys) served with fp8_ds_mla: after prefill, the request's pages,
+    dequantized, are the cache-free forward's latents and index keys within e4m3's rounding
+    (2^-4 relative, 2^-10 of the tile's scale below the normals, plus 1e-5 relative for the two
+    computations' float32 differences); RoPE dims within bf16's 2^-8. The tokens equal with the
+    XLA path and the Pallas kernel (interpret), so the kernel reads the layout the pool writes."""
+    import mixserve
+    from mixserve.engine import Engine
+    from pallas_kernels.tiled_fp8 import dequantize_tiles
+
+    model = mixserve.load("tiny-glm5", dtype="float32")
+    cfg, L = model.config, model.config.kv_lora_rank
+    prompt = [int(t) for t in np.random.default_rng(int.from_bytes(os.urandom(4), "little")).integers(0, 256, 13)]
+    engine = Engine(model, kv_dtype="fp8_ds_mla", num_pages=16, page_size=4, max_batch=2, attention_backend=backend,
+                    stop_tokens=(), min_decode_rows=2)
+    rid = engine.submit(prompt, max_new_tokens=6)
+    engine.step()
+    req = engine._unreported[rid]
+    pages = np.asarray(engine.table.pages_BN)[req.slot, :4]
+    rec = _Recorder()
+    model.module.apply({"params": model.params}, jnp.asarray([prompt], jnp.int32), kv=rec)
+    pools = engine.runner.pools
+    index_layers = [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
+    assert len(rec.index_keys) == len(index_layers) > 0
+    for layer, pool in enumerate(pools):
+        tokens = lambda name: np.asarray(pool[name], np.float32)[pages].reshape(16, -1)[:13]
+        entries = [("latent", rec.latents[layer])]
+        if layer in index_layers:
+            entries.append(("index", rec.index_keys[index_layers.index(layer)]))
+        for name, real in entries:
+            width = tokens(name).shape[1]
+            scales = tokens(name + "_scale")
+            got = np.asarray(dequantize_tiles(jnp.asarray(tokens(name)), jnp.asarray(scales)))
+            s_full = np.repeat(scales, width // scales.shape[1], axis=1)
+            x = real[:, :width]
+            bound = 2.0**-4 * np.abs(x) + 2.0**-10 * s_full + 1e-5 * np.abs(x)
+            assert np.all(np.abs(got - x) <= bound), (layer, name)
+            assert np.all((scales > 0) & (np.log2(scales) == np.round(np.log2(scales)))), "powers of two"
+        rope = tokens("rope")
+        np.testing.assert_allclose(rope, rec.latents[layer][:, L:], rtol=2.0**-8, atol=0)
+    while engine.has_work():
+        engine.step()
+    reference = Engine(model, kv_dtype="fp8_ds_mla", num_pages=16, page_size=4, max_batch=2, stop_tokens=(),
+                       min_decode_rows=2).generate([prompt], max_new_tokens=6)
+    assert req.result.tokens == reference[0].tokens
+    assert engine.free_pages == engine.num_pages
