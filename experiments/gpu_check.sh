@@ -34,7 +34,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # step exercises anyway.
 MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   -k "not lower_to_triton and not triton_kernels_for_cuda" \
-  tests/test_kernels_attention.py tests/test_kernels_int4.py 2>&1 | tee "$out/gpu_tests.txt"
+  tests/test_kernels_attention.py tests/test_kernels_tiled_fp8.py tests/test_kernels_int4.py 2>&1 | tee "$out/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 # 2. What this jaxlib compiles (registers, spills, inner loop), to check the

@@ -11,7 +11,8 @@ On an NVIDIA GPU (target: H200, < 8 minutes) it times, at serving shapes:
     same pages (BF16, and FP8 with its per-token scale arrays) and against our
     XLA reference;
   * FP8 / BF16 absorbed MLA decode, Kimi K2 per GPU (64 / 8 = 8 heads, latent
-    576 = 512 + 64, page 64), against the XLA reference (JAX has no MLA op),
+    576 = 512 + 64, page 64), and FlashMLA's tile-scaled FP8 layout ("fp8
+    tiled", 656 B per token), against the XLA reference (JAX has no MLA op),
     and the sparse variant over GLM-5's DSA top-2048 of the longest context;
   * the INT4 W4A16 expert matmul 7168 x 2048 (group 32), M = 1..64, against
     `jnp.dot` on the BF16 weights and the XLA reference, and the grouped MoE
@@ -72,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+from pallas_kernels.paged_attention_mla import TiledLatentPages  # noqa: E402
+from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -428,12 +431,12 @@ def _jax_op_row(bench: Bench, name, shape, q_scaled, kp, vp, table, lengths, sca
 
 class MlaCase(NamedTuple):
     q: jax.Array  # [B, H, C] bf16
-    pages: dict  # name ("bf16", "fp8") -> (latent pages, scale)
+    pages: dict  # name ("bf16", "fp8", "fp8 tiled") -> (latent pages, scale; None for tiled pages)
     table: jax.Array
     lengths: jax.Array
 
 
-def _mla_case(cfg: Config, key, batch: int, context: int, names=("bf16", "fp8")) -> MlaCase:
+def _mla_case(cfg: Config, key, batch: int, context: int, names=("bf16", "fp8", "fp8 tiled")) -> MlaCase:
     width, s = cfg.mla_rank + cfg.mla_rope, cfg.mla_page
     kq, kl, kt, kn = jax.random.split(key, 4)
     n = context // s
@@ -443,6 +446,9 @@ def _mla_case(cfg: Config, key, batch: int, context: int, names=("bf16", "fp8"))
         pages["bf16"] = (latent.astype(jnp.bfloat16), 1.0)
     if "fp8" in names:
         pages["fp8"] = _fp8(latent)
+    if "fp8 tiled" in names:  # FlashMLA's layout (kv_cache_dtype fp8_ds_mla): 656 B per token
+        nope, tile_scales = quantize_tiles(latent[..., :cfg.mla_rank], tile_width(cfg.mla_rank))
+        pages["fp8 tiled"] = (TiledLatentPages(nope, tile_scales, latent[..., cfg.mla_rank:].astype(jnp.bfloat16)), None)
     return MlaCase(jax.random.normal(kq, (batch, cfg.mla_heads, width), jnp.bfloat16), pages,
                    _scattered_pages(kt, batch, n), _ragged_lengths(kn, batch, context))
 
@@ -452,8 +458,12 @@ def _mla_op(cfg: Config, scale: float, tuning: AttentionTuning = AttentionTuning
                              softmax_scale=(cfg.mla_rank + cfg.mla_rope) ** -0.5, tuning=tuning)
 
 
-def _mla_bytes(case: MlaCase, pages: jax.Array) -> int:
-    return int(jnp.sum(case.lengths)) * pages.shape[-1] * pages.dtype.itemsize
+def _latent_bytes_per_token(pages) -> int:
+    return pages.bytes_per_token() if isinstance(pages, TiledLatentPages) else pages.shape[-1] * pages.dtype.itemsize
+
+
+def _mla_bytes(case: MlaCase, pages) -> int:
+    return int(jnp.sum(case.lengths)) * _latent_bytes_per_token(pages)
 
 
 def mla_rows(bench: Bench, key) -> None:
@@ -484,7 +494,7 @@ def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> 
     args = (q, pages, table, ids.astype(jnp.int32), jnp.full((batch,), top_k, jnp.int32))
     op = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=scale,
                            softmax_scale=q.shape[-1] ** -0.5)
-    nbytes = batch * top_k * q.shape[-1] * pages.dtype.itemsize
+    nbytes = batch * top_k * _latent_bytes_per_token(pages)
     ref = op(*args, backend="xla")
     shape = f"{shape} top-k={top_k}"
     bench.measure(f"MLA sparse {name}", shape, cfg.kernel_backend, functools.partial(op, backend=cfg.kernel_backend),

@@ -50,6 +50,8 @@ from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
+from pallas_kernels.paged_attention_mla import TiledLatentPages  # noqa: E402
+from pallas_kernels.tiled_fp8 import tile_width  # noqa: E402
 
 try:
     import triton
@@ -112,6 +114,11 @@ def cases(cfg: Config) -> list[Case]:
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             out.append(_mla_case(cfg, f"MLA {name}", jnp.float8_e4m3fn,
                                  AttentionTuning(block_tokens=32, fp8_dots=dots), batch, context))
+    # FlashMLA's tile-scaled layout (kv_cache_dtype fp8_ds_mla): three pools, tiles dequantized in registers.
+    for name, tuning in (("fp8 tiled", AttentionTuning()), ("fp8 tiled block-32", AttentionTuning(block_tokens=32)),
+                         ("fp8 tiled prefetch", AttentionTuning(prefetch=True))):
+        for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+            out.append(_mla_case(cfg, f"MLA {name}", "tiled", tuning, batch, context))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))
@@ -133,13 +140,20 @@ def cases(cfg: Config) -> list[Case]:
 
 
 def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
+    """dtype: of the latent pages, or "tiled" for FlashMLA's layout (TiledLatentPages)."""
     n = context // cfg.mla_page
     width = cfg.mla_rank + cfg.mla_rope
-    mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=1.0, softmax_scale=0.1,
-                            backend="pallas", tuning=tuning)
     spec = jax.ShapeDtypeStruct
+    pool = lambda w, dt: spec((batch * n, cfg.mla_page, w), dt)
+    if dtype == "tiled":
+        pages = TiledLatentPages(pool(cfg.mla_rank, jnp.float8_e4m3fn), pool(cfg.mla_rank // tile_width(cfg.mla_rank), jnp.float32),
+                                 pool(cfg.mla_rope, jnp.bfloat16))
+    else:
+        pages = pool(width, dtype)
+    mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=None if dtype == "tiled" else 1.0,
+                            softmax_scale=0.1, backend="pallas", tuning=tuning)
     return Case(kernel, f"B={batch} ctx={context}", mla,
-                (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
+                (spec((batch, cfg.mla_heads, width), jnp.bfloat16), pages,
                  spec((batch, n), jnp.int32), spec((batch,), jnp.int32)))
 
 

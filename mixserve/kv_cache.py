@@ -9,7 +9,7 @@ per-tensor scale (1.0 by default, or calibrated) or per-KV-head scales (GQA). e4
 infinity, so the saturating clamp is what keeps an outlier from becoming NaN.
 
 "fp8_ds_mla" (MLA only; vLLM's name for FlashMLA's FP8 layout, pallas_kernels/tiled_fp8.py)
-stores each latent as latent_PSL [P, S, L] e4m3 with latent_scale_PSG [P, S, L/128] float32
+stores each latent as latent_PSL [P, S, L] e4m3 with latent_scale_PSJ [P, S, L/128] float32
 (a power of two per token and 128-column tile) and rope_PSR [P, S, R] bfloat16: 656 bytes per
 token and layer at L = 512, R = 64. Its DSA index keys are e4m3 with index_scale_PS1 [P, S, 1],
 one scale per token (as DeepSeek-V3.2's indexer cache). The scales are computed at write time

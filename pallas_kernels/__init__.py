@@ -7,7 +7,7 @@ Pallas interpreter, for CPU tests); None/"auto" picks "pallas" on GPU, else
 
 Tensor names end in their axes, one capital letter per axis:
 
-  Paged attention (paged_attention_gqa.py, paged_attention_mla.py)
+  Paged attention (paged_attention_gqa.py, paged_attention_mla.py, tiled_fp8.py)
     B  requests in the decode batch (one query token each)
     H  query heads
     K  KV heads (GQA); H = K * G
@@ -21,6 +21,7 @@ Tensor names end in their axes, one capital letter per axis:
     X  split-K (flash-decoding) partials
     C  MLA latent width = L + rope dims
     L  MLA kv_lora_rank (value width)
+    J  scale tiles per token of tile-scaled FP8 pages (tiled_fp8.py): L / 128
     V  value width of a softmax partial (D or L)
 
   INT4 matmuls (int4_matmul.py, moe_int4_matmul.py)
@@ -41,20 +42,24 @@ from pallas_kernels.int4_matmul import (
     unpack_int4)
 from pallas_kernels.moe_int4_matmul import moe_int4_matmul
 from pallas_kernels.paged_attention_gqa import paged_attention_gqa
-from pallas_kernels.paged_attention_mla import paged_attention_mla, sparse_paged_attention_mla
+from pallas_kernels.paged_attention_mla import TiledLatentPages, paged_attention_mla, sparse_paged_attention_mla
+from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles
 
 __all__ = [
     "AttentionTuning",
     "BACKENDS",
     "Backend",
     "Int4Tuning",
+    "TiledLatentPages",
     "dequantize_int4",
+    "dequantize_tiles",
     "from_compressed_tensors",
     "int4_matmul",
     "moe_int4_matmul",
     "pack_int4",
     "paged_attention_gqa",
     "paged_attention_mla",
+    "quantize_tiles",
     "resolve_backend",
     "sparse_paged_attention_mla",
     "to_compressed_tensors",

@@ -56,7 +56,7 @@ class TiledLatentPages(NamedTuple):
     """A latent pool in FlashMLA's FP8 layout: real latent = [nope * tile scales, rope]."""
 
     nope_PSL: jax.Array  # float8_e4m3fn
-    scales_PSG: jax.Array  # float32: one power of two per token per tile of nope columns
+    scales_PSJ: jax.Array  # float32: one power of two per token per tile of nope columns
     rope_PSR: jax.Array  # bfloat16
 
     def map(self, fn) -> "TiledLatentPages":

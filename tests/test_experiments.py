@@ -19,7 +19,7 @@ def run(script, *args, timeout=600):
 
 def test_gpu_kernels_script_runs_on_cpu(tmp_path):
     out = run("gpu_kernels.py", "--out", str(tmp_path / "k.md"))
-    assert "NOT kernel performance" in out and "| MLA fp8 |" in out
+    assert "NOT kernel performance" in out and "| MLA fp8 |" in out and "| MLA fp8 tiled |" in out
     assert (tmp_path / "k.md").read_text().count("\n") > 10
 
 
@@ -494,3 +494,10 @@ def test_torch_int4_peer_splits_the_profilers_records_by_sample():
     assert "| 2.50x (graph) |" in peer.markdown(rows, peer.GPU, "H200", True)
     rows[1] = rows[1]._replace(timing=peer.Timing(20.0, 25.0, float("nan")))
     assert "| 8.0 | 10.0 |  | 2.50x |" in peer.markdown(rows, peer.GPU, "H200", True)
+
+
+def test_fp8_kv_agreement_script_runs(tmp_path):
+    out = run("fp8_kv_agreement.py", "--prompts", "2", "--new-tokens", "2", "--out", str(tmp_path / "a.md"))
+    assert "| tiny-glm5 | fp8_ds_mla |" in out and "| tiny-glm4 | fp8_e4m3 (calibrated) |" in out
+    assert "| kimi-k2.6 | fp8_ds_mla | 40,016 | 1,204,682 | 1.76x |" in out  # 61 layers x 656 B
+    assert (tmp_path / "a.md").read_text() in out

@@ -193,7 +193,7 @@ def test_tiled_pages_are_checked():
         paged_attention_mla(**{**args, "latent_pages_PSC": pages._replace(rope_PSR=pages.rope_PSR.astype(jnp.float32))},
                             backend="xla")
     with pytest.raises(ValueError, match="tile scales per token"):
-        paged_attention_mla(**{**args, "latent_pages_PSC": pages._replace(scales_PSG=pages.scales_PSG[..., :0])},
+        paged_attention_mla(**{**args, "latent_pages_PSC": pages._replace(scales_PSJ=pages.scales_PSJ[..., :0])},
                             backend="xla")
     with pytest.raises(ValueError, match="kv_lora_rank"):
         paged_attention_mla(**{**args, "kv_lora_rank": 48}, backend="xla")

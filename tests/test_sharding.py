@@ -73,9 +73,11 @@ two = [prompts[1], prompts[3]]  # 11 and 14 tokens: every prefill call has the s
 for preset, tp in CASES:
     model = mixserve.load(preset, dtype="float32")
     int4, _ = quantize_model(model, plan_for(WeightFormat("int4", 16), "all"))
-    want = [r.tokens for r in Engine(int4, **kw).generate(two, max_new_tokens=3)]
+    # GLM-5 over FlashMLA's tile-scaled pages: three replicated pools per latent into shard_map.
+    kv_kw = {**kw, "kv_dtype": "fp8_ds_mla"} if preset == "tiny-glm5" else kw
+    want = [r.tokens for r in Engine(int4, **kv_kw).generate(two, max_new_tokens=3)]
     kernels = Engine(dataclasses.replace(int4, backend="interpret"), attention_backend="interpret",
-                     mesh=mesh_for(tp), **kw)
+                     mesh=mesh_for(tp), **kv_kw)
     assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want, preset
     text = kernels.lowered_decode_text()
     assert "int4_matmul/pallas_call" in text and "_attention_" in text
@@ -106,5 +108,6 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     interpret mode under the same meshes: INT4 dense and grouped-MoE matmuls (column-parallel,
     row-parallel with a psum, or whole where the groups do not divide: the experts' down_proj at
     TP4 has 2 groups), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
-    each device's query heads. Same greedy tokens as one device on the XLA references."""
+    each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
+    the XLA references."""
     run_on_8_devices(KERNELS)
