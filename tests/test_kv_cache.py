@@ -135,9 +135,14 @@ class _Recorder(NoCache):
 def test_fp8_ds_mla_pages_hold_each_tokens_latent_within_the_e4m3_bound(backend):
     """GLM-5 (latent and index keys) served with fp8_ds_mla: after prefill, the request's pages,
     dequantized, are the cache-free forward's latents and index keys within e4m3's rounding
-    (2^-4 relative, 2^-10 of the tile's scale below the normals, plus 1e-5 relative for the two
-    computations' float32 differences); RoPE dims within bf16's 2^-8. The tokens equal with the
-    XLA path and the Pallas kernel (interpret), so the kernel reads the layout the pool writes."""
+    (2^-4 relative, 2^-10 of the tile's scale below the normals); RoPE dims within bf16's 2^-8.
+    The engine's prefill and the cache-free forward compute the latents in different float32
+    orders: each value may differ by float32 roundings of its dot product's terms, so both bounds
+    add 1e-5 of the token's largest value: 13x the largest difference measured over 10 prompts
+    with float32 KV (7.7e-7), and not relative to the value itself, since a small value can be the
+    difference of large terms (one seed gave 5e-4 relative on a RoPE value of 4e-5).
+    The tokens are equal with the XLA path and the Pallas kernel (interpret), so the kernel reads
+    the layout the pool writes."""
     import mixserve
     from mixserve.engine import Engine
     from pallas_kernels.tiled_fp8 import dequantize_tiles
@@ -167,11 +172,11 @@ def test_fp8_ds_mla_pages_hold_each_tokens_latent_within_the_e4m3_bound(backend)
             got = np.asarray(dequantize_tiles(jnp.asarray(tokens(name)), jnp.asarray(scales)))
             s_full = np.repeat(scales, width // scales.shape[1], axis=1)
             x = real[:, :width]
-            bound = 2.0**-4 * np.abs(x) + 2.0**-10 * s_full + 1e-5 * np.abs(x)
+            bound = 2.0**-4 * np.abs(x) + 2.0**-10 * s_full + 1e-5 * np.abs(x).max(axis=1, keepdims=True)
             assert np.all(np.abs(got - x) <= bound), (layer, name)
             assert np.all((scales > 0) & (np.log2(scales) == np.round(np.log2(scales)))), "powers of two"
-        rope = tokens("rope")
-        np.testing.assert_allclose(rope, rec.latents[layer][:, L:], rtol=2.0**-8, atol=0)
+        rope, want = tokens("rope"), rec.latents[layer][:, L:]
+        assert np.all(np.abs(rope - want) <= 2.0**-8 * np.abs(want) + 1e-5 * np.abs(want).max(axis=1, keepdims=True)), layer
     while engine.has_work():
         engine.step()
     reference = Engine(model, kv_dtype="fp8_ds_mla", num_pages=16, page_size=4, max_batch=2, stop_tokens=(),
