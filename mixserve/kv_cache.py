@@ -27,7 +27,7 @@ MLA kernel (a `TokenSelection`) instead of a mask over the whole context.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +41,9 @@ from models.weights import saturating_cast
 from pallas_kernels.paged_attention_mla import TiledLatentPages
 from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles, tile_width
 
-KVDtype = Literal["auto", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"]
 STORAGE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 TILED = "fp8_ds_mla"
+KV_DTYPES = ("auto", *STORAGE, TILED)  # the names kv_format takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +58,6 @@ class KVFormat:
     dtype: jnp.dtype
     tiled: bool = False
 
-    @property
-    def name(self) -> str:
-        return TILED if self.tiled else jnp.dtype(self.dtype).name
-
 
 def kv_format(kv_dtype: str, model_dtype) -> KVFormat:
     """The format a --kv-cache-dtype names ("auto": the model's dtype)."""
@@ -70,7 +66,7 @@ def kv_format(kv_dtype: str, model_dtype) -> KVFormat:
     if kv_dtype == TILED:
         return KVFormat(jnp.dtype(jnp.float8_e4m3fn), tiled=True)
     if kv_dtype not in STORAGE:
-        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected auto, {', '.join(STORAGE)}, {TILED}")
+        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
     return KVFormat(jnp.dtype(STORAGE[kv_dtype]))
 
 

@@ -20,7 +20,7 @@ import pallas_kernels
 from mixserve import sharding
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
-from mixserve.kv_cache import TILED, kv_format
+from mixserve.kv_cache import KV_DTYPES, TILED, kv_format
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -32,7 +32,6 @@ WEIGHT_CHOICES = {
     "int4": plan_for(WeightFormat("int4", 32), "experts"),
 }
 DEFAULT_PROMPTS = ["The cheapest token is the one", "KV cache pages", "FP8 e4m3 has no infinity", "Hello"]
-KV_CHOICES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", TILED]
 
 
 def parse_memory(text: str) -> int:
@@ -46,7 +45,7 @@ def parse_memory(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mixserve.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory or preset name (default {DEFAULT_MODEL}, random weights)")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_CHOICES,
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_DTYPES,
                    help="KV pool storage (SGLang/vLLM names); auto = the model dtype; fp8_ds_mla (MLA models): "
                         "FlashMLA's layout, e4m3 with a scale per token and 128-column tile, RoPE part in BF16")
     p.add_argument("--integrity", default="check", choices=["off", "check", "strict"],
@@ -75,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
                         "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
                         "on --tensor-parallel devices of its own, each with the --kv-memory budget")
-    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_CHOICES,
+    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_DTYPES,
                    help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
                         "pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
