@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
-from pallas_kernels.paged_attention_mla import TiledLatentPages  # noqa: E402
+from pallas_kernels.paged_attention_mla import TiledLatentPages, latent_bytes_per_token  # noqa: E402
 from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
 
 try:
@@ -458,12 +458,8 @@ def _mla_op(cfg: Config, scale: float, tuning: AttentionTuning = AttentionTuning
                              softmax_scale=(cfg.mla_rank + cfg.mla_rope) ** -0.5, tuning=tuning)
 
 
-def _latent_bytes_per_token(pages) -> int:
-    return pages.bytes_per_token() if isinstance(pages, TiledLatentPages) else pages.shape[-1] * pages.dtype.itemsize
-
-
 def _mla_bytes(case: MlaCase, pages) -> int:
-    return int(jnp.sum(case.lengths)) * _latent_bytes_per_token(pages)
+    return int(jnp.sum(case.lengths)) * latent_bytes_per_token(pages)
 
 
 def mla_rows(bench: Bench, key) -> None:
@@ -494,7 +490,7 @@ def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> 
     args = (q, pages, table, ids.astype(jnp.int32), jnp.full((batch,), top_k, jnp.int32))
     op = functools.partial(sparse_paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=scale,
                            softmax_scale=q.shape[-1] ** -0.5)
-    nbytes = batch * top_k * _latent_bytes_per_token(pages)
+    nbytes = batch * top_k * latent_bytes_per_token(pages)
     ref = op(*args, backend="xla")
     shape = f"{shape} top-k={top_k}"
     bench.measure(f"MLA sparse {name}", shape, cfg.kernel_backend, functools.partial(op, backend=cfg.kernel_backend),

@@ -68,11 +68,15 @@ class TiledLatentPages(NamedTuple):
         p, s, rank = self.nope_PSL.shape
         return p, s, rank + self.rope_PSR.shape[2]
 
-    def bytes_per_token(self) -> int:
-        return sum(x.shape[2] * x.dtype.itemsize for x in self)
 
 
 LatentPages = jax.Array | TiledLatentPages
+
+
+def latent_bytes_per_token(pages: LatentPages) -> int:
+    """Bytes one token's latent takes in these pages (Kimi K2: 576 in FP8, 656 tiled)."""
+    pools = pages if isinstance(pages, TiledLatentPages) else (pages,)
+    return sum(x.shape[2] * x.dtype.itemsize for x in pools)
 
 
 def paged_attention_mla(
@@ -255,7 +259,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     page_size = pools[0].shape[1]
     rows = mma.padded_rows(h)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
-                          kv_bytes_per_token=sum(x.shape[2] * x.dtype.itemsize for x in pools),
+                          kv_bytes_per_token=latent_bytes_per_token(latent_pages_PSC),
                           partial_bytes=rows * (kv_lora_rank + 2) * 4, tuning=tuning)
     # Tiled values are dequantized into the dot dtype: bf16 (f16 lacks the scales' range).
     dtype = fd.compute_dtype(q_BHC.dtype, jnp.bfloat16 if tiled else pools[0].dtype, tuning)
