@@ -51,7 +51,7 @@ class Engine(Frontend):
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
-                 mesh: Mesh | None = None, prefill_only: bool = False):
+                 mesh: Mesh | None = None, expert_parallel: bool = False, prefill_only: bool = False):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -105,11 +105,13 @@ class Engine(Frontend):
                 raise ValueError(f"{name} must be finite and positive")
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
+        if expert_parallel and mesh is None:
+            raise ValueError("expert_parallel splits the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
         if mesh is not None:
             if sharding.MODEL_AXIS not in mesh.shape:
                 raise ValueError(f"the mesh needs a {sharding.MODEL_AXIS!r} axis to split over, got {tuple(mesh.shape)}")
-            model = sharding.shard_model(model, mesh)
-            decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh)
+            model = sharding.shard_model(model, mesh, expert_parallel)
+            decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh, expert_parallel)
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook

@@ -42,10 +42,11 @@ class Model:
     dtype: Any = jnp.bfloat16
     backend: str = "xla"
     source: str = ""
+    expert_parallel: bool = False  # set by mixserve.sharding.shard_model, with the experts' placement
 
     @property
     def module(self) -> Transformer:
-        return Transformer(self.config, self.plan, self.dtype, self.backend)
+        return Transformer(self.config, self.plan, self.dtype, self.backend, self.expert_parallel)
 
     @functools.cached_property
     def _logits_fn(self):

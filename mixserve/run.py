@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="devices to split the weights and KV heads over (mesh axis 'model'; the KV budget is per "
                         "device). On CPU it simulates them (XLA's host device count)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="split the routed experts by expert over the --tensor-parallel devices (E/n whole experts each) "
+                        "instead of by hidden width; attention stays tensor parallel")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
                         "int4 (group 32, routed experts; RTN)")
@@ -109,8 +112,11 @@ def param_bytes(model) -> int:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     tp = args.tensor_parallel
+    if args.expert_parallel and tp < 2:
+        parser.error("--expert-parallel splits the experts over the --tensor-parallel devices: give 2 or more")
     devices = tp * (2 if args.disaggregate else 1)
     if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Read when JAX starts its CPU backend, so only before the first computation; GPUs ignore it.
@@ -127,7 +133,7 @@ def main(argv=None) -> dict:
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
     common = dict(page_size=args.page_size, kv_memory_bytes=budget, max_batch=args.concurrency, integrity=args.integrity,
                   attention_backend=backend, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                  prefill_calls_per_step=args.prefill_calls_per_step or None)
+                  prefill_calls_per_step=args.prefill_calls_per_step or None, expert_parallel=args.expert_parallel)
     two_sets = args.disaggregate or args.decode_weights != args.prefill_weights
     if args.disaggregate:
         engine = DisaggregatedEngine(
@@ -160,6 +166,7 @@ def main(argv=None) -> dict:
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,
+        "expert_parallel": args.expert_parallel,
         "kv_bytes_per_token": decoder.bytes_per_token,  # the decode pool's (the one that holds the running requests)
         "kv_bytes_per_token_per_device": decoder.kv_bytes_per_token_per_device,
         "pool_tokens": decoder.capacity_tokens,
@@ -195,7 +202,8 @@ def main(argv=None) -> dict:
     print(f"KV cache: {args.kv_cache_dtype}, page size {args.page_size}, integrity={args.integrity}, kernels: {backend}")
     for phase, (plan, nbytes, device_bytes) in weight_sets.items():
         label = f"{phase} weights" if len(weight_sets) == 2 else "weights"
-        split = f", {device_bytes / 2**20:.2f} MiB on each of {tp} devices" if tp > 1 else ""
+        experts = ", experts split by expert" if args.expert_parallel else ""
+        split = f", {device_bytes / 2**20:.2f} MiB on each of {tp} devices{experts}" if tp > 1 else ""
         print(f"{label}: {plan} ({nbytes / 2**20:.2f} MiB{split})")
     if args.disaggregate:
         d, h = report["disaggregated"], engine.counters

@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import bytes_per_token
-from models.partitioning import MODEL_AXIS, int4_split, spec_for, tp_size
+from models.partitioning import MODEL_AXIS, check_expert_parallel, int4_spec, spec_for, tp_size
 from models.weights import Int4Weight
 
 
@@ -43,16 +43,16 @@ def as_auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
-def param_shardings(model, mesh: Mesh):
+def param_shardings(model, mesh: Mesh, expert_parallel: bool = False):
     """A NamedSharding per parameter leaf (quantized weights: per packed/scale leaf)."""
     tp = tp_size(mesh)
 
     def place(leaf, names):
         if isinstance(leaf, Int4Weight):  # packed values and scales split alike (whole groups per device)
-            row, col = int4_split(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape, tp)
-            spec = NamedSharding(mesh, PartitionSpec(*(None,) * (leaf.packed_QN.ndim - 2), row, col))
+            spec = NamedSharding(mesh, int4_spec(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape,
+                                                 tp, expert_parallel))
             return Int4Weight(spec, spec, leaf.group_size)
-        return NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp))
+        return NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
 
     return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, Int4Weight))
 
@@ -64,9 +64,14 @@ def pool_shardings(pools: list[dict], mesh: Mesh) -> list[dict]:
                                  else PartitionSpec()) for name, pool in layer.items()} for layer in pools]
 
 
-def shard_model(model, mesh: Mesh):
-    """The model with its parameters placed on the mesh (a copy of the handle, same config)."""
-    return dataclasses.replace(model, params=jax.device_put(model.params, param_shardings(model, mesh)))
+def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
+    """The model with its parameters placed on the mesh (a copy of the handle, same config).
+    expert_parallel: the routed experts split by expert (E/n whole experts per device) rather than
+    by hidden width; the handle's module then runs them so (models/moe.py)."""
+    if expert_parallel:
+        check_expert_parallel(model.config.n_routed_experts, tp_size(mesh))
+    placed = jax.device_put(model.params, param_shardings(model, mesh, expert_parallel))
+    return dataclasses.replace(model, params=placed, expert_parallel=expert_parallel)
 
 
 def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None) -> int:

@@ -6,9 +6,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
+from models import partitioning
 from models.config import ModelConfig
 from models.layers import Dtype, GatedMLP, boxed_weight_init
 from models.weights import BF16, WeightFormat, expert_matmul
+
+UP_AXES, DOWN_AXES = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
 
 
 def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -35,23 +40,38 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[ja
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def expert_groups(experts_TK: jax.Array, valid_T: jax.Array | None, num_experts: int):
+def expert_groups(experts_TK: jax.Array, keep_TK: jax.Array | None, num_experts: int):
     """(order, group_sizes_E): the T*K (token, choice) rows sorted by expert, and rows per expert.
 
-    A padding token (valid_T False: an idle batch slot, the tail of a prefill chunk) joins no
-    group: its rows sort after every real row, where the grouped matmuls return zeros. The INT4
-    grouped kernel streams only experts with rows, so it reads no weights for padding alone (the
-    XLA paths dequantize every expert whatever the routing). Measured on tiny-kimi widened to 64
-    experts, top-8: one live request among 8 decode slots had 8 active experts per layer, 14-16
-    with the idle slots routed (they share one input, token 0 at position 0); a 64-token prefill
-    chunk holding 1 real token, 8 against 13-17.
+    A row not kept (keep_TK False: a padding token, i.e. an idle batch slot or the tail of a
+    prefill chunk; under expert parallelism, an expert another device holds) joins no group: it
+    sorts after every kept row, where the grouped matmuls return zeros. The INT4 grouped kernel
+    streams only experts with rows, so it reads no weights for padding alone (the XLA paths
+    dequantize every expert whatever the routing). Measured on tiny-kimi widened to 64 experts,
+    top-8: one live request among 8 decode slots had 8 active experts per layer, 14-16 with the
+    idle slots routed (they share one input, token 0 at position 0); a 64-token prefill chunk
+    holding 1 real token, 8 against 13-17.
     """
-    k = experts_TK.shape[1]
     flat_experts = experts_TK.reshape(-1)
-    if valid_T is not None:
-        flat_experts = jnp.where(jnp.repeat(valid_T, k), flat_experts, num_experts)  # bincount drops it
+    if keep_TK is not None:
+        flat_experts = jnp.where(keep_TK.reshape(-1), flat_experts, num_experts)  # bincount drops it
     order = jnp.argsort(flat_experts)
     return order, jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+
+def routed_ffn(x_TD, weights_TK, experts_TK, keep_TK, gate, up, down, first_expert, *, backend: str):
+    """float32 [T, D]: the routed experts' weighted output from experts [first_expert, first_expert
+    + E_local) only, the ones gate/up/down [E_local, ...] hold (all of them without expert
+    parallelism). Choices of other experts contribute nothing, so the devices' outputs sum to the whole."""
+    num_local, k = gate.shape[0], experts_TK.shape[1]
+    local_TK = experts_TK - first_expert
+    order, group_sizes = expert_groups(local_TK, keep_TK & (local_TK >= 0) & (local_TK < num_local), num_local)
+    token_of_row = order // k
+    x_sorted = x_TD[token_of_row]
+    mm = lambda a, w, axes: expert_matmul(a, w, group_sizes, backend=backend, axes=axes)
+    h = nn.silu(mm(x_sorted, gate, UP_AXES)) * mm(x_sorted, up, UP_AXES)
+    y_sorted = mm(h, down, DOWN_AXES).astype(jnp.float32) * weights_TK.reshape(-1)[order][:, None]
+    return jnp.zeros(x_TD.shape, jnp.float32).at[token_of_row].add(y_sorted)
 
 
 class Router(nn.Module):
@@ -61,11 +81,11 @@ class Router(nn.Module):
     def __call__(self, x_TD):
         # The router stays in float32 whatever the model dtype (as transformers keeps it).
         kernel = self.param(
-            "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "experts")),
+            "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "expert_scores")),
             (x_TD.shape[-1], self.cfg.n_routed_experts), jnp.float32,
         )
         bias = self.param(
-            "e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("experts",)),
+            "e_score_correction_bias", nn.with_logical_partitioning(nn.initializers.zeros, ("expert_scores",)),
             (self.cfg.n_routed_experts,), jnp.float32,
         )
         logits = jnp.dot(x_TD.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
@@ -73,31 +93,44 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Stacked expert weights gate/up [E, D, F], down [E, F, D]; tokens sorted by expert, then grouped matmuls."""
+    """Stacked expert weights gate/up [E, D, F], down [E, F, D]; tokens sorted by expert, then grouped matmuls.
+
+    expert_parallel: under a mesh with a "model" axis of n > 1 devices, each device holds E/n whole
+    experts (mixserve.sharding places them so) and runs them on every token; the devices' outputs
+    are summed (one all-reduce, as TP's row-parallel down projection needs anyway).
+    """
 
     cfg: ModelConfig
     fmt: WeightFormat = BF16
     dtype: Dtype = jnp.bfloat16
     backend: str = "xla"
+    expert_parallel: bool = False
 
     @nn.compact
     def __call__(self, x_TD, weights_TK, experts_TK, valid_T=None):
         cfg = self.cfg
         num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, x_TD.shape[-1]
         init = lambda axes: boxed_weight_init(self.fmt, axes, self.dtype)
-        up_axes, down_axes = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
-        gate = self.param("gate_proj", init(up_axes), (num_experts, hidden, inter))
-        up = self.param("up_proj", init(up_axes), (num_experts, hidden, inter))
-        down = self.param("down_proj", init(down_axes), (num_experts, inter, hidden))
+        gate = self.param("gate_proj", init(UP_AXES), (num_experts, hidden, inter))
+        up = self.param("up_proj", init(UP_AXES), (num_experts, hidden, inter))
+        down = self.param("down_proj", init(DOWN_AXES), (num_experts, inter, hidden))
 
-        num_tokens, k = experts_TK.shape
-        order, group_sizes = expert_groups(experts_TK, valid_T, num_experts)
-        token_of_row = order // k
-        x_sorted = x_TD.astype(self.dtype)[token_of_row]
-        mm = lambda a, w, axes: expert_matmul(a, w, group_sizes, backend=self.backend, axes=axes)
-        h = nn.silu(mm(x_sorted, gate, up_axes)) * mm(x_sorted, up, up_axes)
-        y_sorted = mm(h, down, down_axes).astype(jnp.float32) * weights_TK.reshape(-1)[order][:, None]
-        y = jnp.zeros((num_tokens, hidden), jnp.float32).at[token_of_row].add(y_sorted)
+        x_TD = x_TD.astype(self.dtype)
+        keep_TK = jnp.ones(experts_TK.shape, bool) if valid_T is None else jnp.broadcast_to(valid_T[:, None], experts_TK.shape)
+        mesh = partitioning.context_mesh() if self.expert_parallel else None
+        if mesh is None:
+            y = routed_ffn(x_TD, weights_TK, experts_TK, keep_TK, gate, up, down, 0, backend=self.backend)
+        else:
+            partitioning.check_expert_parallel(num_experts, partitioning.tp_size(mesh))
+
+            def per_device(x, w, e, keep, gate, up, down):
+                first = jax.lax.axis_index(partitioning.MODEL_AXIS) * gate.shape[0]
+                return jax.lax.psum(routed_ffn(x, w, e, keep, gate, up, down, first, backend=self.backend),
+                                    partitioning.MODEL_AXIS)
+
+            split = P(partitioning.MODEL_AXIS)  # a prefix: every leaf of a quantized weight splits its experts
+            y = partitioning.per_device(per_device, mesh, (P(),) * 4 + (split,) * 3, P())(
+                x_TD, weights_TK, experts_TK, keep_TK, gate, up, down)
         return y.astype(x_TD.dtype)
 
 
@@ -107,6 +140,7 @@ class MoE(nn.Module):
     linear_fmt: WeightFormat = BF16
     dtype: Dtype = jnp.bfloat16
     backend: str = "xla"
+    expert_parallel: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, valid_BT=None):
@@ -114,7 +148,7 @@ class MoE(nn.Module):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         valid_T = None if valid_BT is None else valid_BT.reshape(-1)
         weights, experts = Router(cfg, name="gate")(x_TD)
-        routed = RoutedExperts(cfg, self.experts_fmt, self.dtype, self.backend, name="experts")(
+        routed = RoutedExperts(cfg, self.experts_fmt, self.dtype, self.backend, self.expert_parallel, name="experts")(
             x_TD, weights, experts, valid_T)
         out = routed.reshape(x_BTD.shape)
         if cfg.n_shared_experts:

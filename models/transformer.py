@@ -26,6 +26,7 @@ class DecoderLayer(nn.Module):
     plan: WeightPlan = WeightPlan()
     dtype: Dtype = jnp.bfloat16
     backend: str = "xla"
+    expert_parallel: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None):
@@ -42,7 +43,8 @@ class DecoderLayer(nn.Module):
         x_BTD = x_BTD + attn
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="post_attention_layernorm")(x_BTD)
         if cfg.is_moe_layer(self.layer):
-            mlp_out = MoE(cfg, self.plan.experts, self.plan.linear, name="mlp", **common)(h, valid_BT)
+            mlp_out = MoE(cfg, self.plan.experts, self.plan.linear, expert_parallel=self.expert_parallel, name="mlp",
+                          **common)(h, valid_BT)
         else:
             mlp_out = GatedMLP(cfg.intermediate_size, self.plan.linear, name="mlp", **common)(h)
         return x_BTD + mlp_out, index_mask
@@ -56,12 +58,14 @@ class Transformer(nn.Module):
     row, so decode and chunked prefill do not pay for the full vocabulary projection of every token.
     `valid_BT` (optional bool) marks the real tokens of a padded batch: padding tokens take no
     routed expert, so they cannot make the INT4 MoE kernel read experts no real token chose.
+    `expert_parallel`: the routed experts run per device on the experts each holds (models/moe.py).
     """
 
     cfg: ModelConfig
     plan: WeightPlan = WeightPlan()
     dtype: Dtype = jnp.bfloat16
     backend: str = "xla"
+    expert_parallel: bool = False
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None):
@@ -78,7 +82,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(cfg, positions_BT)
         index_mask = None
         for i in range(cfg.num_layers):
-            layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, name=f"layers_{i}")
+            layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, self.expert_parallel, name=f"layers_{i}")
             x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT)
         x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
         if logits_at is not None:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 import mixserve
 
 KNOWN_AXES = {"embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp", "moe_mlp",
-              "experts", "index_heads", "index_head_dim", "norm"}
+              "experts", "expert_scores", "index_heads", "index_head_dim", "norm"}
 
 
 def test_every_parameter_has_logical_axes():
@@ -36,7 +36,8 @@ def test_sharded_forward_on_8_cpu_devices_matches():
         mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(auto, auto))
         rules = (("experts", "model"), ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
                  ("vocab", "model"), ("embed", None), ("moe_mlp", None), ("q_lora", None), ("kv_lora", None),
-                 ("head_dim", None), ("index_heads", None), ("index_head_dim", None), ("norm", None))
+                 ("head_dim", None), ("index_heads", None), ("index_head_dim", None), ("norm", None),
+                 ("expert_scores", None))
         model = mixserve.load("tiny-kimi", dtype="float32")
         shardings = nn.logical_to_mesh_sharding(model.param_axes, mesh, rules)
         sharded = jax.device_put(model.params, shardings)

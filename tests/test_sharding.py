@@ -24,6 +24,20 @@ kw = dict(kv_dtype="fp8_e4m3", page_size=4, kv_memory_bytes=64 << 10, max_batch=
           stop_tokens=(), integrity="check", min_decode_rows=4, min_prefill_tokens=8)
 CASES = (("tiny-glm4", 2), ("tiny-kimi", 4), ("tiny-glm5", 4))
 mesh_for = lambda tp: jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explicit axes: the engine makes them Auto
+
+
+def assert_no_weight_gathered(engine, label):
+    # The decode step's collectives move activations only: no all-gather yields a split weight.
+    with jax.set_mesh(engine.mesh):
+        text = engine.runner._decode_fn.lower(
+            engine.runner.decode_model.params, engine.runner.pools, engine.table, *[np.zeros(4, np.int32)] * 3,
+            np.zeros((4, 1), np.int32), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros((4, 3), np.uint32),
+            width=4).compile().as_text()
+    gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
+                for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
+    params = engine.runner.decode_model.params
+    split_shapes = {x.shape for x in jax.tree.leaves(params) if not x.sharding.is_fully_replicated}
+    assert gathered and not gathered & split_shapes, (label, gathered & split_shapes)
 """
 
 XLA_PATH = """
@@ -48,16 +62,7 @@ for preset, tp in CASES:
         assert split.num_pages == tp * single.num_pages
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
-    # The decode step's collectives move activations only: no all-gather yields a split weight.
-    with jax.set_mesh(split.mesh):
-        text = split.runner._decode_fn.lower(
-            split.runner.decode_model.params, split.runner.pools, split.table, *[np.zeros(4, np.int32)] * 3,
-            np.zeros((4, 1), np.int32), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros((4, 3), np.uint32),
-            width=4).compile().as_text()
-    gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
-                for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
-    split_shapes = {x.shape for x in jax.tree.leaves(params) if not x.sharding.is_fully_replicated}
-    assert gathered and not gathered & split_shapes, (preset, gathered & split_shapes)
+    assert_no_weight_gathered(split, preset)
 with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
 report = run.main(["--tensor-parallel", "2", "--model", "tiny-glm4", "--max-new-tokens", "3", "--json"])
@@ -86,6 +91,42 @@ for preset, tp in CASES:
 print("ok")
 """
 
+EXPERT_PARALLEL = """
+for preset in ("tiny-kimi", "tiny-glm4"):
+    model = mixserve.load(preset, dtype="float32")
+    int4, _ = quantize_model(model, plan_for(WeightFormat("int4", 16), "experts"))
+    want = [r.tokens for r in Engine(int4, **kw).generate(prompts, max_new_tokens=6)]
+    split = Engine(int4, mesh=mesh_for(4), expert_parallel=True, **kw)
+    assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want, preset
+    # Whole experts, two per device. TP4 must keep down_proj whole on every device: its input, 32
+    # wide, is 2 groups of 16, which cannot split 4 ways.
+    experts = lambda m: m.runner.model.params["layers_1"]["mlp"]["experts"]
+    cfg, ep_down = model.config, experts(split)["down_proj"]
+    assert ep_down.packed_QN.addressable_shards[0].data.shape == (2, cfg.moe_intermediate_size // 8, cfg.hidden_size)
+    tp_experts = sharding.shard_model(int4, split.mesh)
+    assert tp_experts.params["layers_1"]["mlp"]["experts"]["down_proj"].packed_QN.sharding.is_fully_replicated
+    expert_bytes = sum(x.nbytes for x in jax.tree.leaves(experts(split)))
+    assert sharding.bytes_per_device(experts(split)) * 4 == expert_bytes
+    assert sharding.bytes_per_device(split.runner.model.params) < sharding.bytes_per_device(tp_experts.params), preset
+    assert_no_weight_gathered(split, preset)
+# The Pallas kernels: each device's INT4 grouped matmul over its own experts (and GLM-5's sparse MLA).
+model = mixserve.load("tiny-glm5", dtype="float32")
+int4, _ = quantize_model(model, plan_for(WeightFormat("int4", 16), "all"))
+two = [prompts[1], prompts[3]]
+want = [r.tokens for r in Engine(int4, **kw).generate(two, max_new_tokens=3)]
+kernels = Engine(dataclasses.replace(int4, backend="interpret"), attention_backend="interpret",
+                 mesh=mesh_for(4), expert_parallel=True, **kw)
+assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want
+assert "moe_int4_matmul" in kernels.lowered_decode_text()
+with pytest.raises(ValueError, match=r"routed expert count \\(8\\) to divide"):
+    Engine(model, mesh=sharding.tp_mesh(3), expert_parallel=True, **kw)
+with pytest.raises(ValueError, match="expert_parallel splits the routed experts over a mesh"):
+    Engine(model, expert_parallel=True, **kw)
+report = run.main(["--tensor-parallel", "4", "--expert-parallel", "--model", "tiny-kimi", "--max-new-tokens", "3", "--json"])
+assert report["expert_parallel"] and all(r["status"] == "ok" for r in report["requests"])
+print("ok")
+"""
+
 
 def run_on_8_devices(body: str) -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -111,3 +152,12 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
     the XLA references."""
     run_on_8_devices(KERNELS)
+
+
+def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_device():
+    """Expert parallelism at EP4 (tiny-kimi MLA, tiny-glm4 GQA, INT4 g16 experts, XLA path): the
+    same greedy tokens as one device, two whole experts per device (a quarter of the expert bytes,
+    where TP4 keeps every down_proj whole), no split weight gathered by the decode step; GLM-5 with
+    the Pallas kernels (interpret) per device, INT4 everywhere; named errors for an expert count
+    the devices do not divide and for no mesh; `mixserve.run --expert-parallel`."""
+    run_on_8_devices(EXPERT_PARALLEL)
