@@ -1,5 +1,6 @@
 """Weight bytes of the full presets in each format (mixserve.weight_bytes, abstract: nothing is
-allocated), total and per GPU at TP 8, next to the seed's GLM 5.2 numbers, as a markdown table.
+allocated), total and per GPU at TP 8, next to the seed's GLM 5.2 numbers, and what mixserve's own
+placement puts on one device at TP 8 and at EP 8 (mixserve.weight_bytes.device_bytes), as a markdown table.
 
     python experiments/weight_bytes.py            # print
     python experiments/weight_bytes.py --out      # also write experiments/results/weight_bytes.md
@@ -13,6 +14,7 @@ import os
 import time
 
 import mixserve
+from mixserve.weight_bytes import device_bytes
 from models.config import RopeConfig
 from models.presets import FULL_PRESETS
 from models.weights import BF16, WeightFormat, WeightPlan
@@ -47,13 +49,15 @@ def rows() -> list[dict]:
         for label, plan in PLANS.items():
             b = mixserve.weight_bytes(cfg, plan=plan, tp=TP)
             seed = SEED.get(label) if "glm-5" in names.split(", ") else None
-            out.append(dict(preset=names, plan=label, b=b, seed=seed))
+            placed = {ep: device_bytes(cfg, plan, TP, ep) for ep in (False, True)}
+            out.append(dict(preset=names, plan=label, b=b, seed=seed, placed=placed))
     return out
 
 
 def markdown(table: list[dict]) -> str:
     head = ("| preset | format | experts | attention | dense+shared | emb+head | other | MTP | checkpoint GiB (GB) "
-            f"| per GPU TP{TP}, replicated parts whole | checkpoint / {TP} | seed checkpoint / per GPU |")
+            f"| per GPU TP{TP}, replicated parts whole | checkpoint / {TP} | seed checkpoint / per GPU "
+            f"| mixserve TP{TP} / EP{TP}, one device |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
         b = r["b"]
@@ -64,7 +68,7 @@ def markdown(table: list[dict]) -> str:
         lines.append(
             f"| {r['preset']} | {r['plan']} | {gib(b.experts)} | {gib(b.attention)} | {gib(b.dense)} | {gib(b.embeddings)} "
             f"| {gib(b.other)} | {gib(b.mtp)} | {gib(b.checkpoint)} ({b.checkpoint / 1e9:.0f}) | {gib(b.per_gpu)} "
-            f"| {gib(b.checkpoint / TP)} | {seed} |"
+            f"| {gib(b.checkpoint / TP)} | {seed} | {gib(r['placed'][False])} / {gib(r['placed'][True])} |"
         )
     return "\n".join(lines)
 
@@ -83,6 +87,11 @@ NOTES = f"""\
   Our replication-aware figure keeps norms, router, MLA q_a_proj / kv_a_proj_with_mqa and the DSA
   indexer whole on every rank (our reading of SGLang's DeepSeek-V3 / GLM-5 models): +2% for FP8
   (90.1) and +8% for INT4 (56.3, those layers are BF16 there). KV cache and activations come on top.
+- mixserve TP{TP} / EP{TP}: the main model (no MTP: mixserve does not load it) on the fullest device as
+  `mixserve.sharding` places it (`Engine(mesh=tp_mesh({TP}))`, and with `expert_parallel=True`). TP
+  splits an expert's hidden width, and keeps an INT4 down_proj whole on every device when its input
+  share does not hold whole groups: GLM-4.5's 1536 / {TP} = 192 rows at g128, GLM-4.5-Air's 1408 / {TP}
+  = 176 at g32 and g128. EP gives each device E / {TP} whole experts, so every format splits evenly.
 """
 
 

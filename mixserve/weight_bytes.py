@@ -9,6 +9,10 @@ expert columns, routed experts by TP or EP alike, embeddings and lm_head vocab-p
 what SGLang's DeepSeek/GLM models replicate on every rank: norms, the router, MLA's low-rank
 down-projections (q_a_proj, kv_a_proj_with_mqa) and the DSA indexer (wq_b, wk, weights_proj, k_norm).
 
+`device_bytes` is the other view: the bytes of the main model that one device holds under
+mixserve's own placement (mixserve/sharding.py's rules, INT4 groups kept whole), at tensor or
+expert parallelism.
+
 MTP: `count_params` leaves the next-token-prediction layer out (it is not part of the forward), but
 checkpoints ship it, so `mtp` estimates it: one more decoder layer shaped like the last one, plus
 eh_proj [2*hidden, hidden] in the linear format and three hidden-size norms (enorm, hnorm,
@@ -27,9 +31,10 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.kv import NoCache
+from models.partitioning import check_expert_parallel, int4_spec, spec_for
 from models.presets import get_preset
 from models.transformer import DecoderLayer, Transformer
-from models.weights import BF16, WeightFormat, WeightPlan, abstract_weight
+from models.weights import BF16, Int4Weight, WeightFormat, WeightPlan, abstract_weight
 
 FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block")}
 REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "indexer", "gate")  # module names kept whole on every rank
@@ -92,21 +97,42 @@ def weight_bytes(preset_or_config: str | ModelConfig, format: str = "bf16", grou
     plan = plan or resolve_plan(format, group_size, scope)
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
-    # The Transformer without its layers (embeddings, final norm, lm_head), then each kind of layer
-    # traced once: layers differ only in dense vs MoE MLP and whether they run the DSA indexer.
-    outer = cfg.replace(num_layers=0, indexer_types=())
-    tally = _tally(lambda: Transformer(outer, plan, jnp.bfloat16).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-    kinds: dict[tuple[bool, bool], Counter] = {}
-    for i in range(cfg.num_layers):
-        kind = (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
-        if kind not in kinds:
-            kinds[kind] = _layer_tally(cfg, plan, i)
-        tally += kinds[kind]
+    tally = Counter()
+    for init, count in _inits(cfg, plan):
+        tally.update({key: count * nbytes for key, nbytes in _tally(init).items()})
     mtp = Counter()
     for _ in range(cfg.num_mtp_layers):
         mtp += _mtp_tally(cfg, plan)
     return WeightBytes(plan, tp, **{c: tally[c] for c in COMPONENTS}, mtp=sum(mtp[c] for c in COMPONENTS),
                        replicated=tally["replicated"] + mtp["replicated"])
+
+
+def device_bytes(preset_or_config: str | ModelConfig, plan: WeightPlan, tp: int, expert_parallel: bool = False,
+                 dtype=jnp.bfloat16) -> int:
+    """Bytes of the main model on the fullest device when mixserve.sharding places it over tp
+    devices, with the routed experts split by hidden width (TP) or by expert (EP); dtype is the
+    model's (what the plan leaves unquantized). Abstract, like weight_bytes."""
+    cfg = get_preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    if expert_parallel:
+        check_expert_parallel(cfg.n_routed_experts, tp)
+    return sum(count * _device_share(init, tp, expert_parallel) for init, count in _inits(cfg, plan, dtype))
+
+
+def _inits(cfg: ModelConfig, plan: WeightPlan, dtype=jnp.bfloat16) -> list[tuple[object, int]]:
+    """(init, how many) covering the model: the Transformer without its layers (embeddings, final
+    norm, lm_head), then each kind of layer once, times its count. Layers differ only in dense vs
+    MoE MLP and whether they run the DSA indexer."""
+    outer = cfg.replace(num_layers=0, indexer_types=())
+    inits = [(lambda: Transformer(outer, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)), 1)]
+    kinds: dict[tuple[bool, bool], int] = {}
+    for i in range(cfg.num_layers):
+        kind = (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
+        if kind not in kinds:
+            kinds[kind] = len(inits)
+            inits.append((_layer_init(cfg, plan, i, dtype), 0))
+        init, count = inits[kinds[kind]]
+        inits[kinds[kind]] = (init, count + 1)
+    return inits
 
 
 def _tally(init) -> Counter:
@@ -121,11 +147,30 @@ def _tally(init) -> Counter:
     return tally
 
 
-def _layer_tally(cfg: ModelConfig, plan: WeightPlan, layer: int) -> Counter:
-    x = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
+def _device_share(init, tp: int, expert_parallel: bool) -> int:
+    """Bytes of the params `init` creates that one device holds under mixserve.sharding's rules."""
+    boxed = jax.eval_shape(init)["params"]
+
+    def share(leaf, names) -> int:
+        if isinstance(leaf, Int4Weight):
+            spec = int4_spec(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape, tp, expert_parallel)
+            return _split_bytes(leaf.packed_QN, spec, tp) + _split_bytes(leaf.scales_GN, spec, tp)
+        return _split_bytes(leaf, spec_for(tuple(names), leaf.shape, tp, expert_parallel), tp)
+
+    is_leaf = lambda x: isinstance(x, Int4Weight)
+    return sum(jax.tree.leaves(jax.tree.map(share, nn.unbox(boxed), nn.get_partition_spec(boxed), is_leaf=is_leaf)))
+
+
+def _split_bytes(leaf, spec, tp: int) -> int:
+    splits = sum(axis is not None for axis in spec)
+    assert splits <= 1, spec  # one mesh axis: at most one dimension of an array splits over it
+    return leaf.size * jnp.dtype(leaf.dtype).itemsize // tp**splits
+
+
+def _layer_init(cfg: ModelConfig, plan: WeightPlan, layer: int, dtype=jnp.bfloat16):
+    x = jnp.zeros((1, 1, cfg.hidden_size), dtype)
     cos = sin = jnp.zeros((1, 1, cfg.rotary_dim // 2), jnp.float32)
-    init = lambda: DecoderLayer(cfg, layer, plan, jnp.bfloat16).init(jax.random.key(0), x, cos, sin, NoCache().layer(layer))
-    return _tally(init)
+    return lambda: DecoderLayer(cfg, layer, plan, dtype).init(jax.random.key(0), x, cos, sin, NoCache().layer(layer))
 
 
 def _component(path: tuple[str, ...]) -> Component:
@@ -148,7 +193,7 @@ def _replicated(path: tuple[str, ...]) -> bool:
 def _mtp_tally(cfg: ModelConfig, plan: WeightPlan) -> Counter:
     """One MTP layer: a decoder layer like the last, eh_proj (linear format), 3 replicated norms."""
     d = cfg.hidden_size
-    tally = _layer_tally(cfg, plan, cfg.num_layers - 1)
+    tally = _tally(_layer_init(cfg, plan, cfg.num_layers - 1))
     eh_proj = abstract_weight(plan.linear, (2 * d, d), jnp.bfloat16)
     tally["dense"] += sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(eh_proj))
     tally["other"] += 3 * d * 2

@@ -17,6 +17,8 @@ from mixserve.orbax_io import restore_params, save_params
 from mixserve.quantize import main as quantize_main
 from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import index_tensors, load_tensor
+from mixserve.weight_bytes import device_bytes
+from models.presets import get_preset
 from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
 
 GIB = 2**30
@@ -208,6 +210,24 @@ def test_weight_bytes_reproduce_the_seed(glm5_bytes):
     assert fp8.per_gpu / GIB == pytest.approx(88, rel=0.05)
     assert int4.per_gpu - int4.checkpoint / 8 == pytest.approx(int4.replicated * 7 / 8)
     assert int4.per_gpu / GIB == pytest.approx(52, rel=0.09)
+
+
+def test_device_bytes_tp_keeps_ungroupable_int4_experts_whole_and_ep_splits_them():
+    """GLM-4.5's experts at INT4 g128: at TP8 a device's share of down_proj's 1536 input rows is
+    192, 1.5 groups, so mixserve.sharding keeps every down_proj whole on every device; EP8 holds
+    20 whole experts of 160. The difference is exactly 7/8 of all down_proj bytes. Kimi K2 at g32
+    splits evenly either way (2048 / 8 = 256 rows, 8 groups)."""
+    g128, g32 = (WeightPlan(WeightFormat("int4", g), BF16) for g in (128, 32))
+    tp, ep = (device_bytes("glm-4.5", g128, 8, flag) for flag in (False, True))
+    cfg = get_preset("glm-4.5")
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    f, d = cfg.moe_intermediate_size, cfg.hidden_size
+    down_proj = moe_layers * cfg.n_routed_experts * (f * d // 2 + f // 128 * d * 2)  # nibbles + bf16 scales
+    assert tp - ep == down_proj * 7 // 8
+    assert ep / GIB == pytest.approx(24.3, abs=0.05) and tp / GIB == pytest.approx(71.4, abs=0.05)
+    assert device_bytes("kimi-k2", g32, 8) == device_bytes("kimi-k2", g32, 8, True)
+    with pytest.raises(ValueError, match=r"routed expert count \(384\) to divide"):
+        device_bytes("kimi-k2", g32, 5, True)
 
 
 def test_weight_bytes_components_and_scales(glm5_bytes):

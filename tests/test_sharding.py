@@ -15,6 +15,7 @@ import mixserve
 from mixserve import run, sharding
 from mixserve.engine import Engine
 from mixserve.quantize import plan_for, quantize_model
+from mixserve.weight_bytes import device_bytes
 from models.weights import WeightFormat
 assert jax.device_count() == 8
 rng = np.random.default_rng(0)
@@ -108,6 +109,9 @@ for preset in ("tiny-kimi", "tiny-glm4"):
     expert_bytes = sum(x.nbytes for x in jax.tree.leaves(experts(split)))
     assert sharding.bytes_per_device(experts(split)) * 4 == expert_bytes
     assert sharding.bytes_per_device(split.runner.model.params) < sharding.bytes_per_device(tp_experts.params), preset
+    # mixserve.weight_bytes.device_bytes, the abstract count for full-size models, agrees.
+    for ep, placed in ((True, split.runner.model), (False, tp_experts)):
+        assert device_bytes(preset, int4.plan, 4, ep, np.float32) == sharding.bytes_per_device(placed.params), (preset, ep)
     assert_no_weight_gathered(split, preset)
 # The Pallas kernels: each device's INT4 grouped matmul over its own experts (and GLM-5's sparse MLA).
 model = mixserve.load("tiny-glm5", dtype="float32")
