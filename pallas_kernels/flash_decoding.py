@@ -386,19 +386,32 @@ def partial_specs(num_lead: int, rows: int, value_dim: int) -> list[pl.BlockSpec
     ]
 
 
-def combine_partials(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array) -> jax.Array:
-    """Merges split partials into the softmax output [..., R, V].
+def combine_partials(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merges split partials -> (softmax output [..., R, V], its log-sum-exp [..., R]).
 
     The split axis is the last axis before R (as written by `partial_specs`);
     any batch axes come before it. A request with no tokens has sum 0 in every
-    split and gets output 0 rather than 0/0.
+    split and gets output 0 rather than 0/0, and log-sum-exp -inf. The
+    log-sum-exp lets outputs over disjoint token sets merge exactly
+    (merge_over_axis).
     """
     acc_XRV, max_XR, sum_XR = (jnp.moveaxis(x, n, 0) for x, n in ((acc_XRV, -3), (max_XR, -2), (sum_XR, -2)))
     max_R = jnp.max(max_XR, axis=0)
     weight_XR = jnp.exp(max_XR - max_R[None])
     sum_R = jnp.sum(sum_XR * weight_XR, axis=0)
     acc_RV = jnp.sum(acc_XRV * weight_XR[..., None], axis=0)
-    return acc_RV / jnp.where(sum_R > 0, sum_R, 1.0)[..., None]
+    lse_R = jnp.where(sum_R > 0, max_R + jnp.log(jnp.where(sum_R > 0, sum_R, 1.0)), -jnp.inf)
+    return acc_RV / jnp.where(sum_R > 0, sum_R, 1.0)[..., None], lse_R
+
+
+def merge_over_axis(out_RV: jax.Array, lse_R: jax.Array, axis_name: str) -> jax.Array:
+    """Inside shard_map: softmax outputs over disjoint token sets, one per device along
+    axis_name, merged into the output over their union (float32). Rows empty on every device get 0."""
+    top_R = lax.pmax(lse_R, axis_name)
+    weight_R = jnp.exp(lse_R - jnp.where(jnp.isfinite(top_R), top_R, 0.0))  # exp(-inf) = 0: an empty share
+    total_R = lax.psum(weight_R, axis_name)
+    merged_RV = lax.psum(out_RV.astype(jnp.float32) * weight_R[..., None], axis_name)
+    return merged_RV / jnp.where(total_R > 0, total_R, 1.0)[..., None]
 
 
 def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int) -> None:

@@ -193,5 +193,5 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         interpret=interpret,
         name="paged_attention_gqa",
     )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)
-    out_BKGD = fd.combine_partials(*partials)[:, :, :g] * v_scale_K[None, :, None, None]
+    out_BKGD = fd.combine_partials(*partials)[0][:, :, :g] * v_scale_K[None, :, None, None]
     return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)

@@ -90,12 +90,16 @@ def paged_attention_mla(
     softmax_scale: float,
     backend: str | None = None,
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
-) -> jax.Array:
+    return_lse: bool = False,
+):
     """softmax(q latent^T * softmax_scale) latent[:, :L] per request.
 
     scale: real latent = stored * scale, a per-tensor scalar (None: 1); tiled pages
       carry their own scales and take None.
     tuning: the kernel's launch choices (block size, splits, warps); not the result.
+    return_lse: also return the logits' log-sum-exp [B, H] (-inf for an empty
+      request), with the output in float32, so that outputs over disjoint token
+      sets (e.g. the slots each device holds) merge exactly (fd.merge_over_axis).
     """
     backend = resolve_backend(backend)
     _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
@@ -106,11 +110,13 @@ def paged_attention_mla(
         raise ValueError(f"MLA latent scale must be a per-tensor scalar, got shape {scale.shape}")
     softmax_scale = jnp.float32(softmax_scale)
     if backend == "xla":
-        return _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                          kv_lora_rank=kv_lora_rank)
-    fd.check_kernel_page_size(latent_pages_PSC.shape[1])
-    return _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                   kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning)
+        out_BHL, lse_BH = _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
+                                     kv_lora_rank=kv_lora_rank)
+    else:
+        fd.check_kernel_page_size(latent_pages_PSC.shape[1])
+        out_BHL, lse_BH = _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
+                                  kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning)
+    return (out_BHL, lse_BH) if return_lse else out_BHL.astype(q_BHC.dtype)
 
 
 def sparse_paged_attention_mla(
@@ -125,7 +131,8 @@ def sparse_paged_attention_mla(
     softmax_scale: float,
     backend: str | None = None,
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
-) -> jax.Array:
+    return_lse: bool = False,
+):
     """paged_attention_mla over each request's chosen tokens only (DSA decode).
 
     token_ids_BK[b, :counts_B[b]] are the logical positions request b attends
@@ -144,7 +151,7 @@ def sparse_paged_attention_mla(
     return paged_attention_mla(
         q_BHC, rows, pages_BK * s + ids_BK % s,
         jnp.clip(counts_B, 0, token_ids_BK.shape[1]), kv_lora_rank=kv_lora_rank, scale=scale,
-        softmax_scale=softmax_scale, backend=backend, tuning=tuning)
+        softmax_scale=softmax_scale, backend=backend, tuning=tuning, return_lse=return_lse)
 
 
 def _check_tiled(pages: TiledLatentPages, kv_lora_rank: int) -> None:
@@ -182,7 +189,7 @@ def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_ran
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank",))
 def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
                kv_lora_rank: int):
-    """Gather the latents, dequantize to f32, masked softmax: the spec, in jnp."""
+    """Gather the latents, dequantize to f32, masked softmax: the spec, in jnp -> (out float32, lse)."""
     b, _, c = q_BHC.shape
     n = page_table_BN.shape[1]
     page_size = latent_pages_PSC.shape[1]
@@ -204,7 +211,8 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
     sum_BH = jnp.sum(p_BHT, axis=-1, keepdims=True)
     out_BHL = jnp.einsum("bht,btl->bhl", p_BHT / jnp.where(sum_BH > 0, sum_BH, 1.0),
                          latent_BTC[..., :kv_lora_rank], precision=jax.lax.Precision.HIGHEST)
-    return out_BHL.astype(q_BHC.dtype)
+    lse_BH = jnp.where(sum_BH > 0, max_BH + jnp.log(jnp.where(sum_BH > 0, sum_BH, 1.0)), -jnp.inf)[..., 0]
+    return out_BHL, lse_BH
 
 
 def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int, dot_dtype,
@@ -283,5 +291,5 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         interpret=interpret,
         name="paged_attention_mla",
     )(q_BRC, *pools, slots_BXN, lengths_B, logit_scale)
-    out_BRL = fd.combine_partials(*partials) * scale
-    return out_BRL[:, :h].astype(q_BHC.dtype)
+    out_BRL, lse_BR = fd.combine_partials(*partials)
+    return out_BRL[:, :h] * scale, lse_BR[:, :h]

@@ -43,7 +43,7 @@ from conftest import KERNEL_BACKEND
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
-from pallas_kernels.flash_decoding import AttentionTuning
+from pallas_kernels.flash_decoding import AttentionTuning, merge_over_axis
 
 # Unit roundoff, half the spacing at 1: bf16 keeps 8 significant bits, so 2^-8. It read 2^-9
 # until 2026-11-29, which halved every bf16 bound; one seed rounded an output of -4.1106 to
@@ -383,6 +383,53 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * _mla_max_abs_v(args)
     _check_close(got, ref, tol, seed, "mla kernel vs reference")
     assert np.all(_as_np(got)[np.asarray(cache.lengths) == 0] == 0), f"seed={seed}"
+
+
+@pytest.mark.parametrize("backend, kv_dtype, tuning", [
+    ("xla", jnp.float32, AttentionTuning()),
+    (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(num_splits=2)),
+    (KERNEL_BACKEND, jnp.bfloat16, AttentionTuning(block_tokens=16, prefetch=True)),
+])
+def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
+    """Decode context parallelism's arithmetic: each of 4 devices holds slots [8d, 8d + 8) of every
+    32-slot page, attends over its share (a pool of 8-slot pages, the same page table, as many
+    tokens as its slots hold below the length: a prefix of its share) and returns its output with
+    the log-sum-exp; merge_over_axis (under vmap, standing in for the device axis) gives the
+    attention over all tokens. The whole-pool log-sum-exp is checked against float64 too. f32
+    queries: every step is an f32 op, so the F32_TOL bound of the dense test holds."""
+    seed = _seed()
+    h, c, rank, s, n, lengths = MLA_SHAPES[2]
+    args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
+                              lengths=lengths, kv_dtype=kv_dtype, q_dtype=jnp.float32)
+    devices, share = 4, s // 4
+    q, latent = _as_np(args["q_BHC"]).astype(np.float64), _as_np(args["latent_pages_PSC"]).astype(np.float64)
+    expected = _mla_float64(q, latent, cache, rank, float(args["scale"]), args["softmax_scale"])
+    lse_expected, logit_max = np.full((len(lengths), h), -np.inf), 0.0
+    for b, length in enumerate(cache.lengths):
+        if length:
+            logits = q[b] @ (cache.tokens(b, latent) * float(args["scale"])).T * args["softmax_scale"]
+            top = logits.max(axis=1)
+            lse_expected[b] = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+            logit_max = max(logit_max, float(np.abs(logits).max()))
+    common = dict(args, backend=backend, tuning=tuning, return_lse=True)
+    out, lse = paged_attention_mla(**common)
+    assert out.dtype == lse.dtype == jnp.float32
+    tol = F32_TOL * _mla_max_abs_v(args)
+    _check_close(out, expected, tol, seed, "mla output with lse")
+    # f32 logits err by <= F32_TOL of their magnitude; the log of an f32 sum (relative err <= F32_TOL)
+    # by <= F32_TOL absolute. -inf (empty) must match exactly.
+    np.testing.assert_allclose(_as_np(lse), lse_expected, rtol=0, atol=F32_TOL * (logit_max + 1), err_msg=f"seed={seed}")
+
+    def one_share(d):  # as device d computes it
+        local_lengths = np.array([np.sum((np.arange(length) % s) // share == d) for length in cache.lengths], np.int32)
+        return paged_attention_mla(**dict(common, latent_pages_PSC=args["latent_pages_PSC"][:, d * share:(d + 1) * share],
+                                          lengths_B=jnp.asarray(local_lengths)))
+
+    outs, lses = zip(*(one_share(d) for d in range(devices)))
+    merged = jax.vmap(functools.partial(merge_over_axis, axis_name="devices"), axis_name="devices")(
+        jnp.stack(outs), jnp.stack(lses))
+    for d in range(devices):
+        _check_close(merged[d], expected, tol, seed, f"merged slot shares (device {d})")
 
 
 def test_kernels_clamp_lengths_to_the_table():
