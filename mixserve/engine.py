@@ -51,7 +51,8 @@ class Engine(Frontend):
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
-                 mesh: Mesh | None = None, expert_parallel: bool = False, prefill_only: bool = False):
+                 mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
+                 prefill_only: bool = False):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -74,7 +75,11 @@ class Engine(Frontend):
         self.bytes_per_token = bytes_per_token(cfg, self.kv_format)
         # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
         self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
-        self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh)
+        if decode_context_parallel:
+            _check_context_parallel(cfg, mesh, page_size, attention_backend)
+        self.decode_context_parallel = decode_context_parallel
+        self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh,
+                                                                          decode_context_parallel)
         if num_pages is None:
             num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
@@ -124,7 +129,8 @@ class Engine(Frontend):
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh))
+            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh,
+            decode_context_parallel))
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -224,3 +230,19 @@ class Engine(Frontend):
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1
             r.accept(int(token), now, self.stop_tokens)
+
+
+def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -> None:
+    """Decode context parallelism splits each page's slots of the MLA latent over the mesh."""
+    if mesh is None:
+        raise ValueError("decode_context_parallel splits the MLA latent pool over a mesh: give one "
+                         "(mixserve.sharding.tp_mesh(n))")
+    if cfg.attention_kind != "mla":
+        raise ValueError("decode_context_parallel splits MLA latent pools; GQA pools already split by KV head")
+    tp = sharding.tp_size(mesh)
+    if page_size % tp:
+        raise ValueError(f"decode_context_parallel gives each of {tp} devices page_size / {tp} slots of every page: "
+                         f"page_size {page_size} does not divide")
+    share = page_size // tp
+    if attention_backend != "xla" and share & (share - 1):
+        raise ValueError(f"the Pallas kernels need a power-of-two page share: page_size {page_size} / {tp} = {share}")

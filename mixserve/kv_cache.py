@@ -38,12 +38,14 @@ from models import partitioning
 from models.config import ModelConfig
 from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask, top_k_positions
 from models.weights import saturating_cast
+from pallas_kernels.flash_decoding import merge_over_axis
 from pallas_kernels.paged_attention_mla import TiledLatentPages
 from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles, tile_width
 
 STORAGE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 TILED = "fp8_ds_mla"
 KV_DTYPES = ("auto", *STORAGE, TILED)  # the names kv_format takes
+SPLIT_ENTRY = "latent"  # the entry decode context parallelism splits by slots (DSA index keys stay whole)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +95,15 @@ def _mla_layer_pool(cfg: ModelConfig, layer: int, num_pages: int, page_size: int
     return {name: jax.ShapeDtypeStruct((num_pages, page_size, width), dtype) for name, (width, dtype) in widths.items()}
 
 
-def bytes_per_token(cfg: ModelConfig, fmt: KVFormat) -> int:
-    """KV bytes per token over all layers, DSA indexer keys (and tile scales) included."""
+def bytes_per_token(cfg: ModelConfig, fmt: KVFormat, entry: str | None = None) -> int:
+    """KV bytes per token over all layers, DSA indexer keys (and tile scales) included; of one
+    MLA entry only ("latent", "index") if given."""
     _check_format(cfg, fmt)
     if cfg.attention_kind == "gqa":
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(fmt.dtype).itemsize
-    return sum(x.shape[2] * x.dtype.itemsize for layer in range(cfg.num_layers)
-               for x in _mla_layer_pool(cfg, layer, 1, 1, fmt).values())
+    layers = [_mla_layer_pool(cfg, layer, 1, 1, fmt) for layer in range(cfg.num_layers)]
+    return sum(pool[name].shape[2] * pool[name].dtype.itemsize for pool in layers
+               for name in (pool if entry is None else stored_names(pool, entry) if entry in pool else ()))
 
 
 def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, fmt: KVFormat) -> list[dict]:
@@ -191,6 +195,9 @@ class PagedKV:
     k_scale: jax.Array  # [] or [KVH] (GQA); the MLA latent uses k_scale's mean as its single scale
     v_scale: jax.Array
     backend: str = "xla"
+    # Decode context parallelism (MLA): each device of the mesh's "model" axis holds a contiguous
+    # share of every page's slots of the latent pools (SPLIT_ENTRY's arrays), pool_shardings.
+    split_slots: bool = False
     new_pools: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
@@ -219,14 +226,29 @@ class LayerKV:
         """Stores this step's fresh values of entry `name`; returns the entry's updated arrays."""
         layer = self.kv.new_pools[self.i]
         page, off = self._slots(fresh.shape[1])
-        updated = {}
-        for array, stored in encode(layer, name, fresh, scale[:, None] if scale.ndim else scale).items():
-            if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
-                updated[array] = layer[array].at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
-            else:
-                updated[array] = layer[array].at[page, off].set(stored, mode="drop")
+        encoded = encode(layer, name, fresh, scale[:, None] if scale.ndim else scale)
+        if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
+            updated = {array: layer[array].at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
+                       for array, stored in encoded.items()}
+        elif (mesh := self._slot_mesh(name)) is None:
+            updated = {array: layer[array].at[page, off].set(stored, mode="drop") for array, stored in encoded.items()}
+        else:  # each device stores the tokens whose slots it holds
+            def store(arrays, encoded, page, off):
+                share = next(iter(arrays.values())).shape[1]
+                local = off - jax.lax.axis_index(partitioning.MODEL_AXIS) * share
+                page = jnp.where((local >= 0) & (local < share), page, jnp.iinfo(jnp.int32).max)  # others: dropped
+                return {a: arrays[a].at[page, jnp.clip(local, 0, share - 1)].set(encoded[a], mode="drop") for a in arrays}
+
+            split = P(None, partitioning.MODEL_AXIS)
+            updated = partitioning.per_device(store, mesh, (split, P(), P(), P()), split)(
+                {a: layer[a] for a in encoded}, encoded, page, off)
         self.kv.new_pools[self.i] = {**layer, **updated}
         return updated
+
+    def _slot_mesh(self, name: str):
+        """The mesh whose devices each hold a share of entry `name`'s slots (decode context
+        parallelism), or None when every device holds whole pages."""
+        return partitioning.context_mesh() if self.kv.split_slots and name == SPLIT_ENTRY else None
 
     # ---- reading ------------------------------------------------------------------------------
     def _kernel_table(self, num_pages: int):
@@ -307,7 +329,9 @@ class LayerKV:
             w_uk, w_uv = w[..., :N], w[..., N:]
             q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
-            if kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
+            if self._slot_mesh("latent") is not None:
+                out_lat = self._attend_slot_shares(q, stored, latent_scale, index_mask, L, scale)
+            elif kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
                 tiled = "latent_scale" in stored
                 pool = TiledLatentPages(stored["latent"], stored["latent_scale"], stored["rope"]) if tiled else stored["latent"]
                 pages, lengths = self._kernel_table(pool.shape[0])
@@ -338,6 +362,38 @@ class LayerKV:
         mask = self._prefill_mask(T) if index_mask is None else index_mask
         return masked_attention(q, k, v, mask, scale)
 
+    def _attend_slot_shares(self, q_BHC, stored: dict, latent_scale, selection, L: int, scale):
+        """Absorbed decode over latent pools split by slots (decode context parallelism): every
+        device attends with all heads over the slots it holds (the kernels, or with backend "xla"
+        their references), and the devices' outputs merge through their log-sum-exps. A row's
+        tokens in a device's share are a prefix of it: all of its full pages' share, then the part
+        of its last page's share below the length. DSA: the chosen positions in the share."""
+        S, backend, tiled = self.kv.page_size, self.kv.backend, "latent_scale" in stored
+        pages, lengths = self._kernel_table(stored["latent"].shape[0])
+        rows = (pages, lengths) if selection is None else (pages, selection.token_ids_BK, selection.count_B)
+
+        def per_device(q, arrays, s, pages, *row):
+            share = arrays["latent"].shape[1]
+            first = jax.lax.axis_index(partitioning.MODEL_AXIS) * share
+            pool = TiledLatentPages(arrays["latent"], arrays["latent_scale"], arrays["rope"]) if tiled else arrays["latent"]
+            common = dict(kv_lora_rank=L, scale=None if tiled else s, softmax_scale=scale, backend=backend, return_lse=True)
+            if selection is None:
+                (lengths,) = row
+                local = lengths // S * share + jnp.clip(lengths % S - first, 0, share)
+                out, lse = pallas_kernels.paged_attention_mla(q, pool, pages, local, **common)
+            else:
+                ids, count = row
+                slot = ids % S - first
+                mine = (slot >= 0) & (slot < share) & (jnp.arange(ids.shape[1])[None, :] < count[:, None])
+                first_mine = jnp.argsort(~mine, axis=1, stable=True)  # the sparse kernel reads the first `count`
+                local_ids = jnp.take_along_axis(ids // S * share + slot, first_mine, axis=1)
+                out, lse = pallas_kernels.sparse_paged_attention_mla(q, pool, pages, local_ids, mine.sum(1), **common)
+            return merge_over_axis(out, lse, partitioning.MODEL_AXIS)
+
+        split = P(None, partitioning.MODEL_AXIS)
+        run = partitioning.per_device(per_device, partitioning.context_mesh(), (P(), split, P(), P()) + (P(),) * (len(rows) - 1), P())
+        return run(q_BHC, stored, latent_scale, *rows)
+
     def _prefill_mask(self, T: int):
         return jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
 
@@ -346,8 +402,8 @@ class LayerKV:
         T, kv = q_BTHD.shape[1], self.kv
         scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
         k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
-        if T == 1 and self.kv.backend != "xla":
-            # top_k_mask's choice, kept as positions for the sparse kernel.
+        if T == 1 and (self.kv.backend != "xla" or self.kv.split_slots):
+            # top_k_mask's choice, kept as positions for the sparse kernel (or its reference).
             valid_B1S = self._context_mask(1, True)
             if top_k >= valid_B1S.shape[-1]:
                 return None  # every cached token is chosen: the dense kernel reads them page by page

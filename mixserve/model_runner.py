@@ -55,13 +55,14 @@ class RunnerConfig:
     min_decode_rows: int  # the fewest rows a decode step runs (see decode_rows)
     min_prefill_tokens: int  # the shortest prefill chunk (see prefill_tokens)
     mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
+    split_slots: bool = False  # decode context parallelism: MLA latent pools split by page slots
 
 
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format)
-        self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh)
+        self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots)
         if cfg.mesh is not None:
             self.pools = jax.device_put(self.pools, self._pool_shardings)
 
@@ -137,7 +138,7 @@ class ModelRunner:
     def _paged_kv(self, pools, step, width: int):
         c = self.cfg
         step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
-        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend)
+        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend, c.split_slots)
 
     def _placed(self, pools):
         """The step's new pools, kept in the pools' sharding (so the next step neither reshards

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-parallel", action="store_true",
                    help="split the routed experts by expert over the --tensor-parallel devices (E/n whole experts each) "
                         "instead of by hidden width; attention stays tensor parallel")
+    p.add_argument("--decode-context-parallel", action="store_true",
+                   help="MLA models: split every KV page's slots over the --tensor-parallel devices (each holds 1/n of "
+                        "the latent pool: n times the tokens); decode attention runs all heads over each device's "
+                        "share and merges")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
                         "int4 (group 32, routed experts; RTN)")
@@ -115,8 +119,9 @@ def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     tp = args.tensor_parallel
-    if args.expert_parallel and tp < 2:
-        parser.error("--expert-parallel splits the experts over the --tensor-parallel devices: give 2 or more")
+    for flag, name in ((args.expert_parallel, "--expert-parallel"), (args.decode_context_parallel, "--decode-context-parallel")):
+        if flag and tp < 2:
+            parser.error(f"{name} splits over the --tensor-parallel devices: give 2 or more")
     devices = tp * (2 if args.disaggregate else 1)
     if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Read when JAX starts its CPU backend, so only before the first computation; GPUs ignore it.
@@ -134,15 +139,16 @@ def main(argv=None) -> dict:
     common = dict(page_size=args.page_size, kv_memory_bytes=budget, max_batch=args.concurrency, integrity=args.integrity,
                   attention_backend=backend, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                   prefill_calls_per_step=args.prefill_calls_per_step or None, expert_parallel=args.expert_parallel)
+    split_kv = dict(decode_context_parallel=args.decode_context_parallel)
     two_sets = args.disaggregate or args.decode_weights != args.prefill_weights
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
-            Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common))
+            Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common, **split_kv))
         prefiller, decoder = engine.prefill, engine.decode
     else:
         engine = prefiller = decoder = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
-                                              decode_model=decode_model if two_sets else None)
+                                              **split_kv, decode_model=decode_model if two_sets else None)
     # (plan, bytes in all, bytes on the fullest device): equal without tensor parallelism
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model),
                                sharding.bytes_per_device(prefiller.runner.model.params))}
@@ -155,8 +161,8 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
-    capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, kv_format(name, model.dtype), mesh)
-                                 * args.page_size) * args.page_size
+    capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, kv_format(name, model.dtype), mesh,
+                                                              args.decode_context_parallel) * args.page_size) * args.page_size
                 for name in formats}
     report = {
         "model": args.model,
@@ -167,6 +173,7 @@ def main(argv=None) -> dict:
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,
         "expert_parallel": args.expert_parallel,
+        "decode_context_parallel": args.decode_context_parallel,
         "kv_bytes_per_token": decoder.bytes_per_token,  # the decode pool's (the one that holds the running requests)
         "kv_bytes_per_token_per_device": decoder.kv_bytes_per_token_per_device,
         "pool_tokens": decoder.capacity_tokens,

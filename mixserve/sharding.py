@@ -22,7 +22,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mixserve.kv_cache import bytes_per_token
+from mixserve.kv_cache import SPLIT_ENTRY, bytes_per_token, stored_names
 from models.partitioning import MODEL_AXIS, check_expert_parallel, int4_spec, spec_for, tp_size
 from models.weights import Int4Weight
 
@@ -57,11 +57,18 @@ def param_shardings(model, mesh: Mesh, expert_parallel: bool = False):
     return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
-def pool_shardings(pools: list[dict], mesh: Mesh) -> list[dict]:
-    """GQA pools split their KV heads (axis 0, when it divides); MLA and indexer pools replicate."""
+def pool_shardings(pools: list[dict], mesh: Mesh, split_slots: bool = False) -> list[dict]:
+    """GQA pools split their KV heads (axis 0, when it divides); MLA latent pools replicate, or with
+    split_slots (decode context parallelism) split every page's slots (axis 1); indexer pools replicate."""
     tp = tp_size(mesh)
-    return [{name: NamedSharding(mesh, PartitionSpec(MODEL_AXIS) if name in ("k", "v") and pool.shape[0] % tp == 0
-                                 else PartitionSpec()) for name, pool in layer.items()} for layer in pools]
+    latent = set(stored_names(pools[0], SPLIT_ENTRY)) if split_slots else set()
+
+    def spec(name: str, pool) -> PartitionSpec:
+        if name in ("k", "v") and pool.shape[0] % tp == 0:
+            return PartitionSpec(MODEL_AXIS)
+        return PartitionSpec(None, MODEL_AXIS) if name in latent else PartitionSpec()
+
+    return [{name: NamedSharding(mesh, spec(name, pool)) for name, pool in layer.items()} for layer in pools]
 
 
 def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
@@ -74,11 +81,17 @@ def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     return dataclasses.replace(model, params=placed, expert_parallel=expert_parallel)
 
 
-def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None) -> int:
-    """KV bytes per token that one device stores: GQA's share of the KV heads, MLA's whole latent."""
+def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None, split_slots: bool = False) -> int:
+    """KV bytes per token that one device stores: GQA's share of the KV heads; MLA's whole latent,
+    or with split_slots a 1/tp share of it (plus GLM-5's whole index keys)."""
     tp = tp_size(mesh)
     total = bytes_per_token(cfg, fmt)
-    return total // tp if cfg.attention_kind == "gqa" and cfg.num_kv_heads % tp == 0 else total
+    if cfg.attention_kind == "gqa":
+        return total // tp if cfg.num_kv_heads % tp == 0 else total
+    if not split_slots:
+        return total
+    latent = bytes_per_token(cfg, fmt, SPLIT_ENTRY)
+    return total - latent + latent // tp
 
 
 def bytes_per_device(tree) -> int:
