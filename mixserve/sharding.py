@@ -12,7 +12,9 @@ devices).
 KV pools follow the heads: a GQA pool [KVH, P, S, D] splits its KV heads, so each device holds
 1/tp of every token. An MLA pool [P, S, C] holds one latent per token that every head reads,
 so each device holds all of it: at TP8 every device still stores Kimi's whole 1,152 B per token
-per layer in BF16 (SGLang's reason for DP attention). The engine's KV budget is per device.
+per layer in BF16 (SGLang's reason for DP attention). With split_slots (decode context
+parallelism, mixserve/kv_cache.py) each device holds page_size/tp slots of every latent page
+instead. The engine's KV budget is per device.
 """
 
 from __future__ import annotations
