@@ -75,8 +75,9 @@ class Engine(Frontend):
         self.bytes_per_token = bytes_per_token(cfg, self.kv_format)
         # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
         self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
+        self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         if decode_context_parallel:
-            _check_context_parallel(cfg, mesh, page_size, attention_backend)
+            _check_context_parallel(cfg, mesh, page_size, self.attention_backend)
         self.decode_context_parallel = decode_context_parallel
         self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh,
                                                                           decode_context_parallel)
@@ -109,7 +110,6 @@ class Engine(Frontend):
             if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
                 raise ValueError(f"{name} must be finite and positive")
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
-        self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         if expert_parallel and mesh is None:
             raise ValueError("expert_parallel splits the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
         if mesh is not None:
@@ -234,9 +234,9 @@ class Engine(Frontend):
 
 def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -> None:
     """Decode context parallelism splits each page's slots of the MLA latent over the mesh."""
-    if mesh is None:
-        raise ValueError("decode_context_parallel splits the MLA latent pool over a mesh: give one "
-                         "(mixserve.sharding.tp_mesh(n))")
+    if sharding.tp_size(mesh) < 2:
+        raise ValueError("decode_context_parallel splits the MLA latent pool over a mesh: give one with a 'model' "
+                         "axis of 2 or more devices (mixserve.sharding.tp_mesh(n))")
     if cfg.attention_kind != "mla":
         raise ValueError("decode_context_parallel splits MLA latent pools; GQA pools already split by KV head")
     tp = sharding.tp_size(mesh)

@@ -27,6 +27,7 @@ MLA kernel (a `TokenSelection`) instead of a mask over the whole context.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -99,11 +100,16 @@ def bytes_per_token(cfg: ModelConfig, fmt: KVFormat, entry: str | None = None) -
     """KV bytes per token over all layers, DSA indexer keys (and tile scales) included; of one
     MLA entry only ("latent", "index") if given."""
     _check_format(cfg, fmt)
+    if entry is not None and cfg.attention_kind != "mla":
+        raise ValueError(f"entry {entry!r}: only MLA pools hold more than one entry per token")
     if cfg.attention_kind == "gqa":
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(fmt.dtype).itemsize
-    layers = [_mla_layer_pool(cfg, layer, 1, 1, fmt) for layer in range(cfg.num_layers)]
-    return sum(pool[name].shape[2] * pool[name].dtype.itemsize for pool in layers
-               for name in (pool if entry is None else stored_names(pool, entry) if entry in pool else ()))
+    total = 0
+    for layer in range(cfg.num_layers):
+        pool = _mla_layer_pool(cfg, layer, 1, 1, fmt)
+        names = pool if entry is None else stored_names(pool, entry) if entry in pool else ()
+        total += sum(pool[name].shape[2] * pool[name].dtype.itemsize for name in names)
+    return total
 
 
 def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, fmt: KVFormat) -> list[dict]:
@@ -183,6 +189,19 @@ class TokenSelection(NamedTuple):
 
     token_ids_BK: jax.Array
     count_B: jax.Array
+
+
+def latent_attention(q_BHC, arrays: dict, scale, pages_BN, row, *, kv_lora_rank: int, softmax_scale: float,
+                     backend: str, return_lse: bool = False):
+    """The MLA decode kernel (or its reference) over one layer's latent arrays (SPLIT_ENTRY's, as
+    stored_names lists them): `row` is the rows' lengths_B, or a TokenSelection (DSA)."""
+    tiled = SPLIT_ENTRY + "_scale" in arrays
+    pool = TiledLatentPages(*(arrays[a] for a in stored_names(arrays, SPLIT_ENTRY))) if tiled else arrays[SPLIT_ENTRY]
+    common = dict(kv_lora_rank=kv_lora_rank, scale=None if tiled else scale, softmax_scale=softmax_scale,
+                  backend=backend, return_lse=return_lse)
+    if isinstance(row, TokenSelection):
+        return pallas_kernels.sparse_paged_attention_mla(q_BHC, pool, pages_BN, row.token_ids_BK, row.count_B, **common)
+    return pallas_kernels.paged_attention_mla(q_BHC, pool, pages_BN, row, **common)
 
 
 @dataclasses.dataclass
@@ -329,26 +348,16 @@ class LayerKV:
             w_uk, w_uv = w[..., :N], w[..., N:]
             q_lat = jnp.einsum("bhn,lhn->bhl", q_nope[:, 0], w_uk.astype(dt), preferred_element_type=jnp.float32)
             q = jnp.concatenate([q_lat.astype(dt), q_pe[:, 0]], axis=-1)
-            if self._slot_mesh("latent") is not None:
+            if self._slot_mesh(SPLIT_ENTRY) is not None:
                 out_lat = self._attend_slot_shares(q, stored, latent_scale, index_mask, L, scale)
             elif kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
-                tiled = "latent_scale" in stored
-                pool = TiledLatentPages(stored["latent"], stored["latent_scale"], stored["rope"]) if tiled else stored["latent"]
-                pages, lengths = self._kernel_table(pool.shape[0])
-                common = dict(kv_lora_rank=L, softmax_scale=scale, backend=kv.backend)
-                if index_mask is None:
-                    kernel = lambda q, pool, s, pages, lengths: pallas_kernels.paged_attention_mla(
-                        q, pool, pages, lengths, scale=None if tiled else s, **common)
-                    rows = (pages, lengths)
-                else:
-                    kernel = lambda q, pool, s, pages, ids, count: pallas_kernels.sparse_paged_attention_mla(
-                        q, pool, pages, ids, count, scale=None if tiled else s, **common)
-                    rows = (pages, index_mask.token_ids_BK, index_mask.count_B)
+                pages, lengths = self._kernel_table(stored[SPLIT_ENTRY].shape[0])
+                kernel = functools.partial(latent_attention, kv_lora_rank=L, softmax_scale=scale, backend=kv.backend)
                 # Tensor parallel: each device runs its query heads over the whole (replicated) latent pool.
                 mesh = partitioning.context_mesh()
                 head = partitioning.split_if(H % partitioning.tp_size(mesh) == 0)
-                kernel = partitioning.per_device(kernel, mesh, (P(None, head),) + (P(),) * (2 + len(rows)), P(None, head))
-                out_lat = kernel(q, pool, latent_scale, *rows)
+                kernel = partitioning.per_device(kernel, mesh, (P(None, head),) + (P(),) * 4, P(None, head))
+                out_lat = kernel(q, stored, latent_scale, pages, lengths if index_mask is None else index_mask)
             else:
                 latent = self._read(stored, "latent", latent_scale, dt)  # [B, N*S, C]
                 mask = self._context_mask(1, True) if index_mask is None else index_mask
@@ -368,31 +377,27 @@ class LayerKV:
         their references), and the devices' outputs merge through their log-sum-exps. A row's
         tokens in a device's share are a prefix of it: all of its full pages' share, then the part
         of its last page's share below the length. DSA: the chosen positions in the share."""
-        S, backend, tiled = self.kv.page_size, self.kv.backend, "latent_scale" in stored
-        pages, lengths = self._kernel_table(stored["latent"].shape[0])
-        rows = (pages, lengths) if selection is None else (pages, selection.token_ids_BK, selection.count_B)
+        S = self.kv.page_size
+        pages, lengths = self._kernel_table(stored[SPLIT_ENTRY].shape[0])
 
-        def per_device(q, arrays, s, pages, *row):
-            share = arrays["latent"].shape[1]
+        def per_device(q, arrays, s, pages, row):
+            share = arrays[SPLIT_ENTRY].shape[1]
             first = jax.lax.axis_index(partitioning.MODEL_AXIS) * share
-            pool = TiledLatentPages(arrays["latent"], arrays["latent_scale"], arrays["rope"]) if tiled else arrays["latent"]
-            common = dict(kv_lora_rank=L, scale=None if tiled else s, softmax_scale=scale, backend=backend, return_lse=True)
-            if selection is None:
-                (lengths,) = row
-                local = lengths // S * share + jnp.clip(lengths % S - first, 0, share)
-                out, lse = pallas_kernels.paged_attention_mla(q, pool, pages, local, **common)
-            else:
-                ids, count = row
-                slot = ids % S - first
-                mine = (slot >= 0) & (slot < share) & (jnp.arange(ids.shape[1])[None, :] < count[:, None])
+            if isinstance(row, TokenSelection):
+                slot = row.token_ids_BK % S - first
+                mine = (slot >= 0) & (slot < share) & (jnp.arange(slot.shape[1])[None, :] < row.count_B[:, None])
                 first_mine = jnp.argsort(~mine, axis=1, stable=True)  # the sparse kernel reads the first `count`
-                local_ids = jnp.take_along_axis(ids // S * share + slot, first_mine, axis=1)
-                out, lse = pallas_kernels.sparse_paged_attention_mla(q, pool, pages, local_ids, mine.sum(1), **common)
+                local_ids = jnp.take_along_axis(row.token_ids_BK // S * share + slot, first_mine, axis=1)
+                row = TokenSelection(local_ids, mine.sum(1, dtype=jnp.int32))
+            else:
+                row = row // S * share + jnp.clip(row % S - first, 0, share)
+            out, lse = latent_attention(q, arrays, s, pages, row, kv_lora_rank=L, softmax_scale=scale,
+                                        backend=self.kv.backend, return_lse=True)
             return merge_over_axis(out, lse, partitioning.MODEL_AXIS)
 
-        split = P(None, partitioning.MODEL_AXIS)
-        run = partitioning.per_device(per_device, partitioning.context_mesh(), (P(), split, P(), P()) + (P(),) * (len(rows) - 1), P())
-        return run(q_BHC, stored, latent_scale, *rows)
+        mesh, split = partitioning.context_mesh(), P(None, partitioning.MODEL_AXIS)
+        run = partitioning.per_device(per_device, mesh, (P(), split, P(), P(), P()), P())
+        return run(q_BHC, stored, latent_scale, pages, lengths if selection is None else selection)
 
     def _prefill_mask(self, T: int):
         return jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
@@ -402,7 +407,7 @@ class LayerKV:
         T, kv = q_BTHD.shape[1], self.kv
         scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
         k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
-        if T == 1 and (self.kv.backend != "xla" or self.kv.split_slots):
+        if T == 1 and (self.kv.backend != "xla" or self._slot_mesh(SPLIT_ENTRY) is not None):
             # top_k_mask's choice, kept as positions for the sparse kernel (or its reference).
             valid_B1S = self._context_mask(1, True)
             if top_k >= valid_B1S.shape[-1]:

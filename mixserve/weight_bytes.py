@@ -123,16 +123,13 @@ def _inits(cfg: ModelConfig, plan: WeightPlan, dtype=jnp.bfloat16) -> list[tuple
     norm, lm_head), then each kind of layer once, times its count. Layers differ only in dense vs
     MoE MLP and whether they run the DSA indexer."""
     outer = cfg.replace(num_layers=0, indexer_types=())
-    inits = [(lambda: Transformer(outer, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)), 1)]
-    kinds: dict[tuple[bool, bool], int] = {}
+    kind = lambda i: (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
+    counts = Counter(kind(i) for i in range(cfg.num_layers))
+    first = {}
     for i in range(cfg.num_layers):
-        kind = (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
-        if kind not in kinds:
-            kinds[kind] = len(inits)
-            inits.append((_layer_init(cfg, plan, i, dtype), 0))
-        init, count = inits[kinds[kind]]
-        inits[kinds[kind]] = (init, count + 1)
-    return inits
+        first.setdefault(kind(i), i)
+    outer_init = lambda: Transformer(outer, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    return [(outer_init, 1)] + [(_layer_init(cfg, plan, first[k], dtype), n) for k, n in counts.items()]
 
 
 def _tally(init) -> Counter:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from models import partitioning
@@ -115,7 +114,7 @@ class RoutedExperts(nn.Module):
         up = self.param("up_proj", init(UP_AXES), (num_experts, hidden, inter))
         down = self.param("down_proj", init(DOWN_AXES), (num_experts, inter, hidden))
 
-        x_TD = x_TD.astype(self.dtype)
+        out_dtype, x_TD = x_TD.dtype, x_TD.astype(self.dtype)
         keep_TK = jnp.ones(experts_TK.shape, bool) if valid_T is None else jnp.broadcast_to(valid_T[:, None], experts_TK.shape)
         mesh = partitioning.context_mesh() if self.expert_parallel else None
         if mesh is None:
@@ -131,7 +130,7 @@ class RoutedExperts(nn.Module):
             split = P(partitioning.MODEL_AXIS)  # a prefix: every leaf of a quantized weight splits its experts
             y = partitioning.per_device(per_device, mesh, (P(),) * 4 + (split,) * 3, P())(
                 x_TD, weights_TK, experts_TK, keep_TK, gate, up, down)
-        return y.astype(x_TD.dtype)
+        return y.astype(out_dtype)
 
 
 class MoE(nn.Module):

@@ -64,8 +64,8 @@ def test_expert_slices_sum_to_all_experts(weights):
         model, backend = quantize_model(model, plan_for(WeightFormat("int4", 16), "experts"))[0], "interpret"
     cfg = model.config
     experts = model.params[f"layers_{next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))}"]["mlp"]["experts"]
-    rng = np.random.default_rng()
-    seed = int(rng.integers(2**31))
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)  # every input below follows from the seed in the messages
     num_tokens, k, per_device = 12, cfg.num_experts_per_tok, cfg.n_routed_experts // 4
     x_TD = jax.random.normal(jax.random.key(seed), (num_tokens, cfg.hidden_size))
     experts_TK = jnp.asarray(np.stack([rng.choice(cfg.n_routed_experts, k, replace=False) for _ in range(num_tokens)]), jnp.int32)

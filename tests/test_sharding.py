@@ -27,16 +27,22 @@ CASES = (("tiny-glm4", 2), ("tiny-kimi", 4), ("tiny-glm5", 4))
 mesh_for = lambda tp: jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explicit axes: the engine makes them Auto
 
 
-def assert_no_weight_gathered(engine, label):
-    # The decode step's collectives move activations only: no all-gather yields a split weight or pool.
+def assert_no_weight_gathered(engine, label, prefill=False):
+    # The step's collectives move activations (and, in prefill, the rows' pages) only: no all-gather
+    # yields a split weight or a whole split pool.
+    r, z, sampling = engine.runner, np.zeros(4, np.int32), (np.zeros(4, np.float32), np.ones(4, np.float32),
+                                                            np.zeros((4, 3), np.uint32))
     with jax.set_mesh(engine.mesh):
-        text = engine.runner._decode_fn.lower(
-            engine.runner.decode_model.params, engine.runner.pools, engine.table, *[np.zeros(4, np.int32)] * 3,
-            np.zeros((4, 1), np.int32), np.zeros(4, np.float32), np.ones(4, np.float32), np.zeros((4, 3), np.uint32),
-            width=4).compile().as_text()
+        if prefill:
+            step = r._prefill_fn.lower(r.model.params, r.pools, engine.table.pages_BN, z, z, z,
+                                       np.zeros((4, 8), np.int32), *sampling, width=4)
+        else:
+            step = r._decode_fn.lower(r.decode_model.params, r.pools, engine.table, z, z, z, np.zeros((4, 1), np.int32),
+                                      *sampling, width=4)
+        text = step.compile().as_text()
     gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
                 for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
-    params = engine.runner.decode_model.params
+    params = r.model.params if prefill else r.decode_model.params
     split_shapes = {x.shape for x in jax.tree.leaves((params, engine.runner.pools)) if not x.sharding.is_fully_replicated}
     assert gathered and not gathered & split_shapes, (label, gathered & split_shapes)
 """
@@ -133,31 +139,40 @@ print("ok")
 """
 
 CONTEXT_PARALLEL = """
-from mixserve.kv_cache import bytes_per_token
-for preset, kv_dtype, backend in (("tiny-kimi", "fp8_e4m3", "xla"), ("tiny-glm5", "fp8_ds_mla", "interpret")):
+# 8-slot pages over 4 devices: 2 slots each, so a row's last page can end inside a device's share.
+k8 = {**kw, "page_size": 8}
+for preset, kv_dtype in (("tiny-kimi", "fp8_e4m3"), ("tiny-glm5", "fp8_ds_mla")):
     model = mixserve.load(preset, dtype="float32")
-    k = {**kw, "kv_dtype": kv_dtype}
+    k = {**k8, "kv_dtype": kv_dtype}
     single = Engine(model, **k)
     want = [r.tokens for r in single.generate(prompts, max_new_tokens=6)]
-    split = Engine(dataclasses.replace(model, backend=backend), attention_backend=backend, mesh=mesh_for(4),
+    # The Pallas kernels (interpret) per device: dense MLA (Kimi), DSA top-16 over 20-token rows
+    # on tile-scaled pages (GLM-5).
+    split = Engine(dataclasses.replace(model, backend="interpret"), attention_backend="interpret", mesh=mesh_for(4),
                    decode_context_parallel=True, **k)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want, preset
-    # Each device holds one slot of every 4-slot page of the latent; GLM-5's index keys stay whole.
+    # Each device holds 2 slots of every page of the latent; GLM-5's index keys stay whole.
+    per_device = 0
     for layer in split.runner.pools:
         for name, pool in layer.items():
-            whole = name.startswith("index")
-            assert pool.addressable_shards[0].data.shape == (pool.shape if whole else (pool.shape[0], 1, pool.shape[2]))
-    fmt, total = split.kv_format, split.bytes_per_token
-    latent = bytes_per_token(model.config, fmt, "latent")
-    assert split.kv_bytes_per_token_per_device == total - latent + latent // 4 < total, preset
-    assert split.num_pages == k["kv_memory_bytes"] // (split.kv_bytes_per_token_per_device * k["page_size"])
+            shard = pool.addressable_shards[0].data
+            assert shard.shape == (pool.shape if name.startswith("index") else (pool.shape[0], 2, pool.shape[2]))
+            per_device += shard.nbytes
+    assert split.kv_bytes_per_token_per_device * split.capacity_tokens == per_device < split.bytes_per_token * split.capacity_tokens
     if preset == "tiny-kimi":
+        assert split.kv_bytes_per_token_per_device * 4 == split.bytes_per_token
         assert split.num_pages >= 4 * single.num_pages
-        # Handed over from a prefill engine whose devices hold whole pages: the same tokens.
-        pair = mixserve.DisaggregatedEngine(Engine(model, mesh=sharding.tp_mesh(4), prefill_only=True, **k), Engine(
-            model, mesh=sharding.tp_mesh(4, first=4), decode_context_parallel=True, **k))
-        assert [r.tokens for r in pair.generate(prompts, max_new_tokens=6)] == want
     assert_no_weight_gathered(split, preset)
+    assert_no_weight_gathered(split, preset, prefill=True)
+# Handed over from a prefill engine with whole pages on its devices and BF16 KV: with prompts of one
+# chunk, the FP8 pages that arrive are an FP8 engine's, so its tokens follow.
+model = mixserve.load("tiny-kimi", dtype="float32")
+short = [p[:8] for p in prompts]
+want = [r.tokens for r in Engine(model, **k8).generate(short, max_new_tokens=6)]
+pair = mixserve.DisaggregatedEngine(
+    Engine(model, mesh=sharding.tp_mesh(4), prefill_only=True, **{**k8, "kv_dtype": "bfloat16"}),
+    Engine(model, mesh=sharding.tp_mesh(4, first=4), decode_context_parallel=True, **k8))
+assert [r.tokens for r in pair.generate(short, max_new_tokens=6)] == want
 model = mixserve.load("tiny-glm4", dtype="float32")
 with pytest.raises(ValueError, match="GQA pools already split by KV head"):
     Engine(model, mesh=mesh_for(4), decode_context_parallel=True, **kw)
@@ -166,12 +181,14 @@ with pytest.raises(ValueError, match="page_size 6 does not divide"):
     Engine(model, mesh=mesh_for(4), decode_context_parallel=True, **{**kw, "page_size": 6})
 with pytest.raises(ValueError, match="power-of-two page share: page_size 24 / 4 = 6"):
     Engine(model, mesh=mesh_for(4), decode_context_parallel=True, attention_backend="interpret", **{**kw, "page_size": 24})
-with pytest.raises(ValueError, match="over a mesh"):
-    Engine(model, decode_context_parallel=True, **kw)
-report = run.main(["--tensor-parallel", "2", "--decode-context-parallel", "--model", "tiny-kimi", "--max-new-tokens", "3",
-                   "--json"])
-assert report["kv_bytes_per_token_per_device"] * 2 == report["kv_bytes_per_token"]
-assert all(r["status"] == "ok" for r in report["requests"])
+for mesh in (None, sharding.tp_mesh(1)):
+    with pytest.raises(ValueError, match="over a mesh"):
+        Engine(model, mesh=mesh, decode_context_parallel=True, **kw)
+# The XLA path (the kernels' references per device), DSA steps included: one device's tokens.
+one, split = (run.main(["--model", "tiny-glm5", "--max-new-tokens", "4", "--json"] + flags)
+              for flags in ([], ["--tensor-parallel", "2", "--decode-context-parallel"]))
+assert [r["tokens"] for r in split["requests"]] == [r["tokens"] for r in one["requests"]]
+assert split["decode_context_parallel"] and split["kv_bytes_per_token_per_device"] < split["kv_bytes_per_token"]
 print("ok")
 """
 
@@ -213,11 +230,12 @@ def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_dev
 
 
 def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_device_tokens():
-    """Decode context parallelism at 4 devices: each holds 1 slot of every 4-slot latent page, so
-    Kimi's per-device budget holds 4x the pages; decode attends with all heads over each device's
-    slots and merges by log-sum-exp. The same greedy tokens as one device: tiny-kimi on the XLA
-    path, tiny-glm5 over fp8_ds_mla pages with the interpret kernels (DSA top-16 over 20-token
-    requests: the sparse kernel per device), and the decode step gathers no split pool or weight.
-    Named errors: GQA, a page size the devices do not divide, a non-power-of-two share for the
-    kernels, no mesh. `mixserve.run --decode-context-parallel`."""
+    """Decode context parallelism at 4 devices: each holds 2 slots of every 8-slot latent page, so
+    Kimi's per-device budget holds 4x the pages (the shards' bytes are what the engine counts);
+    decode attends with all heads over each device's slots and merges by log-sum-exp. One device's
+    greedy tokens with the interpret kernels (tiny-kimi dense; tiny-glm5 DSA top-16 over 20-token
+    rows on fp8_ds_mla pages), on the XLA path (`mixserve.run --decode-context-parallel`, tiny-glm5),
+    and from a BF16-KV prefill engine handing pages over into a split pool. Neither step gathers
+    a split weight or pool (prefill gathers only its rows' pages). Named errors: GQA, a page size
+    the devices do not divide, a non-power-of-two share for the kernels, no mesh or one device."""
     run_on_8_devices(CONTEXT_PARALLEL)
