@@ -87,13 +87,15 @@ def main(argv=None) -> None:
     p.add_argument("--out")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, rng.integers(8, 64))] for _ in range(args.prompts)]
     calibration = np.random.default_rng(1).integers(0, 256, (8, 32))
     lines = [f"# FP8 KV formats vs full-precision KV ({datetime.date.today()})", "",
              f"{args.prompts} prompts of 8-63 tokens, float32 weights. `python experiments/fp8_kv_agreement.py"
-             f" --prompts {args.prompts} --new-tokens {args.new_tokens}`.", "",
+             f" --prompts {args.prompts} --new-tokens {args.new_tokens}"
+             + ("" if tuple(args.models) == MODELS else f" --models {' '.join(args.models)}") + "`.", "",
              "## Greedy agreement", "",
              f"{args.new_tokens} new tokens. The first token comes from prefill, which attends over the fresh "
              "full-precision keys (these prompts fit one chunk), so it agrees by construction, as in the seed's "
@@ -105,7 +107,7 @@ def main(argv=None) -> None:
                    "error per token and layer.", "",
                    "| model | KV | c_kv median | c_kv max | k_pe median | k_pe max |", "|---|---|---|---|---|---|"]
     spreads, identical = [], []
-    for name in MODELS:
+    for name in args.models:
         model = mixserve.load(name, dtype="float32")
         # Calibrated on other prompts, as a deployment calibrates before serving.
         k_scale, v_scale = calibrate_scales(model, calibration, kv_dtype="fp8_e4m3")

@@ -497,7 +497,9 @@ def test_torch_int4_peer_splits_the_profilers_records_by_sample():
 
 
 def test_fp8_kv_agreement_script_runs(tmp_path):
-    out = run("fp8_kv_agreement.py", "--prompts", "2", "--new-tokens", "2", "--out", str(tmp_path / "a.md"))
-    assert "| tiny-glm5 | fp8_ds_mla |" in out and "| tiny-glm4 | fp8_e4m3 (calibrated) |" in out
+    # One model (MLA with DSA: every format applies) keeps the smoke test short.
+    out = run("fp8_kv_agreement.py", "--prompts", "2", "--new-tokens", "2", "--models", "tiny-glm5",
+              "--out", str(tmp_path / "a.md"))
+    assert "| tiny-glm5 | fp8_ds_mla |" in out and "| tiny-glm5 | fp8_e4m3 (calibrated) |" in out
     assert "| kimi-k2.6 | fp8_ds_mla | 40,016 | 1,204,682 | 1.76x |" in out  # 61 layers x 656 B
     assert (tmp_path / "a.md").read_text() in out
