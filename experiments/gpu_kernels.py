@@ -14,6 +14,9 @@ On an NVIDIA GPU (target: H200, < 8 minutes) it times, at serving shapes:
     576 = 512 + 64, page 64), and FlashMLA's tile-scaled FP8 layout ("fp8
     tiled", 656 B per token), against the XLA reference (JAX has no MLA op),
     and the sparse variant over GLM-5's DSA top-2048 of the longest context;
+    and what one device runs under decode context parallelism at 8 ways
+    ("MLA fp8, DCP8 share": all 64 heads over 1/8 of the context, in pages
+    of 64 / 8 = 8 slots), beside the TP8 rows of the same batch and context;
   * the INT4 W4A16 expert matmul 7168 x 2048 (group 32), M = 1..64, against
     `jnp.dot` on the BF16 weights and the XLA reference, and the grouped MoE
     version over 48 experts against `lax.ragged_dot` on BF16 weights.
@@ -349,10 +352,10 @@ def _fp8(x: jax.Array) -> tuple[jax.Array, float]:
 
 
 def _ragged_lengths(key, batch: int, context: int) -> jax.Array:
-    """Lengths a little under the context (0-63 short): most requests end
-    inside a page and inside a kernel block, so the masked tail is measured
-    and checked too."""
-    return context - jax.random.randint(key, (batch,), 0, 64, jnp.int32)
+    """Lengths a little under the context (0-63 short, never empty): most
+    requests end inside a page and inside a kernel block, so the masked tail is
+    measured and checked too."""
+    return context - jax.random.randint(key, (batch,), 0, min(64, context), jnp.int32)
 
 
 class GqaCase(NamedTuple):
@@ -479,6 +482,28 @@ def mla_rows(bench: Bench, key) -> None:
                 bench.measure(f"MLA {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
                 if context == max(cfg.contexts):  # GLM-5 DSA decode: top-k of the longest context
                     _sparse_mla_rows(bench, name, shape, case.q, pages, case.table, sc, ki)
+    _dcp_share_rows(bench, key)
+
+
+DCP = 8  # decode context parallelism's ways (mixserve Engine(decode_context_parallel=True) at TP8)
+
+
+def _dcp_share_rows(bench: Bench, key) -> None:
+    """One device's decode attention under decode context parallelism: every head (TP8's 8 x 8)
+    over 1/8 of each request's tokens, the device's share of each page (page / 8 slots). Its
+    partial output still merges with the other devices' (not timed here)."""
+    cfg = bench.cfg
+    share = dataclasses.replace(cfg, mla_heads=cfg.mla_heads * DCP, mla_page=cfg.mla_page // DCP)
+    context = max(cfg.contexts)
+    for batch in cfg.batches:
+        key, sub = jax.random.split(key)
+        case = _mla_case(share, sub, batch, context // DCP, names=("fp8",))
+        pages, sc = case.pages["fp8"]
+        args = (case.q, pages, case.table, case.lengths)
+        op = _mla_op(share, sc)
+        bench.measure(f"MLA fp8, DCP{DCP} share", f"B={batch} ctx={context}", cfg.kernel_backend,
+                      functools.partial(op, backend=cfg.kernel_backend), args, _mla_bytes(case, pages),
+                      op(*args, backend="xla"))
 
 
 def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> None:

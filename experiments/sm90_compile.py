@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.gpu_kernels import GPU, Config  # noqa: E402  (shapes of the benchmark)
+from experiments.gpu_kernels import DCP, GPU, Config  # noqa: E402  (shapes of the benchmark)
 from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
@@ -119,6 +119,15 @@ def cases(cfg: Config) -> list[Case]:
                          ("fp8 tiled prefetch", AttentionTuning(prefetch=True))):
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             out.append(_mla_case(cfg, f"MLA {name}", "tiled", tuning, batch, context))
+    # Decode context parallelism at 8 ways: one device runs all 64 heads over 1/8 of the context in
+    # pages of 64 / 8 = 8 slots (experiments/gpu_kernels.py's "DCP8 share" rows).
+    share = dataclasses.replace(cfg, mla_heads=cfg.mla_heads * DCP, mla_page=cfg.mla_page // DCP)
+    # By default in programs of 16 heads (AttentionTuning.head_rows); one program of all 64 spills.
+    for batch in (1, max(cfg.batches)):
+        out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share", jnp.float8_e4m3fn, AttentionTuning(), batch,
+                             max(cfg.contexts) // DCP))
+    out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share, head_rows=64", jnp.float8_e4m3fn,
+                         AttentionTuning(head_rows=64), max(cfg.batches), max(cfg.contexts) // DCP))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))

@@ -55,6 +55,12 @@ class AttentionTuning:
       already held to ~2 waves of programs. Not yet timed at 1.
     prefetch: carry the next block through the loop so that its loads
       overlap this block's math (see attend_split).
+    head_rows: MLA: the most query heads one program holds, a power of two
+      >= 16. More heads run in blocks of this many, each its own program
+      that reads the pages again. 16 holds Kimi's 8 heads per GPU at TP8;
+      one program of 64 heads (decode context parallelism at 8 ways runs
+      them all) compiles for sm_90a to 255 registers with 1644 B of spills
+      and 180 KiB of shared memory (experiments/results/sm90_compile.md).
     """
 
     block_tokens: int = 64
@@ -65,10 +71,13 @@ class AttentionTuning:
     partial_share: int = 1
     prefetch: bool = False
     target_programs: int = 2 * 132
+    head_rows: int = 16
 
     def __post_init__(self):
-        if self.block_tokens < 16 or self.block_tokens & (self.block_tokens - 1):
-            raise ValueError(f"block_tokens must be a power of two >= 16, got {self.block_tokens}")
+        for name in ("block_tokens", "head_rows"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.fp8_dots not in ("bfloat16", "float16"):
             raise ValueError(f"fp8_dots must be 'bfloat16' or 'float16', got {self.fp8_dots!r}")
 

@@ -261,6 +261,14 @@ def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: 
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
             kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning):
     b, h, c = q_BHC.shape
+    blocks = -(-h // tuning.head_rows)
+    if blocks > 1:  # each block of head_rows heads is a request of its own over the same pages
+        padded = blocks * tuning.head_rows
+        q_XRC = jnp.pad(q_BHC, ((0, 0), (0, padded - h), (0, 0))).reshape(b * blocks, tuning.head_rows, c)
+        out, lse = _kernel(q_XRC, latent_pages_PSC, jnp.repeat(page_table_BN, blocks, axis=0),
+                           jnp.repeat(lengths_B, blocks), scale, softmax_scale, kv_lora_rank=kv_lora_rank,
+                           interpret=interpret, tuning=tuning)
+        return out.reshape(b, padded, -1)[:, :h], lse.reshape(b, padded)[:, :h]
     tiled = isinstance(latent_pages_PSC, TiledLatentPages)
     pools = tuple(latent_pages_PSC) if tiled else (latent_pages_PSC,)
     page_table_BN, *pools = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, *pools)

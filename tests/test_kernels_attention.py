@@ -370,6 +370,8 @@ def test_mla_reference_matches_float64(shape):
         # Pages of 32 cut into blocks of 16 (fd.cut_pages).
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(block_tokens=16, num_splits=3)),
         (MLA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16)),
+        # 40 heads: three programs of 16 rows per request (AttentionTuning.head_rows).
+        ((40,) + MLA_SHAPES[1][1:], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
     ],
 )
 def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
@@ -398,7 +400,8 @@ def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
     attention over all tokens. The whole-pool log-sum-exp is checked against float64 too. f32
     queries: every step is an f32 op, so the F32_TOL bound of the dense test holds."""
     seed = _seed()
-    h, c, rank, s, n, lengths = MLA_SHAPES[2]
+    _, c, rank, s, n, lengths = MLA_SHAPES[2]
+    h = 40  # all heads on every device, as decode context parallelism runs them: 3 programs of 16 heads
     args, cache = _mla_inputs(_rng(seed), heads=h, width=c, rank=rank, page_size=s, num_slots=n,
                               lengths=lengths, kv_dtype=kv_dtype, q_dtype=jnp.float32)
     devices, share = 4, s // 4
@@ -480,9 +483,13 @@ def test_float16_dots_scale_queries_of_any_magnitude():
                  "mla float16 dots vs reference")
 
 
-def test_attention_tuning_rejects_an_unknown_dot_dtype():
+def test_attention_tuning_rejects_an_unknown_dot_dtype_and_odd_blocks():
     with pytest.raises(ValueError, match="fp8_dots"):
         AttentionTuning(fp8_dots="float8")
+    for field in ("block_tokens", "head_rows"):
+        for value in (8, 24):
+            with pytest.raises(ValueError, match=f"{field} must be a power of two >= 16, got {value}"):
+                AttentionTuning(**{field: value})
 
 
 @pytest.mark.parametrize(
