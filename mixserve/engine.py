@@ -78,7 +78,6 @@ class Engine(Frontend):
         self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         if decode_context_parallel:
             _check_context_parallel(cfg, mesh, page_size, self.attention_backend)
-        self.decode_context_parallel = decode_context_parallel
         self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh,
                                                                           decode_context_parallel)
         if num_pages is None:
@@ -234,12 +233,12 @@ class Engine(Frontend):
 
 def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -> None:
     """Decode context parallelism splits each page's slots of the MLA latent over the mesh."""
-    if sharding.tp_size(mesh) < 2:
+    tp = sharding.tp_size(mesh)
+    if tp < 2:
         raise ValueError("decode_context_parallel splits the MLA latent pool over a mesh: give one with a 'model' "
                          "axis of 2 or more devices (mixserve.sharding.tp_mesh(n))")
     if cfg.attention_kind != "mla":
         raise ValueError("decode_context_parallel splits MLA latent pools; GQA pools already split by KV head")
-    tp = sharding.tp_size(mesh)
     if page_size % tp:
         raise ValueError(f"decode_context_parallel gives each of {tp} devices page_size / {tp} slots of every page: "
                          f"page_size {page_size} does not divide")

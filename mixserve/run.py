@@ -139,16 +139,17 @@ def main(argv=None) -> dict:
     common = dict(page_size=args.page_size, kv_memory_bytes=budget, max_batch=args.concurrency, integrity=args.integrity,
                   attention_backend=backend, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
                   prefill_calls_per_step=args.prefill_calls_per_step or None, expert_parallel=args.expert_parallel)
-    split_kv = dict(decode_context_parallel=args.decode_context_parallel)
     two_sets = args.disaggregate or args.decode_weights != args.prefill_weights
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
-            Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common, **split_kv))
+            Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, decode_context_parallel=args.decode_context_parallel,
+                   **common))
         prefiller, decoder = engine.prefill, engine.decode
     else:
         engine = prefiller = decoder = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
-                                              **split_kv, decode_model=decode_model if two_sets else None)
+                                              decode_context_parallel=args.decode_context_parallel,
+                                              decode_model=decode_model if two_sets else None)
     # (plan, bytes in all, bytes on the fullest device): equal without tensor parallelism
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model),
                                sharding.bytes_per_device(prefiller.runner.model.params))}

@@ -39,7 +39,7 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[ja
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def expert_groups(experts_TK: jax.Array, keep_TK: jax.Array | None, num_experts: int):
+def expert_groups(experts_TK: jax.Array, keep_TK: jax.Array, num_experts: int):
     """(order, group_sizes_E): the T*K (token, choice) rows sorted by expert, and rows per expert.
 
     A row not kept (keep_TK False: a padding token, i.e. an idle batch slot or the tail of a
@@ -51,9 +51,7 @@ def expert_groups(experts_TK: jax.Array, keep_TK: jax.Array | None, num_experts:
     idle slots routed (they share one input, token 0 at position 0); a 64-token prefill chunk
     holding 1 real token, 8 against 13-17.
     """
-    flat_experts = experts_TK.reshape(-1)
-    if keep_TK is not None:
-        flat_experts = jnp.where(keep_TK.reshape(-1), flat_experts, num_experts)  # bincount drops it
+    flat_experts = jnp.where(keep_TK.reshape(-1), experts_TK.reshape(-1), num_experts)  # bincount drops num_experts
     order = jnp.argsort(flat_experts)
     return order, jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
 

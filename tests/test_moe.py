@@ -25,7 +25,7 @@ def test_padding_tokens_join_no_expert_group():
     rows = np.asarray(order)[: int(sizes.sum())]
     assert set(rows // k) == set(np.flatnonzero(np.asarray(valid_T)))
     assert np.all(np.diff(np.asarray(experts_TK).reshape(-1)[rows]) >= 0)
-    _, all_sizes = expert_groups(experts_TK, None, num_experts)
+    _, all_sizes = expert_groups(experts_TK, jnp.ones((num_tokens, k), bool), num_experts)
     assert int(all_sizes.sum()) == num_tokens * k
 
 
