@@ -217,7 +217,8 @@ def copies_for(nbytes: int) -> int:
 
 
 def rotation_copies(args: tuple) -> int:
-    return copies_for(sum(a.nbytes for a in args if isinstance(a, jax.Array)))
+    """Copies for args, a tuple of pytrees (e.g. TiledLatentPages, three arrays)."""
+    return copies_for(sum(a.nbytes for a in jax.tree.leaves(args) if isinstance(a, jax.Array)))
 
 
 def cupti_time_per_call(fn: Callable, args: tuple, samples: int, measure: Callable) -> Timing:
@@ -228,7 +229,7 @@ def cupti_time_per_call(fn: Callable, args: tuple, samples: int, measure: Callab
     n times after a warm-up and returns (out, [[(kernel, ms), ...] per run]).
     """
     copies = rotation_copies(args)
-    arg_sets = [args] + [tuple(jnp.array(a, copy=True) for a in args) for _ in range(copies - 1)]
+    arg_sets = [args] + [jax.tree.map(lambda a: jnp.array(a, copy=True), args) for _ in range(copies - 1)]
     all_calls = jax.jit(lambda sets: [fn(*one) for one in sets])
     _, runs = measure(all_calls, aggregate=False, iterations=max(samples, 2))(arg_sets)
     if not runs:

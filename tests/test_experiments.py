@@ -143,7 +143,7 @@ def test_cupti_timing_rotates_inputs_and_divides_by_the_copies():
         assert not aggregate and iterations >= 2
 
         def run(arg_sets):
-            seen["buffers"] = {a.unsafe_buffer_pointer() for one in arg_sets for a in one}
+            seen["buffers"] = {a.unsafe_buffer_pointer() for a in jax.tree.leaves(arg_sets)}
             outs = jax.block_until_ready(f(arg_sets))
             calls = len(outs)
             # Per run: one "kern" of 3 ms and one "sum" of 1 ms per call; runs differ.
@@ -160,6 +160,16 @@ def test_cupti_timing_rotates_inputs_and_divides_by_the_copies():
     assert abs(timing.seconds - 6e-3) < 1e-12 and timing.method == "cupti"
     assert timing.kernels == (("kern", 5000.0), ("sum", 1000.0))
     assert gk.rotation_copies((jnp.ones((1 << 28,), jnp.uint8),)) == 1
+    # An argument that is a pytree (tiled MLA pages: three arrays of three
+    # dtypes) is copied leaf by leaf; the H200 run of 2026-11-30 failed every
+    # tiled row when the copy stacked its leaves into one array.
+    from pallas_kernels.paged_attention_mla import TiledLatentPages
+    pages = TiledLatentPages(jnp.ones((4096, 1024), jnp.float8_e4m3fn), jnp.ones((4096, 8), jnp.float32),
+                             jnp.ones((4096, 64), jnp.bfloat16))
+    assert gk.rotation_copies((x, pages)) == 56  # ceil(256 MiB / (8 KiB + 4 MiB + 128 KiB + 512 KiB))
+    timing = gk.cupti_time_per_call(lambda x, p: x[:, :8] @ p.scales_PSJ[:8], (x, pages), samples=2,
+                                    measure=fake_measure)
+    assert len(seen["buffers"]) == 4 * gk.rotation_copies((x, pages)) and timing.method == "cupti"
 
 
 def test_tuning_sweep_runs_and_names_the_fastest(monkeypatch):
