@@ -55,6 +55,8 @@ from pallas_kernels.backend import resolve_backend
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
 _BLOCK_M_CAP = 64
+# Each nibble plane's dot contracts block_k / 8 packed rows; Triton's MMA needs 16.
+MIN_BLOCK_K = PACK * mma.MIN_DOT_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,12 @@ class Int4Tuning:
     num_stages: int = 3
     target_programs: int = 2 * 132
     gather_x: bool = False
+
+    def __post_init__(self):
+        for name, least in (("block_n", mma.MIN_DOT_ROWS), ("block_k", MIN_BLOCK_K)):
+            value = getattr(self, name)
+            if value < least or value & (value - 1):
+                raise ValueError(f"Int4Tuning.{name}={value} must be a power of two >= {least}")
 
 
 def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
@@ -192,7 +200,7 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
     # Padding rows of x are zero, so their output rows are zero and a tile
     # may store only the first next_pow2(m) rows (see _int4_kernel).
     out_rows = min(block_m, pl.next_power_of_2(m))
-    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles, tuning)
+    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], group_size, num_tiles, tuning)
     starts_W = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     schedule = TileSchedule(
         expert_W=jnp.zeros((num_tiles,), jnp.int32),
@@ -216,11 +224,13 @@ class Int4Tiling:
     out_rows: int  # rows stored per tile; < block_m only when the rest are zero
     block_n: int  # output columns per program
     block_k: int  # input features per inner step (block_k / 8 packed rows)
+    k: int  # input features the kernel runs over: K, zero-padded to a multiple of block_k
     num_splits: int  # split-K programs per (tile, column block)
     tuning: Int4Tuning  # for the launch parameters
 
-    def blocks_per_split(self, k: int) -> int:
-        return k // self.block_k // self.num_splits
+    @property
+    def blocks_per_split(self) -> int:
+        return self.k // self.block_k // self.num_splits
 
 
 class TileSchedule(NamedTuple):
@@ -240,16 +250,22 @@ def tile_rows(rows: int) -> int:
     return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
 
 
-def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int,
+def plan_tiling(block_m: int, out_rows: int, n: int, k: int, group_size: int, num_tiles: int,
                 tuning: Int4Tuning) -> Int4Tiling:
-    """Block sizes, and split-K wide enough for ~tuning.target_programs programs."""
+    """Block sizes, and split-K wide enough for ~tuning.target_programs programs.
+
+    A K with no power-of-two divisor >= MIN_BLOCK_K (the tiny test models'
+    32 and 64; the real models' K are multiples of 128) runs zero-padded to a
+    multiple of MIN_BLOCK_K and of the group (int4_tiles pads)."""
+    step = np.lcm(MIN_BLOCK_K, group_size)
+    k = k if k % MIN_BLOCK_K == 0 else -(-k // step) * step
     block_n = mma.pow2_divisor(n, tuning.block_n)
     block_k = mma.pow2_divisor(k, tuning.block_k)
     programs = num_tiles * (n // block_n)
     k_blocks = k // block_k
     wanted = -(-tuning.target_programs // programs)
     num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
-    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
+    return Int4Tiling(block_m, out_rows, block_n, block_k, k, num_splits, tuning)
 
 
 # bf16 bit pattern 0x4300 | n is 128 + n for a nibble n in 0..15 (bf16 steps by
@@ -378,6 +394,11 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
     no output.
     """
     m, k = x_MK.shape
+    if tiling.k > k:  # zero features: zero x columns times zero weights (nibble 0, scale 0)
+        x_MK = jnp.pad(x_MK, ((0, 0), (0, tiling.k - k)))
+        packed_EQN = jnp.pad(packed_EQN, ((0, 0), (0, (tiling.k - k) // PACK), (0, 0)))
+        scales_EGN = jnp.pad(scales_EGN, ((0, 0), (0, (tiling.k - k) // group_size), (0, 0)))
+        k = tiling.k
     num_experts, _, n = packed_EQN.shape
     num_tiles = schedule.start_W.shape[0]
     if tiling.tuning.gather_x:
@@ -389,7 +410,7 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
     partial_XTMN = pl.pallas_call(
         functools.partial(_int4_kernel, tiling=tiling, group_size=group_size,
-                          blocks_per_split=tiling.blocks_per_split(k)),
+                          blocks_per_split=tiling.blocks_per_split),
         grid=(num_tiles, n // tiling.block_n, tiling.num_splits),
         in_specs=[
             scalar_spec,

@@ -27,13 +27,25 @@ def pow2_divisor(n: int, cap: int) -> int:
     return block
 
 
+def _check_mma_shape(m: int, k: int, n: int) -> None:
+    """Triton's MMA needs M, N and K of at least 16. Below that it does not
+    refuse: on the H200 (2026-11-30) an INT4 kernel with K = 8 per dot
+    compiled and returned exactly twice the product. The interpreter computes
+    any shape, so this check (at trace time) is what lets CPU tests catch it."""
+    if min(m, k, n) < MIN_DOT_ROWS:
+        raise ValueError(f"kernel dot [{m}, {k}] x [{k}, {n}]: Triton's MMA needs every dimension "
+                         f">= {MIN_DOT_ROWS}")
+
+
 def dot_nt(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
     """a @ b.T with float32 accumulation (IEEE, not TF32, for f32 operands)."""
+    _check_mma_shape(a_MK.shape[0], a_MK.shape[1], b_NK.shape[0])
     return lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())),
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def dot_nn(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
     """a @ b with float32 accumulation (IEEE, not TF32, for f32 operands)."""
+    _check_mma_shape(a_MK.shape[0], a_MK.shape[1], b_KN.shape[1])
     return lax.dot_general(a_MK, b_KN, (((1,), (0,)), ((), ())),
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

@@ -146,7 +146,8 @@ DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 12
 
 
 # Small blocks and a high program target: more split-K partials and column blocks.
-SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4096)
+# (block_k 128 is the least: each nibble plane's dot then contracts Triton's minimum of 16.)
+SMALL_TILES = Int4Tuning(block_n=16, block_k=128, num_stages=2, target_programs=4096)
 # x read by the kernel's masked gather (no padding rows to fall back on); with
 # one program per column block there is no split-K, and the kernel writes x's dtype.
 GATHER_X = Int4Tuning(gather_x=True)
@@ -162,7 +163,10 @@ GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
                             (DENSE_SHAPES[0], GATHER_X_UNSPLIT, jnp.bfloat16),
                             (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16),
                             # 6 packed rows per group: the per-row scale gather, not the broadcast.
-                            ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16)])
+                            ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16),
+                            # K with no power-of-two block >= 128 runs zero-padded: to 128, and
+                            # to lcm(128, 48) = 384.
+                            ((3, 96, 32, 32), Int4Tuning(), jnp.bfloat16), ((2, 48, 16, 48), GATHER_X, jnp.bfloat16)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
     seed = _seed()
@@ -205,6 +209,14 @@ def test_int4_matmul_rejects_bad_inputs():
         int4_matmul(x, packed, scales, group_size=32, backend="triton")
     with pytest.raises(ValueError, match="group_sizes_E"):
         moe_int4_matmul(x, packed[None], scales[None], jnp.array([1, 1], jnp.int32), group_size=32, backend="xla")
+    # Launch choices below Triton's MMA minimum (16 per dimension) are refused
+    # up front: on the GPU block_k=64 ran and returned twice the product.
+    with pytest.raises(ValueError, match="block_k=64 must be a power of two >= 128"):
+        Int4Tuning(block_k=64)
+    with pytest.raises(ValueError, match="block_n=8 must be a power of two >= 16"):
+        Int4Tuning(block_n=8)
+    with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
+        Int4Tuning(block_n=48)
 
 
 def _moe_case(rng, group_sizes, k, n, g, x_dtype):
@@ -240,6 +252,8 @@ MOE_CASES = [
     ((0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0), 256, 32, 32),
     # prefill: ragged groups, one bigger than a tile, an empty one in the middle
     ((37, 0, 5, 70, 1), 128, 48, 128),
+    # the tiny models' down projection: K = 32, zero-padded to 128 for the kernel
+    ((3, 0, 2), 32, 16, 16),
     # a single token
     ((0, 0, 1), 128, 16, 32),
 ]
