@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.gpu_kernels import DCP, GPU, Config  # noqa: E402  (shapes of the benchmark)
+from experiments.gpu_kernels import DCP, GPU, Config, tuning_label  # noqa: E402  (shapes of the benchmark)
 from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
@@ -173,6 +173,7 @@ def test_cases() -> list[Case]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_kernels_attention as ta
     import test_kernels_int4 as ti
+    import test_kernels_tiled_fp8 as tt
 
     spec = jax.ShapeDtypeStruct
     out = []
@@ -204,6 +205,15 @@ def test_cases() -> list[Case]:
                                               backend="pallas", tuning=AttentionTuning(num_splits=2, prefetch=prefetch)),
                             (spec((b, h, c), q_dtype), spec((64, s, c), kv_dtype), spec((b, n), jnp.int32),
                              spec((b,), jnp.int32))))
+    for (h, rank, rope, s, n, lengths), q_dtype, tuning in tt.TILED_KERNEL_CASES:
+        pool = lambda w, dt: spec((64, s, w), dt)
+        pages = TiledLatentPages(pool(rank, jnp.float8_e4m3fn), pool(rank // tile_width(rank), jnp.float32),
+                                 pool(rope, jnp.bfloat16))
+        out.append(Case("MLA fp8 tiled", f"H={h} L={rank}+{rope} S={s} q {q_dtype.__name__} {tuning_label(tuning)}",
+                        functools.partial(paged_attention_mla, kv_lora_rank=rank, softmax_scale=0.1,
+                                          backend="pallas", tuning=tuning),
+                        (spec((len(lengths), h, rank + rope), q_dtype), pages, spec((len(lengths), n), jnp.int32),
+                         spec((len(lengths),), jnp.int32))))
     return out
 
 

@@ -31,7 +31,11 @@ class AttentionTuning:
 
     block_tokens: tokens per inner step, a power of two >= 16 (so that every
       dot is at least one MMA tile). Pages larger than this are cut into
-      sub-pages of block_tokens (cut_pages).
+      sub-pages of block_tokens (cut_pages). MLA blocks of 128 tokens exceed
+      the 227 KiB of shared memory a block may use: tiled FP8 pages at two
+      stages need 232 KiB, float32 operands 300 KiB (the H200 refused that
+      launch, 2026-11-30) or 324 KiB (offline sm_90a compile;
+      experiments/sm90_compile.py --test-shapes checks the tests' choices).
     num_splits: split-K programs per request (None: about target_programs
       programs in all, plan_splits).
     target_programs: programs the split heuristic aims for; 2 per SM of an
