@@ -158,12 +158,19 @@ def ncu_records(text: str) -> list[Record]:
             for row in body if len(row) == len(header)]
 
 
-_SCALE = {"": 1.0, "n": 1e-9, "u": 1e-6, "m": 1e-3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+# Units as ncu 2025's --print-units base prints them (H200, 2026-11-30: "ns",
+# "byte/s"), and the long forms of older versions ("nsecond").
+_UNITS = {
+    "second": {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3,
+               "s": 1.0, "second": 1.0},
+    "byte/s": {"byte/s": 1.0, "Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12},
+}
 
 
 def number(record: Record, *names: str, base: str = "") -> float:
     """The first of names that the record has, as a float; with base ("second",
-    "byte"), converted from the unit's prefix (nsecond, Kbyte) to base units."""
+    "byte/s"), converted from the record's unit (ns, Gbyte/s) to that base; an
+    unknown unit gives NaN rather than a number off by its prefix."""
     for name in names:
         if name in record:
             text, unit = record[name]
@@ -171,8 +178,8 @@ def number(record: Record, *names: str, base: str = "") -> float:
                 value = float(text.replace(",", ""))
             except ValueError:
                 return math.nan
-            if base and unit.endswith(base):
-                value *= _SCALE.get(unit[:-len(base)], math.nan)
+            if base:
+                value *= _UNITS[base].get(unit, math.nan)
             return value
     return math.nan
 
@@ -189,7 +196,7 @@ class KernelProfile:
     waves: float  # per SM
     seconds: float
     dram_pct: float  # of peak, over the kernel's duration
-    dram_bytes: float  # read + written
+    dram_bytes_per_s: float  # read + written, over the kernel's duration
     achieved_occupancy: float  # % of the SM's warp slots
     theoretical_occupancy: float
     issue_pct: float  # issue slots used
@@ -207,7 +214,7 @@ class KernelProfile:
             seconds=number(r, "gpu__time_duration.sum", base="second"),
             dram_pct=number(r, "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
                             "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-            dram_bytes=number(r, "dram__bytes_read.sum", base="byte") + number(r, "dram__bytes_write.sum", base="byte"),
+            dram_bytes_per_s=number(r, "dram__bytes.sum.per_second", base="byte/s"),
             achieved_occupancy=number(r, "sm__warps_active.avg.pct_of_peak_sustained_active"),
             theoretical_occupancy=number(r, "sm__maximum_warps_per_active_cycle_pct"),
             issue_pct=number(r, "smsp__issue_active.avg.pct_of_peak_sustained_active"),
@@ -216,7 +223,7 @@ class KernelProfile:
 
     def row(self, label: str) -> str:
         stalls = ", ".join(f"{k} {v:.1f}" for k, v in self.stalls[:4]) or "-"
-        gb_s = self.dram_bytes / self.seconds / 1e9
+        gb_s = self.dram_bytes_per_s / 1e9
         return (f"| {label} | {self.name} | {self.grid} x {self.block} | {self.registers:.0f} | {self.waves:.2f} | "
                 f"{self.seconds * 1e6:.1f} | {self.dram_pct:.0f} | {gb_s:.0f} | {self.achieved_occupancy:.0f} "
                 f"({self.theoretical_occupancy:.0f}) | {self.issue_pct:.0f} | {self.eligible:.2f} | {stalls} |")

@@ -401,23 +401,24 @@ def test_gpu_profile_reads_ncu_raw_csv():
     from experiments import gpu_profile as gp
 
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
-    header = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum", "dram__bytes_read.sum",
-              "dram__bytes_write.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    header = ["ID", "Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum", "dram__bytes.sum.per_second",
+              "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
               "launch__registers_per_thread", "launch__waves_per_multiprocessor",
               "sm__warps_active.avg.pct_of_peak_sustained_active", "sm__maximum_warps_per_active_cycle_pct",
               "smsp__issue_active.avg.pct_of_peak_sustained_active", "smsp__warps_eligible.avg.per_cycle_active",
               stall.format("long_scoreboard"), stall.format("barrier"), stall.format("wait")]
-    units = ["", "", "", "", "nsecond", "Mbyte", "byte", "%", "register/thread", "", "%", "%", "%", "warp", "", "", ""]
-    first = ["0", "int4_matmul", "(16, 14, 1)", "(256, 1, 1)", "12,700", "8.26", "4096", "15.2", "105", "0.85",
+    # ncu's units as the H200's ncu printed them (2026-11-30): "ns", "byte/s".
+    units = ["", "", "", "", "ns", "byte/s", "%", "register/thread", "", "%", "%", "%", "warp", "", "", ""]
+    first = ["0", "int4_matmul", "(16, 14, 1)", "(256, 1, 1)", "12,700", "650,708,661,417.32", "15.2", "105", "0.85",
              "21.5", "37.5", "24.1", "0.31", "9.5", "1.25", "3.0"]
-    second = ["1", "paged_attention_gqa", "(320, 1, 1)", "(128, 1, 1)", "357,000", "537", "0", "34", "96", "0.48",
+    second = ["1", "paged_attention_gqa", "(320, 1, 1)", "(128, 1, 1)", "357,000", "1,504,201,680,672.27", "34", "96", "0.48",
               "15", "62.5", "28", "0.4", "20", "0.5", "1"]
     text = "==PROF== Disconnected\n" + "\n".join(",".join(f'"{v}"' for v in row)
                                                   for row in (header, units, first, second)) + "\n"
     records = gp.ncu_records(text)
     assert len(records) == 2
     int4 = gp.KernelProfile.of(records[0])
-    assert abs(int4.seconds - 12.7e-6) < 1e-12 and abs(int4.dram_bytes - (8.26e6 + 4096)) < 1e-3
+    assert abs(int4.seconds - 12.7e-6) < 1e-12 and abs(int4.dram_bytes_per_s - 650708661417.32) < 1e-2
     assert int4.stalls == (("long_scoreboard", 9.5), ("wait", 3.0), ("barrier", 1.25))
     assert int4.registers == 105 and int4.dram_pct == 15.2 and int4.eligible == 0.31
     row = int4.row("INT4 M=1")
@@ -433,6 +434,21 @@ def test_gpu_profile_reads_ncu_raw_csv():
     swapped = gp.markdown(cases[::-1], profiles, "H200", "now")
     assert "| c | unmatched: expected paged_attention_gqa, ncu's next launch is int4_matmul |" in swapped
     assert "| a |" not in swapped
+
+
+def test_gpu_profile_reads_the_h200s_own_csv():
+    """The raw CSV that ncu wrote on the H200 (2026-11-30, committed): its first
+    INT4 launch took 10,272 ns at 827.8 GB/s of DRAM traffic (8.5 MB, the
+    7168 x 2048 INT4 weights and scales). The table of that run printed
+    10272000000.0 us and nan: the parser expected units ncu did not print."""
+    sys.path.insert(0, ROOT)
+    from experiments import gpu_profile as gp
+
+    raw = Path(ROOT, "experiments/results/gpu_profile_raw_h200_2026-11-30_run3/gpu_profile_raw_int4.csv")
+    first = gp.KernelProfile.of(gp.ncu_records(raw.read_text())[0])
+    assert first.name == "int4_matmul" and abs(first.seconds - 10272e-9) < 1e-15
+    assert abs(first.dram_bytes_per_s - 827838006230.53) < 1e-2
+    assert "| 10.3 | 17 | 828 |" in first.row("INT4 M=1")
 
 
 def test_torch_int4_peer_matches_our_weights_on_cpu(tmp_path):
