@@ -38,17 +38,20 @@ class AttentionTuning:
       experiments/sm90_compile.py --test-shapes checks the tests' choices).
     num_splits: split-K programs per request (None: about target_programs
       programs in all, plan_splits).
-    target_programs: programs the split heuristic aims for; 2 per SM of an
-      H100/H200 (132 SMs). Programs past what the SMs hold at once run in a
-      second wave: sm_90a compiles allow 5 GQA fp8 programs per SM (4 with
-      float16 dots, 2 with prefetch, which holds the next block in
-      registers) and 1 MLA program at 64-token blocks, 2 at 32
-      (experiments/results/sm90_compile.md), so MLA at B=64 runs its 320
-      programs in 3 waves, the last 42% full. In the sweep; not yet timed.
+    target_programs: programs the split heuristic aims for (None: the
+      kernel's own, measured on the H200, 2026-11-30 sweep,
+      experiments/results/gpu_kernels_h200_2026-11-30_run3.md: GQA 512, the
+      4 float16-dot programs per SM that sm_90a compiles allow at B=64
+      (261 us against 374 at the earlier 264 for B=64 ctx=32k; 1.1x slower
+      at B=1, 20.8 against 18.9 us); MLA 128, one wave of its 1 program per
+      SM (1247 against 1491 us at B=64, 34.9 against 38.8 at B=1)).
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
     num_stages: software-pipelining depth of the page gathers.
     fp8_dots: operand dtype of the dots over FP8 pages with a bf16 query,
-      "bfloat16" or "float16" (see compute_dtype; not yet timed on a GPU).
+      "float16" or "bfloat16" (see compute_dtype). float16 measured faster on
+      the H200 (2026-11-30) for both kernels at B=1 and B=64: GQA 339 against
+      374 us, MLA 1491 against 1628 us (B=64 ctx=32k). Tiled pages always
+      take bfloat16.
     partial_share: a split streams at least this many times the bytes of the
       partial it writes (plan_splits). It was 8 until the H200 showed small
       batches bound by blocks per program, not bytes: at B=1, MLA took 55-57
@@ -71,10 +74,10 @@ class AttentionTuning:
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
-    fp8_dots: str = "bfloat16"
+    fp8_dots: str = "float16"
     partial_share: int = 1
     prefetch: bool = False
-    target_programs: int = 2 * 132
+    target_programs: int | None = None
     head_rows: int = 16
 
     def __post_init__(self):
@@ -120,9 +123,10 @@ class SplitPlan:
 
 
 def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
-                kv_bytes_per_token: int, partial_bytes: int,
+                kv_bytes_per_token: int, partial_bytes: int, target_programs: int,
                 tuning: AttentionTuning = AttentionTuning()) -> SplitPlan:
-    """Picks the split so that parallel_programs * num_splits fills the GPU.
+    """Picks the split so that parallel_programs * num_splits fills the GPU
+    (about tuning.target_programs programs, else the kernel's target_programs).
 
     Each split also writes a partial of partial_bytes (read again by the
     combine), so a split streams at least tuning.partial_share times that
@@ -137,7 +141,7 @@ def plan_splits(num_slots: int, page_size: int, parallel_programs: int, *,
     min_blocks_per_split = -(-tuning.partial_share * partial_bytes // block_bytes)
     num_splits = tuning.num_splits
     if num_splits is None:
-        wanted = -(-tuning.target_programs // max(parallel_programs, 1))
+        wanted = -(-(tuning.target_programs or target_programs) // max(parallel_programs, 1))
         num_splits = min(wanted, num_blocks // min_blocks_per_split)
     num_splits = max(1, min(num_splits, num_blocks))
     blocks_per_split = -(-num_blocks // num_splits)

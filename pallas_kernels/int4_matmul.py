@@ -82,7 +82,7 @@ class Int4Tuning:
     block_n: int = 128
     block_k: int = 256
     num_warps: int | None = None
-    num_stages: int = 3
+    num_stages: int = 2
     target_programs: int = 2 * 132
     gather_x: bool = False
 
@@ -101,8 +101,11 @@ def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
     tiles (M=1) 11.6 us at 8 warps against 12.7 at 4; 64-row tiles (M=64)
     19.4 us at 4 warps against 24.7 at 8 (sm_90a compiles: 168 registers at
     4 warps, no spills; experiments/results/sm90_compile.md). 32-row
-    tiles were not measured and follow the 64-row ones. 3 stages keep three
-    weight blocks in flight (4 measured no faster).
+    tiles were not measured and follow the 64-row ones. Stages: 2 weight
+    blocks in flight measured faster than 3 on the H200 (2026-11-30 sweep,
+    experiments/results/gpu_kernels_h200_2026-11-30_run3.md): 10.6 against
+    11.6 us at M=1, 16.5 against 19.7 at M=64 (at M=64, 3 stages need 148
+    KiB of shared memory, 1 program per SM; 2 need 98 KiB, 2 per SM).
     """
     warps = tuning.num_warps or (8 if block_m <= 16 else 4)
     return plgpu.CompilerParams(num_warps=warps, num_stages=tuning.num_stages)

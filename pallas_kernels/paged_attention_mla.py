@@ -51,6 +51,10 @@ from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.tiled_fp8 import E4M3, dequantize_tiles, tile_width
 
+# Programs the split heuristic aims for (AttentionTuning.target_programs=None):
+# one wave of 1 program per SM of the H200's 132 (2026-11-30 sweep).
+TARGET_PROGRAMS = 128
+
 
 class TiledLatentPages(NamedTuple):
     """A latent pool in FlashMLA's FP8 layout: real latent = [nope * tile scales, rope]."""
@@ -276,7 +280,8 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     rows = mma.padded_rows(h)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
                           kv_bytes_per_token=latent_bytes_per_token(latent_pages_PSC),
-                          partial_bytes=rows * (kv_lora_rank + 2) * 4, tuning=tuning)
+                          partial_bytes=rows * (kv_lora_rank + 2) * 4, target_programs=TARGET_PROGRAMS,
+                          tuning=tuning)
     # Tiled values are dequantized into the dot dtype: bf16 (f16 lacks the scales' range).
     dtype = fd.compute_dtype(q_BHC.dtype, jnp.bfloat16 if tiled else pools[0].dtype, tuning)
     q_BRC = jnp.pad(q_BHC.astype(fd.kernel_query_dtype(dtype, q_BHC.dtype)), ((0, 0), (0, rows - h), (0, 0)))
