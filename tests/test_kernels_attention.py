@@ -650,6 +650,29 @@ def test_sweep_program_targets_give_one_wave_at_batch_64():
             assert 0.9 * capacity <= programs <= capacity, (kernel, tuning, programs, capacity)
 
 
+def test_dots_below_the_mma_minimum_run_in_float32():
+    """A dot with a dimension < 16 (the tiny models' 8-wide RoPE part) takes
+    float32 operands, Triton's FMA path: with bf16 operands and K = 8 the
+    H200 returned twice the product (2026-11-30). At 16 and up the operands
+    stay as they are (the MMA)."""
+    from pallas_kernels import mma
+
+    def dot_operand_dtypes(a, b, dot):
+        [eqn] = [e for e in jax.make_jaxpr(dot)(a, b).eqns if e.primitive.name == "dot_general"]
+        return {v.aval.dtype for v in eqn.invars}
+
+    rng = np.random.default_rng(_seed())
+    for m, k, n in ((16, 8, 64), (16, 16, 8), (8, 16, 16), (16, 16, 16)):
+        a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal((k, n)), jnp.float16)
+        small = min(m, k, n) < 16
+        for dot, b_op in ((mma.dot_nn, b), (mma.dot_nt, b.T)):
+            assert dot_operand_dtypes(a, b_op, dot) == ({jnp.dtype(jnp.float32)} if small else
+                                                        {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)})
+            exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # products exact in f32
+            np.testing.assert_allclose(np.asarray(dot(a, b_op)), exact, rtol=0, atol=k * 2.0**-20 * np.abs(exact).max())
+
+
 def test_interpreter_poisons_outputs():
     """The NaN-poisoning the kernel tests rely on: unwritten outputs read NaN."""
     from jax.experimental import pallas as pl
