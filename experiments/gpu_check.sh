@@ -33,7 +33,7 @@ bring_back() {
   for f in gpu_env.txt gpu_tests.txt gpu_kernels.md gpu_profile.md torch_int4_peer.md gpu_ptx.md; do
     [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
   done
-  tar czf "$dest/gpu_check_all.tgz" -C "$out" .
+  tar czf "$dest/gpu_check_all.tgz" -C "$out" . && rm -rf "$out"
 }
 trap bring_back EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -90,6 +90,7 @@ fi
 bench_rc=skipped
 if step bench; then
   left=$(( WORST_S - SECONDS ))
+  left=$(( left > 60 ? left : 60 ))  # a lowered WORST_S must not give the benchmark a limit <= 0
   timeout "$left" python3 experiments/gpu_kernels.py --budget-s $(( (left - 40) * 6 / 10 )) \
     --sweep --sweep-budget-s $(( (left - 40) * 4 / 10 )) $BENCH_ARGS \
     --out "$out/gpu_kernels.md" 2>&1 | tee "$out/gpu_kernels.log"

@@ -699,8 +699,8 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 
 
 # The sweep: launch choices at a few serving shapes (FP8 attention, the
-# product's format), each beside the defaults; untimed choices first, since the
-# budget may cut the tail (run 2: experiments/results/gpu_kernels_h200_2026-11-29_*).
+# product's format): the defaults first, then the defaults before run 3, then
+# other choices; the budget may cut the tail (runs 2-4: experiments/results/gpu_kernels_h200_*).
 # Occupancy from sm_90a compiles that run XLA's TTIR passes first
 # (results/sm90_compile*.md): GQA fp8 fits 5 programs per SM at 4 warps (96
 # registers; 4 with float16 dots, 126), 2 with prefetch (215 registers at 4
@@ -739,7 +739,8 @@ ATTENTION_SWEEP = {
 # registers, 4-5 per SM) at target 528 runs 448 programs. At M=64 the
 # defaults' 148 KiB of shared memory allow 1 per SM (2 waves, 4 warps per
 # SM); one wave: num_stages=2 (98 KiB, 2 per SM), target_programs=132 (112
-# programs), block_n=64 with 2 stages (81 KiB, 2 per SM). gather_x drops the x
+# programs), block_n=64 with 2 stages (81 KiB, 2 per SM); run 3 made 2 stages
+# the default (the 148 KiB above is num_stages=3's). gather_x drops the x
 # permute kernel (1.6 us of run 2's 15.5 at M=1) for more loop instructions:
 # 598 against 533 at M=1, 1748 against 1114 at M=64 (1087 at 8 warps, 155
 # registers). block_k=128 halves the x tile, which is most of the shared

@@ -163,7 +163,8 @@ def ncu_records(text: str) -> list[Record]:
 _UNITS = {
     "second": {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3,
                "s": 1.0, "second": 1.0},
-    "byte/s": {"byte/s": 1.0, "Kbyte/s": 1e3, "Mbyte/s": 1e6, "Gbyte/s": 1e9, "Tbyte/s": 1e12},
+    "byte/s": {f"{prefix}byte/{per}": scale for prefix, scale in (("", 1.0), ("K", 1e3), ("M", 1e6), ("G", 1e9),
+                                                                   ("T", 1e12)) for per in ("s", "second")},
 }
 
 

@@ -92,8 +92,8 @@ class AttentionTuning:
 def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> plgpu.CompilerParams:
     """Triton launch parameters (ignored by the interpreter).
 
-    Defaults from sm_90a compiles without a GPU (experiments/results/sm90_compile*.md):
-    bf16 operands, 2 stages overlap the next page gather with the math. GQA fits
+    Defaults from sm_90a compiles without a GPU (experiments/results/sm90_compile*.md),
+    at bf16 operands: 2 stages overlap the next page gather with the math. GQA fits
     4 warps in 96-128 registers; MLA's [16, 512] f32 accumulator and [64, 576]
     latent block spill at 4 warps (255 registers, up to 2 KB/thread) and fit
     at 8 (~170-205), so it asks for 8. float32 operands (exactness tests, not a

@@ -69,8 +69,9 @@ class Int4Tuning:
     num_warps: None takes 8 for 16-row tiles, else 4 (measured, see _compiler_params).
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
-      (2 per SM of an H100/H200's 132; sm_90a compiles fit 3 per SM at M=1 and
-      1 at M=64, 5 and 3 at block_k=128; experiments/results/sm90_compile.md).
+      (2 per SM of an H100/H200's 132; sm_90a compiles at 3 stages fit 3 per
+      SM at M=1 and 1 at M=64, 2 at M=64 with 2 stages, 5 and 3 at
+      block_k=128; experiments/results/sm90_compile.md).
     gather_x: the kernel reads each nibble plane's columns of x itself, with a
       gather masked to the tile's rows, instead of x permuted into planes by
       an XLA op beforehand. No permute and no row padding, so a call that
@@ -203,7 +204,7 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
     # Padding rows of x are zero, so their output rows are zero and a tile
     # may store only the first next_pow2(m) rows (see _int4_kernel).
     out_rows = min(block_m, pl.next_power_of_2(m))
-    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], group_size, num_tiles, tuning)
+    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles, tuning)
     starts_W = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
     schedule = TileSchedule(
         expert_W=jnp.zeros((num_tiles,), jnp.int32),
@@ -227,13 +228,11 @@ class Int4Tiling:
     out_rows: int  # rows stored per tile; < block_m only when the rest are zero
     block_n: int  # output columns per program
     block_k: int  # input features per inner step (block_k / 8 packed rows)
-    k: int  # input features the kernel runs over: K, zero-padded to a multiple of block_k
     num_splits: int  # split-K programs per (tile, column block)
     tuning: Int4Tuning  # for the launch parameters
 
-    @property
-    def blocks_per_split(self) -> int:
-        return self.k // self.block_k // self.num_splits
+    def blocks_per_split(self, k: int) -> int:
+        return k // self.block_k // self.num_splits
 
 
 class TileSchedule(NamedTuple):
@@ -253,22 +252,22 @@ def tile_rows(rows: int) -> int:
     return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
 
 
-def plan_tiling(block_m: int, out_rows: int, n: int, k: int, group_size: int, num_tiles: int,
+def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int,
                 tuning: Int4Tuning) -> Int4Tiling:
     """Block sizes, and split-K wide enough for ~tuning.target_programs programs.
 
-    A K with no power-of-two divisor >= MIN_BLOCK_K (the tiny test models'
-    32 and 64; the real models' K are multiples of 128) runs zero-padded to a
-    multiple of MIN_BLOCK_K and of the group (int4_tiles pads)."""
-    step = np.lcm(MIN_BLOCK_K, group_size)
-    k = k if k % MIN_BLOCK_K == 0 else -(-k // step) * step
+    A K with no power-of-two divisor >= MIN_BLOCK_K gets a smaller block:
+    the tiny test models' 32 and 64, and one device's share of a split
+    weight, e.g. GLM-4.5's 1536 / 8 = 192 at TP8 (block 64). Its dots then
+    contract < 16 and run in float32 (mma._mma_operands): slower math, but
+    no copy of the weights to pad K, which per call would cost more."""
     block_n = mma.pow2_divisor(n, tuning.block_n)
     block_k = mma.pow2_divisor(k, tuning.block_k)
     programs = num_tiles * (n // block_n)
     k_blocks = k // block_k
     wanted = -(-tuning.target_programs // programs)
     num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
-    return Int4Tiling(block_m, out_rows, block_n, block_k, k, num_splits, tuning)
+    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
 
 
 # bf16 bit pattern 0x4300 | n is 128 + n for a nibble n in 0..15 (bf16 steps by
@@ -397,11 +396,6 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
     no output.
     """
     m, k = x_MK.shape
-    if tiling.k > k:  # zero features: zero x columns times zero weights (nibble 0, scale 0)
-        x_MK = jnp.pad(x_MK, ((0, 0), (0, tiling.k - k)))
-        packed_EQN = jnp.pad(packed_EQN, ((0, 0), (0, (tiling.k - k) // PACK), (0, 0)))
-        scales_EGN = jnp.pad(scales_EGN, ((0, 0), (0, (tiling.k - k) // group_size), (0, 0)))
-        k = tiling.k
     num_experts, _, n = packed_EQN.shape
     num_tiles = schedule.start_W.shape[0]
     if tiling.tuning.gather_x:
@@ -413,7 +407,7 @@ def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
     partial_XTMN = pl.pallas_call(
         functools.partial(_int4_kernel, tiling=tiling, group_size=group_size,
-                          blocks_per_split=tiling.blocks_per_split),
+                          blocks_per_split=tiling.blocks_per_split(k)),
         grid=(num_tiles, n // tiling.block_n, tiling.num_splits),
         in_specs=[
             scalar_spec,

@@ -104,7 +104,7 @@ def _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int, int
         return jnp.zeros((0, n), x_TK.dtype)
     block_m = tile_rows(-(-t // num_experts))  # rows of an average expert
     num_tiles = -(-t // block_m) + min(num_experts, t)
-    tiling = plan_tiling(block_m, block_m, n, k, group_size, num_tiles, tuning)
+    tiling = plan_tiling(block_m, block_m, n, k, num_tiles, tuning)
     schedule, owner = expert_tile_schedule(group_sizes_E, t, block_m, num_tiles)
     # A tile may start at any row < T.
     y_tiles = int4_tiles(pad_rows(x_TK, block_m, tuning), packed_EQN, scales_EGN, schedule, tiling,

@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -11,6 +12,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 # (experiments/gpu_check.sh). Output poisoning is the interpreter's; compiled
 # runs still read NaN from every cache slot and scale they must not use.
 KERNEL_BACKEND = os.environ.get("MIXSERVE_KERNEL_BACKEND", "interpret")
+
+_TT_DOT = re.compile(r"tt\.dot [^:]*: tensor<([0-9x]+)x(\w+)> \* tensor<([0-9x]+)x(\w+)>")
+
+
+def ttir_dots(ttir: str) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """(a's shape, b's shape, operand type) of every tt.dot in a kernel's Triton IR."""
+    return [(tuple(map(int, a.split("x"))), tuple(map(int, b.split("x"))), a_type)
+            for a, a_type, b, _ in _TT_DOT.findall(ttir)]
+
+
+def dots_below_the_mma_minimum(ttir: str) -> list:
+    """The 16-/8-bit dots with a dimension < 16: on the H200 (2026-11-30) a bf16
+    dot contracting 8 compiled and returned twice the product."""
+    return [dot for dot in ttir_dots(ttir) if dot[2] != "f32" and min(dot[0] + dot[1]) < 16]
 
 # One persistent compilation cache per test run, shared by the xdist workers and the scripts the
 # tests start (they inherit the environment, set here before anything imports jax). Every Engine

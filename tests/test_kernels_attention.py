@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KERNEL_BACKEND
+from conftest import KERNEL_BACKEND, dots_below_the_mma_minimum, ttir_dots
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
@@ -215,6 +215,8 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(block_tokens=32)),
         (GQA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, True, AttentionTuning(num_splits=3)),
         (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(fp8_dots="float16")),
+        # bf16 dots over FP8 pages: the default until the H200 sweep of 2026-11-30.
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(fp8_dots="bfloat16", num_splits=2)),
         (GQA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, False, AttentionTuning(fp8_dots="float16", num_splits=2)),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(block_tokens=128, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(num_splits=2)),
@@ -364,6 +366,7 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[1], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(num_splits=1)),
         (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(fp8_dots="float16", num_splits=2)),
         (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(fp8_dots="float16")),
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(fp8_dots="bfloat16", num_splits=2)),
         (MLA_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(block_tokens=128, num_splits=3)),
         (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16, num_splits=2)),
         (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(prefetch=True, fp8_dots="float16")),
@@ -588,6 +591,22 @@ def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
 
     assert page_loads(AttentionTuning()) == [0] * 4  # GQA k, v; MLA two column views
     assert page_loads(AttentionTuning(prefetch=True)) == [2] * 8  # each in the prologue and the loop
+
+
+def test_attention_kernels_keep_small_dots_off_the_mma():
+    """A tiny model's MLA (latent 32 + RoPE 8, as tiny-kimi) with a bf16 query
+    over FP8 pages: its RoPE logits contract 8, so in the Triton IR they take
+    float32 operands; the serving shape's dots stay 16-bit and >= 16 wide."""
+    spec = jax.ShapeDtypeStruct
+    for heads, rank, rope, page in ((4, 32, 8, 16), (8, 512, 64, 64)):
+        mla = functools.partial(paged_attention_mla, kv_lora_rank=rank, scale=1.0, softmax_scale=0.1,
+                                backend="pallas")
+        [kernel] = triton_kernels_for_cuda(mla, spec((2, heads, rank + rope), jnp.bfloat16),
+                                           spec((64, page, rank + rope), jnp.float8_e4m3fn),
+                                           spec((2, 8), jnp.int32), spec((2,), jnp.int32))
+        dots = ttir_dots(kernel.ttir)
+        assert dots and not dots_below_the_mma_minimum(kernel.ttir), dots
+        assert any(t == "f32" for _, _, t in dots) == (rope < 16), dots
 
 
 def test_triton_kernels_for_cuda_names_a_function_without_kernels():

@@ -33,7 +33,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KERNEL_BACKEND
+from conftest import KERNEL_BACKEND, dots_below_the_mma_minimum, ttir_dots
 
 from pallas_kernels import (
     Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
@@ -189,6 +189,28 @@ def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtyp
     _check(got, _f64(ref), magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs reference")
     rel = np.max(np.abs(_f64(got) - _f64(ref))) / np.max(np.abs(_f64(ref)))
     assert rel < 1e-2, f"relative error {rel:.3g}, seed={seed}"
+
+
+def test_int4_kernels_keep_small_dots_off_the_mma():
+    """In the Triton IR the GPU compiles: at serving shapes every dot is bf16
+    and >= 16 wide; where K has no power-of-two block >= 128 (GLM-4.5's
+    down projection share at TP8, 1536 / 8 = 192, and the tiny models' 32)
+    the dots contract < 16 and take float32 operands instead, which the H200
+    computed correctly where bf16 returned twice the product."""
+    spec = jax.ShapeDtypeStruct
+    for m, k, n, g in ((1, 7168, 2048, 32), (64, 7168, 2048, 128), (1, 192, 5120, 32), (5, 32, 64, 16)):
+        for experts in (0, 4):
+            if experts:
+                op = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
+                args = (spec((m, k), jnp.bfloat16), spec((experts, k // 8, n), jnp.int32),
+                        spec((experts, k // g, n), jnp.bfloat16), spec((experts,), jnp.int32))
+            else:
+                op = functools.partial(int4_matmul, group_size=g, backend="pallas")
+                args = (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))
+            [kernel] = [kern for kern in triton_kernels_for_cuda(op, *args) if kern.name == "int4_matmul"]
+            dots = ttir_dots(kernel.ttir)
+            assert dots and not dots_below_the_mma_minimum(kernel.ttir), (m, k, experts, dots[:2])
+            assert {t for _, _, t in dots} == ({"f32"} if k % 128 else {"bf16"}), (m, k, experts, dots[:2])
 
 
 def test_int4_matmul_rejects_bad_inputs():
