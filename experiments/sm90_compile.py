@@ -179,7 +179,7 @@ def test_cases() -> list[Case]:
     out = []
     for x_dtype, tuning in itertools.product((jnp.bfloat16, jnp.float32), (Int4Tuning(), ti.GATHER_X)):
         label = " gather-x" * tuning.gather_x
-        for m, k, n, g in ti.DENSE_SHAPES:
+        for m, k, n, g in ti.DENSE_SHAPES + ti.SMALL_K_SHAPES:
             out.append(Case("INT4 matmul" + label, f"M={m} K={k} N={n} g={g} x {x_dtype.__name__}",
                             functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=tuning),
                             (spec((m, k), x_dtype), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))))
