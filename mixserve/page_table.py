@@ -31,6 +31,9 @@ class PageTable:
     ref_count_P:     int32 [P]    number of slot mappings per page (> 1 when a prefix is shared).
     tag_P:           uint32 [P]   tag of the page's current allocation (0 = never allocated).
     next_tag:        uint32 []    global counter, so a tag names one (page, allocation) pair.
+                                  It wraps after 2^32 page allocations (days of allocating
+                                  10^4 pages/s); a stale mapping then goes unseen only if it
+                                  outlives all of them and its page draws the same tag again.
     pages_BN:        int32 [B, N] physical page of each slot's n-th logical page.
     expected_tag_BN: uint32 [B, N] tag each slot recorded when it got that page.
     num_pages_B:     int32 [B]    logical pages held by each slot.
