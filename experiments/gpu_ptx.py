@@ -6,8 +6,9 @@ of experiments/sm90_compile.py (made on CPU with a pip Triton 3.6).
 
 jax 0.10.2's pallas_call lowering compiles each Triton kernel to PTX in
 Python (`jax._src.lib.triton.compile`) when its jaxlib is newer than 0.10.2.
-jax 0.11.2 (the lent H200's, 2026-11-30) has no such call: it hands the
-Triton IR to XLA, and this script can only say so. Where the call exists,
+jax 0.11.2 (the lent H200's, 2026-11-30) has no such call (its lowering
+module has no `triton`): the kernels compile out of Python's reach, and this
+script can only say so. Where the call exists,
 this keeps that PTX, assembles it with `ptxas -v` and disassembles it with
 cuobjdump, and reports per kernel what sm90_compile.md and sm90_sass.md
 report for the same shapes. It lowers only (nothing runs on the GPU).
