@@ -42,7 +42,7 @@ class AttentionTuning:
       kernel's own, measured on the H200, 2026-11-30 sweep,
       experiments/results/gpu_kernels_h200_2026-11-30_run3.md: GQA 512, the
       4 float16-dot programs per SM that sm_90a compiles allow at B=64
-      (261 us against 374 at the earlier 264 for B=64 ctx=32k; 1.1x slower
+      (261 us against 339 at the earlier 264, both with float16 dots, for B=64 ctx=32k; 1.1x slower
       at B=1, 20.8 against 18.9 us); MLA 128, one wave of its 1 program per
       SM (1247 against 1491 us at B=64, 34.9 against 38.8 at B=1)).
     num_warps: None takes the kernel's own default (GQA 4, MLA 8).
