@@ -276,7 +276,7 @@ MOE_CASES = [
     ((0, 1, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0), 256, 32, 32),
     # prefill: ragged groups, one bigger than a tile, an empty one in the middle
     ((37, 0, 5, 70, 1), 128, 48, 128),
-    # the tiny models' down projection: K = 32, zero-padded to 128 for the kernel
+    # the tiny models' down projection: K = 32, a 32-wide block whose dots run in float32
     ((3, 0, 2), 32, 16, 16),
     # a single token
     ((0, 0, 1), 128, 16, 32),
