@@ -541,3 +541,78 @@ def test_fp8_kv_agreement_script_runs(tmp_path):
     assert "| tiny-glm5 | fp8_ds_mla |" in out and "| tiny-glm5 | fp8_e4m3 (calibrated) |" in out
     assert "| kimi-k2.6 | fp8_ds_mla | 40,016 | 1,204,682 | 1.76x |" in out  # 61 layers x 656 B
     assert (tmp_path / "a.md").read_text() in out
+
+
+def test_experts_touched_matches_sampled_routing():
+    """E (1 - (1 - k/E)^c) against steps drawn at random: c tokens, k distinct experts each."""
+    import numpy as np
+    from experiments.decode_bytes import experts_touched
+
+    rng = np.random.default_rng()
+    experts, top_k, steps = 16, 4, 4000
+    assert experts_touched(experts, top_k, 1) == top_k
+    for tokens in (2, 5, 12):
+        distinct = [len({e for _ in range(tokens) for e in rng.choice(experts, top_k, replace=False)})
+                    for _ in range(steps)]
+        # 5 standard errors of the sample mean: a false alarm about once in 10^6 runs.
+        assert abs(np.mean(distinct) - experts_touched(experts, top_k, tokens)) < 5 * np.std(distinct) / steps**0.5
+
+
+def test_decode_step_bytes_count_every_weight_once():
+    """With every expert touched, one GPU (tp=1) reads the whole main model but the embedding
+    table; at tp=2 only the replicated bytes stay whole."""
+    import mixserve
+    from experiments.decode_bytes import step_bytes
+    from experiments.weight_bytes import PLANS
+    from models.presets import get_preset
+
+    cfg = get_preset("tiny-glm5")
+    for label in ("bf16", "int4 g32 experts, rest fp8"):
+        main = mixserve.weight_bytes(cfg.replace(num_mtp_layers=0), plan=PLANS[label])
+        every = lambda tp: step_bytes(cfg, PLANS[label], tp=tp, concurrency=10**4, context=0)
+        embed_tokens = cfg.vocab_size * cfg.hidden_size * 2
+        assert every(1).kv == 0 and every(1).weights + every(1).experts == main.total - embed_tokens
+        assert 2 * every(2).weights - every(1).weights == main.replicated > 0
+        assert every(2).experts * 2 == every(1).experts
+
+
+def test_decode_kv_bytes_follow_the_attention_kind():
+    """DSA reads every token's index key and at most top-k latents; MLA latents are whole on every
+    TP rank; GQA KV heads split over the ranks, and are replicated once the ranks outnumber them."""
+    from experiments.decode_bytes import kv_bytes_per_request
+    from mixserve.kv_cache import bytes_per_token, kv_format
+    from models.presets import get_preset
+
+    fmt = kv_format("fp8_e4m3", "bfloat16")
+    glm5 = get_preset("tiny-glm5")
+    latent, index = (bytes_per_token(glm5, fmt, entry=e) for e in ("latent", "index"))
+    assert latent + index == bytes_per_token(glm5, fmt) and index > 0
+    top_k = glm5.index_topk
+    assert kv_bytes_per_request(glm5, fmt, top_k - 3, tp=8) == (top_k - 3) * (latent + index)
+    assert kv_bytes_per_request(glm5, fmt, 5 * top_k, tp=8) == 5 * top_k * index + top_k * latent
+    kimi = get_preset("tiny-kimi")
+    assert kv_bytes_per_request(kimi, fmt, 100, tp=8) == 100 * bytes_per_token(kimi, fmt)
+    glm4 = get_preset("tiny-glm4")  # 2 KV heads
+    whole = kv_bytes_per_request(glm4, fmt, 100, tp=1)
+    assert whole == 100 * bytes_per_token(glm4, fmt)
+    assert kv_bytes_per_request(glm4, fmt, 100, tp=2) == kv_bytes_per_request(glm4, fmt, 100, tp=4) == whole / 2
+
+
+def test_decode_step_time_fit_recovers_a_line():
+    import numpy as np
+    from experiments.decode_bytes import fit_step_time
+
+    rng = np.random.default_rng()
+    t0, bandwidth = rng.uniform(1e-3, 2e-2), rng.uniform(1e12, 5e12)
+    nbytes = rng.uniform(1e9, 1e11, size=5)
+    fitted_t0, fitted_bandwidth = fit_step_time(list(nbytes), list(t0 + nbytes / bandwidth))
+    assert abs(fitted_t0 / t0 - 1) < 1e-6 and abs(fitted_bandwidth / bandwidth - 1) < 1e-6
+
+
+def test_decode_bytes_script_runs(tmp_path):
+    out = run("decode_bytes.py", "--out", str(tmp_path / "b.md"))
+    assert "## The FP8 fit" in out and "## Reading" in out
+    rows = [line for line in out.splitlines() if line.startswith("| int4 g32 experts, rest bf16 | ")]
+    assert len(rows) == 2 * 5  # bytes and gain, at the seed's 5 concurrencies
+    assert "| 64 | 1,672 | " in out  # the seed's measured FP8 row, beside the fit
+    assert (tmp_path / "b.md").read_text() in out
