@@ -1,11 +1,13 @@
-"""The seed's INT4 decode table (GLM 5.2, H200, 8-way TP) against what weight bytes predict.
+"""The seed's two decode throughput tables against the bytes one GPU reads per decode step.
 
-    python experiments/decode_bytes.py [--out experiments/results/decode_bytes.md]
+    python experiments/decode_bytes.py [--context N] [--out experiments/results/decode_bytes.md]
 
-The seed says decode streams the weights from HBM every step, so "fewer bytes = faster", and
-reports INT4-weight gains over FP8 of +55% at concurrency 1 falling to +16% at 64. This counts
-the bytes one GPU reads in one decode step under each weight plan and asks whether bytes alone
-give that profile. Abstract (jax.eval_shape via mixserve.weight_bytes): nothing is allocated.
+The seed says decode streams the weights (and the KV cache) from HBM every step, so fewer bytes
+means faster steps. It reports two tables on H200s: GLM 5.2 with FP8 against INT4 weights (+55% at
+concurrency 1 falling to +16% at 64) and Kimi K2.6 with BF16 against FP8 KV (FP8 4-9% slower up to
+32, then the only one that fits 64). This counts what one GPU at 8-way tensor parallelism reads per
+decode step in each setting, and asks how much of each table bytes explain. Abstract
+(jax.eval_shape via mixserve.weight_bytes): nothing is allocated.
 
 A step of c requests (one token each) reads, on one GPU at tensor parallelism tp:
 - weights: attention (DSA indexer included), dense and shared-expert MLPs, norms, router and
@@ -19,13 +21,15 @@ A step of c requests (one token each) reads, on one GPU at tensor parallelism tp
   reads all of them; GQA KV heads split over the ranks. DSA (GLM-5) reads the index keys of every
   token in its "full" indexer layers and the latents of at most index_topk tokens per layer.
 Left out: activations, communication, launch costs, and MTP/speculative decoding (the seed does not
-say whether it used it).
+say whether it used it). The seed gives neither context lengths nor parallelism for these tables:
+TP8 and one context for every request are assumptions, varied in the sensitivity table.
 
-Two readings of the seed's numbers:
-- bytes only: step time = bytes / bandwidth, so the INT4 gain is the byte ratio; and
-- fitted: step time = t0 + bytes / bandwidth, t0 and bandwidth fitted (least squares) to the seed's
-  FP8 rows, then applied to the INT4 plans. The FP8 rows at 8 and 16 are the INT4 rows divided by
-  (1 + the reported gain); the row at 32 is left out (the source's rows disagree there).
+Each table has a baseline column (FP8 weights; BF16 KV) and a variant (INT4 weights; FP8 KV). Two
+readings:
+- bytes only: step time = bytes / bandwidth, so the variant's gain is the byte ratio; and
+- fitted: step time = t0 + bytes / bandwidth, t0 and bandwidth fitted (least squares) to the
+  baseline rows, then applied to the variant's bytes. Where the variant has rows enough, it gets a
+  fit of its own too: a different t0 or bandwidth is what bytes do not explain.
 """
 
 from __future__ import annotations
@@ -52,15 +56,62 @@ from models.presets import get_preset  # noqa: E402
 from models.weights import WeightPlan  # noqa: E402
 
 GIB = 2**30
+TP = 8
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 COPY_BENCHMARK = os.path.join(RESULTS, "gpu_kernels_h200_2026-11-30_run4.md")
-FP8 = "fp8 (all linear)"
-INT4_PLANS = ("int4 g32 experts, rest bf16", "int4 g32 experts, rest fp8")  # the first gives the seed's 421 GiB
-# DIGEST.md section 2: concurrency -> (FP8 tok/s, INT4 tok/s, INT4 gain); None where garbled.
-SEED = {1: (60, 92, 0.55), 8: (None, 413, 0.21), 16: (None, 838, 0.21), 32: (None, 1672, 0.27),
-        64: (1672, 1933, 0.16)}
-SEED_INCONSISTENT = 32  # its INT4 1,672 is the FP8 figure at 64, and 1,672 / 1.27 matches nothing
 DEFAULT_CONTEXT = 8192 + 1000 // 2  # the seed's one named workload (section 3): 8,192 in, 1,000 out
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One column's serving setting: a weight plan (experiments/weight_bytes.py's PLANS) and a KV format."""
+
+    label: str
+    plan: str
+    kv_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedTable:
+    """One of the seed's decode tables (DIGEST.md): tok/s by concurrency, baseline against variant."""
+
+    title: str
+    preset: str
+    baseline: Setup
+    variants: tuple[Setup, ...]  # readings of the variant column (the INT4 plan is not stated)
+    baseline_tok_s: dict[int, float]  # the rows the fit uses
+    variant_tok_s: dict[int, float]
+    gain: dict[int, float]  # variant / baseline - 1, as the seed states or implies it
+    sources: str  # where the rows come from
+
+
+def glm_int4_table(kv_dtype: str) -> SeedTable:
+    """DIGEST.md section 2. The FP8 rows at 8 and 16 are garbled in the source: they are the INT4
+    rows / (1 + the stated gain). The row at 32 is left out of the fit: its INT4 1,672 is the FP8
+    figure at 64, and 1,672 / 1.27 matches nothing."""
+    gain = {1: 0.55, 8: 0.21, 16: 0.21, 32: 0.27, 64: 0.16}
+    int4 = {1: 92, 8: 413, 16: 838, 32: 1672, 64: 1933}
+    fp8 = {1: 60, 8: int4[8] / (1 + gain[8]), 16: int4[16] / (1 + gain[16]), 64: 1672}
+    return SeedTable(
+        "GLM 5.2: FP8 against INT4 weights (DIGEST.md section 2)", "glm-5",
+        Setup("FP8 weights", "fp8 (all linear)", kv_dtype),
+        # The first matches the seed's 421 GiB checkpoint (experiments/results/weight_bytes.md).
+        tuple(Setup(f"INT4 ({plan})", plan, kv_dtype)
+              for plan in ("int4 g32 experts, rest bf16", "int4 g32 experts, rest fp8")),
+        fp8, {c: v for c, v in int4.items() if c != 32}, gain,
+        "FP8 at 8 and 16: INT4 / (1 + gain), garbled in the source; the row at 32 is left out "
+        "(its INT4 figure repeats FP8's at 64).")
+
+
+def kimi_kv_table() -> SeedTable:
+    """DIGEST.md section 1: BF16 KV is out of memory at 64."""
+    bf16, fp8 = {1: 137, 16: 1106, 32: 1558}, {1: 125, 16: 1028, 32: 1489, 64: 2192}
+    plan = "int4 g32 experts, rest bf16"  # Kimi K2.6 ships this (compressed-tensors, routed experts)
+    return SeedTable(
+        "Kimi K2.6: BF16 against FP8 KV (DIGEST.md section 1)", "kimi-k2.6",
+        Setup("BF16 KV", plan, "bfloat16"), (Setup("FP8 KV", plan, "fp8_e4m3"),),
+        bf16, fp8, {c: fp8[c] / bf16[c] - 1 for c in bf16},
+        "the row at 1 comes from the source's summary text; BF16 KV did not fit 64 requests.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +165,21 @@ def step_bytes(cfg: ModelConfig, plan: WeightPlan, *, tp: int, concurrency: int,
                      kv=concurrency * kv_bytes_per_request(cfg, kv_format(kv_dtype, "bfloat16"), context, tp))
 
 
-def fit_step_time(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares (t0 s, bandwidth B/s) of seconds = t0 + nbytes / bandwidth."""
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """step seconds = t0 + bytes / bandwidth."""
+
+    t0: float  # s
+    bandwidth: float  # B/s
+
+    def tok_s(self, concurrency: int, nbytes: float) -> float:
+        return concurrency / (self.t0 + nbytes / self.bandwidth)
+
+
+def fit_step_time(nbytes: list[float], seconds: list[float]) -> Fit:
+    """Least squares over (bytes, seconds) pairs."""
     slope, t0 = np.polyfit(np.asarray(nbytes, float), np.asarray(seconds, float), 1)
-    return float(t0), float(1.0 / slope)
-
-
-def seed_fp8_rows() -> dict[int, float]:
-    """FP8 tok/s by concurrency: measured where the seed gives it, else INT4 / (1 + gain)."""
-    return {c: fp8 if fp8 is not None else int4 / (1 + gain)
-            for c, (fp8, int4, gain) in SEED.items() if c != SEED_INCONSISTENT}
+    return Fit(float(t0), float(1.0 / slope))
 
 
 def copy_bandwidth(path: str = COPY_BENCHMARK) -> float:
@@ -134,113 +190,130 @@ def copy_bandwidth(path: str = COPY_BENCHMARK) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    preset: str
-    tp: int
+    table: SeedTable
     context: int
-    kv_dtype: str
-    bandwidth: float  # measured copy, B/s
-    bytes: dict[str, dict[int, StepBytes]]  # plan label -> concurrency -> bytes
-    t0: float  # fitted to the seed's FP8 rows, s
-    fit_bandwidth: float  # B/s
+    bytes: dict[str, dict[int, StepBytes]]  # setup label -> concurrency -> bytes
+    fit: Fit  # to the baseline rows
+    own_fits: dict[str, Fit]  # variant label -> its fit to the variant rows
 
-    def fitted_tok_s(self, plan: str, c: int) -> float:
-        return c / (self.t0 + self.bytes[plan][c].total / self.fit_bandwidth)
+    def fitted_tok_s(self, setup: Setup, c: int) -> float:
+        return self.fit.tok_s(c, self.bytes[setup.label][c].total)
 
+    def bytes_only_gain(self, setup: Setup, c: int) -> float:
+        return self.bytes[self.table.baseline.label][c].total / self.bytes[setup.label][c].total - 1
 
-def analyse(preset: str = "glm-5", tp: int = 8, context: int = DEFAULT_CONTEXT, kv_dtype: str = "fp8_e4m3",
-            bandwidth: float | None = None) -> Analysis:
-    cfg = get_preset(preset)
-    table = {label: {c: step_bytes(cfg, PLANS[label], tp=tp, concurrency=c, context=context, kv_dtype=kv_dtype)
-                     for c in SEED} for label in (FP8, *INT4_PLANS)}
-    fp8 = seed_fp8_rows()
-    t0, fit_bw = fit_step_time([table[FP8][c].total for c in fp8], [c / tok_s for c, tok_s in fp8.items()])
-    return Analysis(preset, tp, context, kv_dtype, bandwidth or copy_bandwidth(), table, t0, fit_bw)
+    def fitted_gain(self, setup: Setup, c: int) -> float:
+        return self.fitted_tok_s(setup, c) / self.fitted_tok_s(self.table.baseline, c) - 1
 
 
-def reading(a: Analysis) -> list[str]:
+def analyse(table: SeedTable, context: int = DEFAULT_CONTEXT, tp: int = TP) -> Analysis:
+    cfg = get_preset(table.preset)
+    rows = sorted({*table.gain, *table.baseline_tok_s, *table.variant_tok_s})
+    nbytes = {s.label: {c: step_bytes(cfg, PLANS[s.plan], tp=tp, concurrency=c, context=context, kv_dtype=s.kv_dtype)
+                        for c in rows} for s in (table.baseline, *table.variants)}
+
+    def fit(label: str, tok_s: dict[int, float]) -> Fit:
+        return fit_step_time([nbytes[label][c].total for c in tok_s], [c / v for c, v in tok_s.items()])
+
+    own = {s.label: fit(s.label, table.variant_tok_s) for s in table.variants}
+    return Analysis(table, context, nbytes, fit(table.baseline.label, table.baseline_tok_s), own)
+
+
+pct = lambda x: f"{100 * x:+.0f}%"
+
+
+def table_markdown(a: Analysis, copy_bw: float) -> list[str]:
+    t = a.table
+    lines = [f"## {t.title}", "", f"Seed rows: {t.sources} Context {a.context} tokens per request, TP{TP}.", "",
+             "Bytes one GPU reads per decode step (GiB):", "",
+             "| setting | KV | concurrency | weights | routed experts | KV | total | tok/s at copy bandwidth |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for setup in (t.baseline, *t.variants):
+        for c, b in a.bytes[setup.label].items():
+            lines.append(f"| {setup.label} | {setup.kv_dtype} | {c} | {b.weights / GIB:.2f} | {b.experts / GIB:.2f} "
+                         f"| {b.kv / GIB:.2f} | {b.total / GIB:.2f} | {c * copy_bw / b.total:,.0f} |")
+    lines += ["", f"The {t.baseline.label} fit: step time = {1e3 * a.fit.t0:.1f} ms + bytes / "
+              f"{a.fit.bandwidth / 1e9:,.0f} GB/s ({100 * a.fit.bandwidth / copy_bw:.0f}% of the copy bandwidth).", "",
+              "| setting | concurrency | seed tok/s | fitted tok/s | residual | seed gain | bytes-only gain | fitted gain |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, tok_s in t.baseline_tok_s.items():
+        fitted = a.fitted_tok_s(t.baseline, c)
+        lines.append(f"| {t.baseline.label} | {c} | {tok_s:,.0f} | {fitted:,.0f} | {pct(fitted / tok_s - 1)} | | | |")
+    for setup in t.variants:
+        for c in a.bytes[setup.label]:
+            seed = t.variant_tok_s.get(c)
+            fitted = a.fitted_tok_s(setup, c)
+            lines.append(f"| {setup.label} | {c} | {'' if seed is None else f'{seed:,.0f}'} | {fitted:,.0f} "
+                         f"| {'' if seed is None else pct(fitted / seed - 1)} "
+                         f"| {pct(t.gain[c]) if c in t.gain else ''} | {pct(a.bytes_only_gain(setup, c))} "
+                         f"| {pct(a.fitted_gain(setup, c))} |")
+    return lines + ["", "Reading:", ""] + reading(a, copy_bw)
+
+
+def reading(a: Analysis, copy_bw: float) -> list[str]:
     """What the tables say, in numbers taken from them."""
-    c1_ms = 1e3 / SEED[1][1]
-    ratio = {label: a.bytes[FP8][1].total / a.bytes[label][1].total for label in INT4_PLANS}
-    best = max(ratio, key=ratio.get)
-    over64 = [a.fitted_tok_s(label, 64) / SEED[64][1] for label in INT4_PLANS]
-    residual = max(abs(a.fitted_tok_s(FP8, c) / tok_s - 1) for c, tok_s in seed_fp8_rows().items())
-    return [
-        f"- The FP8 rows fit a fixed {1e3 * a.t0:.1f} ms per step plus bytes at {a.fit_bandwidth / 1e9:,.0f} GB/s "
-        f"({100 * a.fit_bandwidth / a.bandwidth:.0f}% of the copy bandwidth), within {100 * residual:.0f}% at every row.",
-        f"- At concurrency 1 the seed's INT4 step takes {c1_ms:.1f} ms ({SEED[1][1]} tok/s); reading no weights "
-        f"at all, the FP8 line gives {1e3 * a.t0:.1f} ms ({1 / a.t0:.0f} tok/s). "
-        + (f"So the +{100 * SEED[1][2]:.0f}% at concurrency 1 is not a saving of bytes: something the byte count "
-           f"does not see (the fit's fixed part: kernel efficiency at one token, launches, communication) cost "
-           f"less in the INT4 deployment. " if c1_ms < 1e3 * a.t0 else "")
-        + f"Bytes alone give at most {100 * (ratio[best] - 1):+.0f}% there ({best}); the plan that matches the "
-        f"seed's 421 GiB reads {100 * (1 / ratio[INT4_PLANS[0]] - 1):.0f}% more bytes than FP8, since its "
-        f"attention and dense weights are BF16.",
-        f"- At concurrency 64 the fitted INT4 tok/s differ from the seed's {SEED[64][1]:,} by "
-        f"{' and '.join(f'{100 * (r - 1):+.0f}%' for r in over64)} (FP8 rows: up to {100 * residual:.0f}%).",
-    ]
+    t = a.table
+    worst = lambda fit, tok_s, label: max(abs(fit.tok_s(c, a.bytes[label][c].total) / v - 1) for c, v in tok_s.items())
+    lines = [f"- The {t.baseline.label} rows fit a fixed {1e3 * a.fit.t0:.1f} ms per step plus bytes at "
+             f"{a.fit.bandwidth / 1e9:,.0f} GB/s ({100 * a.fit.bandwidth / copy_bw:.0f}% of the copy bandwidth), "
+             f"within {100 * worst(a.fit, t.baseline_tok_s, t.baseline.label):.1f}% at every row."]
+    low, high = min(t.gain), max(t.gain)
+    for setup in t.variants:
+        own = a.own_fits[setup.label]
+        lines.append(
+            f"- {setup.label}: at concurrency {low} the seed's gain is {pct(t.gain[low])}, bytes alone give "
+            f"{pct(a.bytes_only_gain(setup, low))} and the fit {pct(a.fitted_gain(setup, low))}; at {high}, "
+            f"{pct(t.gain[high])} against {pct(a.bytes_only_gain(setup, high))} and {pct(a.fitted_gain(setup, high))}. "
+            f"Its own rows fit {1e3 * own.t0:.1f} ms + bytes / {own.bandwidth / 1e9:,.0f} GB/s (within "
+            f"{100 * worst(own, t.variant_tok_s, setup.label):.1f}%), against the baseline's "
+            f"{1e3 * a.fit.t0:.1f} ms and {a.fit.bandwidth / 1e9:,.0f} GB/s.")
+    step_ms = 1e3 * low / t.variant_tok_s[low]
+    if step_ms < 1e3 * a.fit.t0:
+        lines.append(
+            f"- At concurrency {low} the seed's variant step takes {step_ms:.1f} ms, less than the "
+            f"{t.baseline.label} fit's fixed {1e3 * a.fit.t0:.1f} ms alone: that gain is not a saving of bytes. "
+            f"Something the byte count does not see (kernel efficiency at one token, launches, communication) "
+            f"cost less there.")
+    return lines
 
 
-def markdown(a: Analysis, sensitivity: list[Analysis]) -> list[str]:
-    pct = lambda x: f"{100 * (x - 1):+.0f}%"
-    lines = [f"# Decode bytes per step against the seed's INT4 table ({a.preset}, TP{a.tp})", "",
-             __doc__.split("\n\n")[2].replace("\n", " "), "What a step reads, and what is left out: "
-             "the docstring of `experiments/decode_bytes.py`.", "",
-             f"Assumed: context {a.context} tokens per request, KV `{a.kv_dtype}`. Bandwidth: the H200's "
-             f"device-to-device copy, {a.bandwidth / 1e9:.0f} GB/s (`{os.path.relpath(COPY_BENCHMARK, RESULTS)}`).",
-             "", "## Bytes one GPU reads per decode step (GiB)", "",
-             "| plan | concurrency | weights | routed experts | KV | total | tok/s at copy bandwidth |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for label, rows in a.bytes.items():
-        for c, b in rows.items():
-            lines.append(f"| {label} | {c} | {b.weights / GIB:.2f} | {b.experts / GIB:.2f} | {b.kv / GIB:.2f} "
-                         f"| {b.total / GIB:.2f} | {c * a.bandwidth / b.total:,.0f} |")
-    fp8 = seed_fp8_rows()
-    lines += ["", "## The FP8 fit", "",
-              f"step time = {1e3 * a.t0:.1f} ms + bytes / {a.fit_bandwidth / 1e9:,.0f} GB/s "
-              f"({100 * a.fit_bandwidth / a.bandwidth:.0f}% of the copy bandwidth), least squares over the seed's FP8 rows:",
-              "", "| concurrency | seed FP8 tok/s | fitted | residual |", "|---:|---:|---:|---:|"]
-    for c, tok_s in fp8.items():
-        note = "" if SEED[c][0] is not None else " (INT4 / (1 + gain))"
-        fitted = a.fitted_tok_s(FP8, c)
-        lines.append(f"| {c} | {tok_s:,.0f}{note} | {fitted:,.0f} | {pct(fitted / tok_s)} |")
-    lines += ["", "## INT4 gain over FP8: the seed against bytes", "",
-              "| plan | concurrency | seed INT4 tok/s | seed gain | bytes-only gain | fitted INT4 tok/s | fitted gain |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
-    for label in INT4_PLANS:
-        for c, (_, int4, gain) in SEED.items():
-            flag = " (inconsistent in the source)" if c == SEED_INCONSISTENT else ""
-            fitted = a.fitted_tok_s(label, c)
-            lines.append(f"| {label} | {c} | {int4:,}{flag} | +{100 * gain:.0f}% "
-                         f"| {pct(a.bytes[FP8][c].total / a.bytes[label][c].total)} | {fitted:,.0f} "
-                         f"| {pct(fitted / a.fitted_tok_s(FP8, c))} |")
-    lines += ["", "## Reading", ""] + reading(a)
-    lines += ["", "## Sensitivity to the assumptions", "",
-              "A fitted bandwidth above the copy bandwidth means that setting counts more bytes than the "
-              "seed's GPUs could have read.", "",
-              "| context | KV | fit t0 ms | fit GB/s | plan | bytes-only gain c=1 / c=64 | fitted gain c=1 / c=64 |",
-              "|---:|---|---:|---:|---|---|---|"]
-    for s in sensitivity:
-        for label in INT4_PLANS:
-            only = [pct(s.bytes[FP8][c].total / s.bytes[label][c].total) for c in (1, 64)]
-            fitted = [pct(s.fitted_tok_s(label, c) / s.fitted_tok_s(FP8, c)) for c in (1, 64)]
-            lines.append(f"| {s.context} | {s.kv_dtype} | {1e3 * s.t0:.1f} | {s.fit_bandwidth / 1e9:,.0f} | {label} "
-                         f"| {' / '.join(only)} | {' / '.join(fitted)} |")
+def sensitivity(tables: list[SeedTable], contexts: tuple[int, ...], copy_bw: float) -> list[str]:
+    lines = ["## Sensitivity to the assumed context", "",
+             "A fitted bandwidth above the copy bandwidth means that setting counts more bytes than the seed's "
+             "GPUs could have read in the time the seed measured.", "",
+             "| table | context | fit t0 ms | fit GB/s | setting | seed gain lowest / highest concurrency "
+             "| bytes-only | fitted |", "|---|---:|---:|---:|---|---|---|---|"]
+    for table in tables:
+        low, high = min(table.gain), max(table.gain)
+        for context in contexts:
+            a = analyse(table, context)
+            above = " (above copy)" if a.fit.bandwidth > copy_bw else ""
+            for setup in table.variants:
+                lines.append(
+                    f"| {table.preset} | {context} | {1e3 * a.fit.t0:.1f} | {a.fit.bandwidth / 1e9:,.0f}{above} "
+                    f"| {setup.label}, KV {setup.kv_dtype} | {pct(table.gain[low])} / {pct(table.gain[high])} "
+                    f"| {pct(a.bytes_only_gain(setup, low))} / {pct(a.bytes_only_gain(setup, high))} "
+                    f"| {pct(a.fitted_gain(setup, low))} / {pct(a.fitted_gain(setup, high))} |")
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="glm-5")
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT)
-    parser.add_argument("--kv-dtype", default="fp8_e4m3")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens in each request's cache")
+    parser.add_argument("--glm-kv-dtype", default="fp8_e4m3", help="GLM 5.2's KV format (the seed does not say)")
     parser.add_argument("--out")
     cli = parser.parse_args()
     start = time.perf_counter()
-    main_case = analyse(cli.preset, cli.tp, cli.context, cli.kv_dtype)
-    sensitivity = [analyse(cli.preset, cli.tp, context, kv, main_case.bandwidth)
-                   for context in (2048, cli.context, 32768) for kv in ("fp8_e4m3", "bfloat16")]
-    lines = markdown(main_case, sensitivity)
+    copy_bw = copy_bandwidth()
+    tables = [glm_int4_table(cli.glm_kv_dtype), kimi_kv_table()]
+    lines = ["# Decode bytes per step against the seed's throughput tables", "",
+             __doc__.split("\n\n")[2].replace("\n", " "), "",
+             "What a step reads, and what is left out: the docstring of `experiments/decode_bytes.py`. "
+             f"Bandwidth: the H200's device-to-device copy, {copy_bw / 1e9:,.0f} GB/s "
+             f"(`{os.path.relpath(COPY_BENCHMARK, RESULTS)}`).", ""]
+    for table in tables:
+        lines += table_markdown(analyse(table, cli.context), copy_bw) + [""]
+    lines += sensitivity(tables, (2048, cli.context, 32768), copy_bw)
     lines += ["", f"Generated {datetime.date.today()} by `python experiments/decode_bytes.py --out` "
                   f"in {time.perf_counter() - start:.0f} s on CPU."]
     publish(lines, cli.out)

@@ -605,14 +605,38 @@ def test_decode_step_time_fit_recovers_a_line():
     rng = np.random.default_rng()
     t0, bandwidth = rng.uniform(1e-3, 2e-2), rng.uniform(1e12, 5e12)
     nbytes = rng.uniform(1e9, 1e11, size=5)
-    fitted_t0, fitted_bandwidth = fit_step_time(list(nbytes), list(t0 + nbytes / bandwidth))
-    assert abs(fitted_t0 / t0 - 1) < 1e-6 and abs(fitted_bandwidth / bandwidth - 1) < 1e-6
+    fit = fit_step_time(list(nbytes), list(t0 + nbytes / bandwidth))
+    assert abs(fit.t0 / t0 - 1) < 1e-6 and abs(fit.bandwidth / bandwidth - 1) < 1e-6
+    assert abs(fit.tok_s(8, nbytes[0]) * (t0 + nbytes[0] / bandwidth) / 8 - 1) < 1e-6
+
+
+def test_decode_analysis_recovers_a_table_made_from_bytes():
+    """A table whose rows are one line of step time in bytes: the baseline fit finds the line, and
+    the variant's predicted gains and own fit are the table's."""
+    from experiments import decode_bytes as db
+    from experiments.weight_bytes import PLANS
+    from models.presets import get_preset
+
+    cfg, context, truth = get_preset("tiny-glm5"), 40, db.Fit(t0=2e-3, bandwidth=3e9)
+    base = db.Setup("bf16", "bf16", "bfloat16")
+    variant = db.Setup("int4, fp8 KV", "int4 g32 experts, rest fp8", "fp8_e4m3")
+    tok_s = {s.label: {c: truth.tok_s(c, db.step_bytes(cfg, PLANS[s.plan], tp=db.TP, concurrency=c, context=context,
+                                                      kv_dtype=s.kv_dtype).total) for c in (1, 4, 16)}
+             for s in (base, variant)}
+    gain = {c: tok_s[variant.label][c] / tok_s[base.label][c] - 1 for c in (1, 4, 16)}
+    table = db.SeedTable("synthetic", "tiny-glm5", base, (variant,), tok_s[base.label], tok_s[variant.label], gain, "")
+    a = db.analyse(table, context)
+    for fit in (a.fit, a.own_fits[variant.label]):
+        assert abs(fit.t0 / truth.t0 - 1) < 1e-6 and abs(fit.bandwidth / truth.bandwidth - 1) < 1e-6
+    for c in (1, 4, 16):
+        assert abs(a.fitted_gain(variant, c) - gain[c]) < 1e-6
+        assert a.bytes_only_gain(variant, c) > gain[c] > 0  # the fixed t0 dilutes a saving of bytes
 
 
 def test_decode_bytes_script_runs(tmp_path):
     out = run("decode_bytes.py", "--out", str(tmp_path / "b.md"))
-    assert "## The FP8 fit" in out and "## Reading" in out
-    rows = [line for line in out.splitlines() if line.startswith("| int4 g32 experts, rest bf16 | ")]
+    assert out.count("The FP8 weights fit") == out.count("The BF16 KV fit") == 1 and "Reading:" in out
+    rows = [line for line in out.splitlines() if line.startswith("| INT4 (int4 g32 experts, rest bf16) | ")]
     assert len(rows) == 2 * 5  # bytes and gain, at the seed's 5 concurrencies
-    assert "| 64 | 1,672 | " in out  # the seed's measured FP8 row, beside the fit
+    assert "| FP8 weights | 64 | 1,672 | " in out and "| FP8 KV | 64 | 2,192 | " in out  # the seed's rows
     assert (tmp_path / "b.md").read_text() in out
