@@ -18,7 +18,9 @@ On an NVIDIA GPU (target: H200, < 8 minutes) it times, at serving shapes:
     ("MLA fp8, DCP8 share": all 64 heads over 1/8 of the context, in pages
     of 64 / 8 = 8 slots), beside the TP8 rows of the same batch and context;
   * the INT4 W4A16 expert matmul 7168 x 2048 (group 32), M = 1..64, against
-    `jnp.dot` on the BF16 weights and the XLA reference, and the grouped MoE
+    `jnp.dot` on the BF16 weights, the XLA reference, and the same weights in
+    the seed's baseline format, FP8 with 128x128 block scales, through
+    mixserve's XLA path (dequantize, then dot); and the grouped MoE
     version over 48 experts against `lax.ragged_dot` on BF16 weights.
 Each row reports the median time, bytes moved / time, and that as a share of a
 device-to-device copy bandwidth measured in the same run; each kernel row also
@@ -79,6 +81,7 @@ from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
     AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.paged_attention_mla import TiledLatentPages, latent_bytes_per_token  # noqa: E402
 from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
+from models import weights  # noqa: E402  (the FP8-block weight format, the seed's baseline)
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -545,6 +548,9 @@ def int4_rows(bench: Bench, key) -> None:
     kw, key = jax.random.split(key)
     packed, scales, w_bf16 = _int4_weights(kw, (), k, n, g)
     int4_bytes = packed.size * 4 + scales.size * 2
+    w_fp8 = weights.Fp8BlockWeight.quantize(w_bf16)
+    fp8_bytes = w_fp8.values_KN.size + w_fp8.scale_inv_kn.size * 4
+    fp8_matmul = functools.partial(weights.matmul, backend="xla")
     for m in cfg.matmul_ms:
         kx, key = jax.random.split(key)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -556,6 +562,8 @@ def int4_rows(bench: Bench, key) -> None:
                       args, int4_bytes, ref)
         bench.measure("INT4 matmul", shape, "xla", functools.partial(op, backend="xla"), args, int4_bytes)
         bench.measure("INT4 matmul", shape, "bf16 jnp.dot", jnp.dot, (x, w_bf16), w_bf16.size * 2, ref)
+        # Other values (FP8 rounding of the same weights): no error column.
+        bench.measure("INT4 matmul", shape, "fp8 block weights, xla", fp8_matmul, (x, w_fp8), fp8_bytes)
     # What one kernel takes just to read the bytes once (XLA's sum, 4 bytes a
     # value): the floor under each matmul at these sizes, where a kernel is a
     # few microseconds and its ramp-up counts. Goal 3.3x needs the INT4
