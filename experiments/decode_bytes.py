@@ -146,22 +146,21 @@ def kv_bytes_per_request(cfg: ModelConfig, fmt: KVFormat, context: int, tp: int)
 
 @functools.lru_cache(maxsize=None)
 def weight_reads(cfg: ModelConfig, plan: WeightPlan, tp: int) -> tuple[float, float]:
-    """(bytes every step reads, bytes of one routed expert of one MoE layer), on one of tp GPUs."""
+    """(bytes every step reads, bytes of one routed expert over all MoE layers), on one of tp GPUs."""
     wb = weight_bytes(cfg.replace(num_mtp_layers=0), plan=plan, tp=tp)  # mixserve does not run MTP
     lm_head = wb.embeddings if cfg.tie_word_embeddings else wb.embeddings // 2
     # Every replicated byte is among these (norms, router, MLA down-projections, indexer).
     always = wb.attention + wb.dense + wb.other + lm_head
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    return wb.replicated + (always - wb.replicated) / tp, wb.experts / (moe_layers * cfg.n_routed_experts) / tp
+    return wb.replicated + (always - wb.replicated) / tp, wb.experts / cfg.n_routed_experts / tp
 
 
 def step_bytes(cfg: ModelConfig, plan: WeightPlan, *, tp: int, concurrency: int, context: int,
                kv_dtype: str = "fp8_e4m3") -> StepBytes:
     """What one GPU reads for one decode step of `concurrency` requests (module docstring)."""
     weights, per_expert = weight_reads(cfg, plan, tp)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    # The expected count is the same in every MoE layer.
     touched = experts_touched(cfg.n_routed_experts, cfg.num_experts_per_tok, concurrency)
-    return StepBytes(weights=weights, experts=touched * moe_layers * per_expert,
+    return StepBytes(weights=weights, experts=touched * per_expert,
                      kv=concurrency * kv_bytes_per_request(cfg, kv_format(kv_dtype, "bfloat16"), context, tp))
 
 
