@@ -29,8 +29,8 @@ Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
 than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
 variant (moe_int4_matmul.py) picks each tile's expert from a work list with a
 dynamic index into the expert axis, which Triton lowers to pointer arithmetic.
-Small M uses split-K over extra grid steps so that a 7168 x 2048 weight is
-streamed by hundreds of programs, not 16. (Mosaic GPU has a Hopper
+The work list, split-K and grid are weight_stream.py's, shared with the
+FP8-block kernel; this file holds the INT4 format and its inner step. (Mosaic GPU has a Hopper
 mixed-type matmul, built around 64-row warpgroup tiles and TMA layouts. The
 choice of Triton rested on the op being bound by streaming the weights; on
 the H200 (2026-11-29) it was not: at M=1 the kernel ran at 15% of copy
@@ -41,7 +41,7 @@ experiments/results/gpu_kernels_h200_2026-11-29_notes.md.)
 
 import dataclasses
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -51,27 +51,25 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.weight_stream import (
+    StreamTuning, TileRunner, TileSchedule, Tiling, column_blocks, dense_rows, pad_to, plan_tiling, stream_tiles)
 
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
-_BLOCK_M_CAP = 64
 # Each nibble plane's dot contracts block_k / 8 packed rows; Triton's MMA needs 16.
 MIN_BLOCK_K = PACK * mma.MIN_DOT_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
-class Int4Tuning:
-    """Launch choices of the INT4 kernels; the result does not depend on them
-    (tests/test_kernels_int4.py). Measured: experiments/gpu_kernels.py --sweep.
+class Int4Tuning(StreamTuning):
+    """The launch choices of weight_stream.StreamTuning, for the INT4 kernels.
+    Measured: experiments/gpu_kernels.py --sweep.
 
-    block_n / block_k: output columns per program / input features per inner
-      step (capped by powers of two dividing N and K).
-    num_warps: None takes 8 for 16-row tiles, else 4 (measured, see _compiler_params).
-    num_stages: weight blocks in flight.
-    target_programs: split-K grows until the grid has about this many programs
-      (2 per SM of an H100/H200's 132; sm_90a compiles at 3 stages fit 3 per
-      SM at M=1 and 1 at M=64, 2 at M=64 with 2 stages, 5 and 3 at
-      block_k=128; experiments/results/sm90_compile.md).
+    block_k >= 128, so that each nibble plane's dot contracts Triton's minimum
+    of 16 packed rows.
+    target_programs: sm_90a compiles at 3 stages fit 3 programs per SM at
+      M=1 and 1 at M=64, 2 at M=64 with 2 stages, 5 and 3 at block_k=128
+      (experiments/results/sm90_compile.md).
     gather_x: the kernel reads each nibble plane's columns of x itself, with a
       gather masked to the tile's rows, instead of x permuted into planes by
       an XLA op beforehand. No permute and no row padding, so a call that
@@ -80,36 +78,8 @@ class Int4Tuning:
       vectorized (x's plane columns are 8 elements apart). Not yet timed.
     """
 
-    block_n: int = 128
-    block_k: int = 256
-    num_warps: int | None = None
-    num_stages: int = 2
-    target_programs: int = 2 * 132
     gather_x: bool = False
-
-    def __post_init__(self):
-        for name, least in (("block_n", mma.MIN_DOT_ROWS), ("block_k", MIN_BLOCK_K)):
-            value = getattr(self, name)
-            if value < least or value & (value - 1):
-                raise ValueError(f"Int4Tuning.{name}={value} must be a power of two >= {least}")
-
-
-def _compiler_params(block_m: int, tuning: Int4Tuning) -> plgpu.CompilerParams:
-    """Triton launch parameters (ignored by the interpreter).
-
-    Warps measured on the H200 (CUPTI kernel time, K=7168 N=2048 g=32;
-    experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md): 16-row
-    tiles (M=1) 11.6 us at 8 warps against 12.7 at 4; 64-row tiles (M=64)
-    19.4 us at 4 warps against 24.7 at 8 (sm_90a compiles: 168 registers at
-    4 warps, no spills; experiments/results/sm90_compile.md). 32-row
-    tiles were not measured and follow the 64-row ones. Stages: 2 weight
-    blocks in flight measured faster than 3 on the H200 (2026-11-30 sweep,
-    experiments/results/gpu_kernels_h200_2026-11-30_run3.md): 10.6 against
-    11.6 us at M=1, 16.5 against 19.7 at M=64 (at M=64, 3 stages need 148
-    KiB of shared memory, 1 program per SM; 2 need 98 KiB, 2 per SM).
-    """
-    warps = tuning.num_warps or (8 if block_m <= 16 else 4)
-    return plgpu.CompilerParams(num_warps=warps, num_stages=tuning.num_stages)
+    MIN_BLOCK_K: ClassVar[int] = MIN_BLOCK_K
 
 
 def pack_int4(values_KN: jax.Array) -> jax.Array:
@@ -196,78 +166,29 @@ def _reference(x_MK, packed_QN, scales_GN, *, group_size: int):
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))
 def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: bool, tuning: Int4Tuning):
-    m = x_MK.shape[0]
-    if m == 0:
-        return jnp.zeros((0, packed_QN.shape[-1]), x_MK.dtype)
-    block_m = tile_rows(m)
-    num_tiles = -(-m // block_m)
-    # Padding rows of x are zero, so their output rows are zero and a tile
-    # may store only the first next_pow2(m) rows (see _int4_kernel).
-    out_rows = min(block_m, pl.next_power_of_2(m))
-    tiling = plan_tiling(block_m, out_rows, packed_QN.shape[-1], x_MK.shape[1], num_tiles, tuning)
-    starts_W = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
-    schedule = TileSchedule(
-        expert_W=jnp.zeros((num_tiles,), jnp.int32),
-        start_W=starts_W,
-        rows_W=jnp.minimum(m - starts_W, block_m),
-    )
-    y_WMN = int4_tiles(pad_rows(x_MK, num_tiles * block_m - m, tuning), packed_QN[None], scales_GN[None],
-                       schedule, tiling, group_size=group_size, interpret=interpret)
-    return y_WMN.reshape(-1, y_WMN.shape[-1])[:m].astype(x_MK.dtype)
+    run = int4_runner(packed_QN[None], scales_GN[None], group_size=group_size, tuning=tuning, interpret=interpret)
+    return dense_rows(x_MK, packed_QN.shape[-1], run)
 
 
-def pad_rows(x_MK: jax.Array, rows: int, tuning: Int4Tuning) -> jax.Array:
-    """x with `rows` zero rows added, where the kernel reads whole tiles of x
-    (gather_x masks its reads to the tile's rows instead)."""
-    return x_MK if tuning.gather_x else jnp.pad(x_MK, ((0, rows), (0, 0)))
+def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int, tuning: Int4Tuning,
+                interpret: bool) -> TileRunner:
+    """The INT4 kernel over a work list (weight_stream.TileRunner)."""
+    q, n = packed_EQN.shape[-2:]
+    k = q * PACK
 
+    def run(x_MK: jax.Array, schedule: TileSchedule, block_m: int, out_rows: int, rows_read: int) -> jax.Array:
+        tiling = plan_tiling(block_m, out_rows, n, k, schedule.num_tiles, tuning)
+        if tuning.gather_x:  # the kernel masks its reads to each tile's rows instead of padding
+            x_in = x_MK
+        else:
+            # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
+            x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, PACK).transpose(2, 0, 1)
+        weights = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
+        return stream_tiles(x_in, weights, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
+                            make_step=functools.partial(_int4_step, group_size=group_size), interpret=interpret,
+                            name="int4_matmul")
 
-@dataclasses.dataclass(frozen=True)
-class Int4Tiling:
-    block_m: int  # rows of x per tile (MMA rows: >= 16)
-    out_rows: int  # rows stored per tile; < block_m only when the rest are zero
-    block_n: int  # output columns per program
-    block_k: int  # input features per inner step (block_k / 8 packed rows)
-    num_splits: int  # split-K programs per (tile, column block)
-    tuning: Int4Tuning  # for the launch parameters
-
-    def blocks_per_split(self, k: int) -> int:
-        return k // self.block_k // self.num_splits
-
-
-class TileSchedule(NamedTuple):
-    """Work list: tile t multiplies x rows [start, start + block_m) by expert's weights.
-
-    rows_W == 0 marks an unused tile: its programs skip the weight stream and
-    write zeros.
-    """
-
-    expert_W: jax.Array  # int32
-    start_W: jax.Array  # int32
-    rows_W: jax.Array  # int32
-
-
-def tile_rows(rows: int) -> int:
-    """Rows per tile for tiles that hold about `rows` rows."""
-    return mma.padded_rows(rows, cap=_BLOCK_M_CAP)
-
-
-def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int,
-                tuning: Int4Tuning) -> Int4Tiling:
-    """Block sizes, and split-K wide enough for ~tuning.target_programs programs.
-
-    A K with no power-of-two divisor >= MIN_BLOCK_K gets a smaller block:
-    the tiny test models' 32 and 64, and one device's share of a split
-    weight, e.g. GLM-4.5's 1536 / 8 = 192 at TP8 (block 64). Its dots then
-    contract < 16 and run in float32 (mma._mma_operands): slower math, but
-    no copy of the weights to pad K, which per call would cost more."""
-    block_n = mma.pow2_divisor(n, tuning.block_n)
-    block_k = mma.pow2_divisor(k, tuning.block_k)
-    programs = num_tiles * (n // block_n)
-    k_blocks = k // block_k
-    wanted = -(-tuning.target_programs // programs)
-    num_splits = max(d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and d <= max(wanted, 1))
-    return Int4Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
+    return run
 
 
 # bf16 bit pattern 0x4300 | n is 128 + n for a nibble n in 0..15 (bf16 steps by
@@ -301,7 +222,7 @@ def _dequantize_planes(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype)
     return planes[0], planes[1]
 
 
-def _x_plane_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Int4Tiling) -> Callable:
+def _x_plane_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Tiling) -> Callable:
     """load(plane, first_row) -> x [BM, BK/8] at columns 8 * (first_row + i) + plane.
 
     x_ref is x_planes [8, M, K/8] (permuted by XLA) or, with gather_x, x
@@ -346,29 +267,20 @@ def _scale_row_loader(scales_ref, expert: jax.Array, packed_rows: int, group_siz
     return load
 
 
-def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref, out_ref, *,
-                 tiling: Int4Tiling, group_size: int, blocks_per_split: int):
-    """One (tile, column block, split) program.
+def _int4_step(x_ref, weight_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
+               group_size: int) -> Callable:
+    """step(k_block, acc) for one program (weight_stream.StepFactory).
 
-    Refs: expert/start/rows [1]; x_planes [8, M, K/8] (or x [M, K] with
-    gather_x); packed [E, K/8, BN]; scales [E, K/g, BN]; out [BM, BN]: the
-    f32 partial sum over this split's K, or the result in x's dtype when
-    there is one split.
+    Refs: x_planes [8, M, K/8] (or x [M, K] with gather_x); packed
+    [E, K/8, BN]; scales [E, K/g, BN].
     """
-    expert = expert_ref[0]
-    start = start_ref[0]
-    load_x_plane = _x_plane_loader(x_ref, start, rows_ref[0], tiling)
+    packed_ref, scales_ref = weight_refs
+    load_x_plane = _x_plane_loader(x_ref, start, rows, tiling)
     packed_rows = tiling.block_k // PACK
-    first_block = pl.program_id(2) * blocks_per_split
-    # An unused tile streams no weights (the decode case: most experts idle).
-    # Arithmetic, not jnp.where(rows > 0, n, 0): the Triton lowering gave that
-    # select a type other than the loop's lower bound, an scf.for that fails
-    # verification on the GPU (caught by tests/test_kernels_int4.py).
-    num_blocks = jnp.minimum(rows_ref[0], 1) * blocks_per_split  # rows >= 0
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
 
-    def body(block, acc_MN):
-        first_row = (first_block + block) * packed_rows
+    def step(block, acc_MN):
+        first_row = block * packed_rows
         packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
         scale_QN = load_scales(first_row)
         for j in range(PACK // 2):
@@ -376,51 +288,4 @@ def _int4_kernel(expert_ref, start_ref, rows_ref, x_ref, packed_ref, scales_ref,
                 acc_MN += mma.dot_nn(load_x_plane(plane, first_row), w_QN)
         return acc_MN
 
-    acc_MN = jax.lax.fori_loop(0, num_blocks, body, jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
-    if tiling.out_rows < tiling.block_m:
-        # Rows >= out_rows are exactly zero (zero-padded x): folding them onto
-        # the first out_rows is exact, and at M = 1 it cuts the split-K partial
-        # traffic 16x (Triton has no static value slice, but has reshape+sum).
-        acc_MN = acc_MN.reshape(-1, tiling.out_rows, tiling.block_n).sum(axis=0)
-    out_ref[...] = acc_MN.astype(out_ref.dtype)
-
-
-def int4_tiles(x_MK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
-               schedule: TileSchedule, tiling: Int4Tiling, *, group_size: int,
-               interpret: bool) -> jax.Array:
-    """Runs the work list; returns [tiles, out_rows, N], split-K summed in f32,
-    or in x's dtype straight from the kernel when there is one split.
-
-    x rows [start, start + block_m) of every tile must exist in x_MK (callers
-    pad, see pad_rows); rows past a tile's `rows` are computed but belong to
-    no output.
-    """
-    m, k = x_MK.shape
-    num_experts, _, n = packed_EQN.shape
-    num_tiles = schedule.start_W.shape[0]
-    if tiling.tuning.gather_x:
-        x_in = x_MK
-    else:
-        # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
-        x_in = x_MK.reshape(m, k // PACK, PACK).transpose(2, 0, 1)
-    out_dtype = x_MK.dtype if tiling.num_splits == 1 else jnp.float32
-    scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
-    partial_XTMN = pl.pallas_call(
-        functools.partial(_int4_kernel, tiling=tiling, group_size=group_size,
-                          blocks_per_split=tiling.blocks_per_split(k)),
-        grid=(num_tiles, n // tiling.block_n, tiling.num_splits),
-        in_specs=[
-            scalar_spec,
-            scalar_spec,
-            scalar_spec,
-            pl.BlockSpec(x_in.shape, lambda t, c, s: (0,) * x_in.ndim),
-            pl.BlockSpec((num_experts, k // PACK, tiling.block_n), lambda t, c, s: (0, 0, c)),
-            pl.BlockSpec((num_experts, k // group_size, tiling.block_n), lambda t, c, s: (0, 0, c)),
-        ],
-        out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
-        out_shape=jax.ShapeDtypeStruct((tiling.num_splits, num_tiles, tiling.out_rows, n), out_dtype),
-        compiler_params=_compiler_params(tiling.block_m, tiling.tuning),
-        interpret=interpret,
-        name="int4_matmul",
-    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_in, packed_EQN, scales_EGN)
-    return partial_XTMN[0] if tiling.num_splits == 1 else jnp.sum(partial_XTMN, axis=0)
+    return step

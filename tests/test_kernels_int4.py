@@ -39,8 +39,7 @@ from pallas_kernels import (
     Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, moe_int4_matmul, pack_int4,
     to_compressed_tensors, unpack_int4)
 from pallas_kernels.backend import triton_kernels_for_cuda
-from pallas_kernels.int4_matmul import tile_rows
-from pallas_kernels.moe_int4_matmul import expert_tile_schedule
+from pallas_kernels.weight_stream import expert_tile_schedule, tile_rows
 
 # Unit roundoff, half the spacing at 1: bf16 keeps 8 significant bits, so 2^-8. It read 2^-9
 # until 2026-11-29, which halved every bf16 bound; one seed rounded an output of -4.1106 to
