@@ -25,8 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import SPLIT_ENTRY, bytes_per_token, stored_names
-from models.partitioning import MODEL_AXIS, check_expert_parallel, int4_spec, spec_for, tp_size
-from models.weights import Int4Weight
+from models.partitioning import MODEL_AXIS, check_expert_parallel, quantized_specs, spec_for, tp_size
+from models.weights import QUANTIZED
 
 
 def tp_mesh(tp: int, first: int = 0) -> Mesh:
@@ -50,13 +50,12 @@ def param_shardings(model, mesh: Mesh, expert_parallel: bool = False):
     tp = tp_size(mesh)
 
     def place(leaf, names):
-        if isinstance(leaf, Int4Weight):  # packed values and scales split alike (whole groups per device)
-            spec = NamedSharding(mesh, int4_spec(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape,
-                                                 tp, expert_parallel))
-            return Int4Weight(spec, spec, leaf.group_size)
+        if isinstance(leaf, QUANTIZED):  # values and scales as partitioning.quantized_split says
+            specs = quantized_specs(tuple(names.stored[0]), leaf, tp, expert_parallel)
+            return leaf.with_stored(*(NamedSharding(mesh, spec) for spec in specs))
         return NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
 
-    return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, Int4Weight))
+    return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
 
 
 def pool_shardings(pools: list[dict], mesh: Mesh, split_slots: bool = False) -> list[dict]:

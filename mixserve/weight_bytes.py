@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.kv import NoCache
-from models.partitioning import check_expert_parallel, int4_spec, spec_for
+from models.partitioning import check_expert_parallel, quantized_specs, spec_for
 from models.presets import get_preset
 from models.transformer import DecoderLayer, Transformer
-from models.weights import BF16, Int4Weight, WeightFormat, WeightPlan, abstract_weight
+from models.weights import BF16, QUANTIZED, WeightFormat, WeightPlan, abstract_weight
 
 FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block")}
 REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "indexer", "gate")  # module names kept whole on every rank
@@ -149,12 +149,12 @@ def _device_share(init, tp: int, expert_parallel: bool) -> int:
     boxed = jax.eval_shape(init)["params"]
 
     def share(leaf, names) -> int:
-        if isinstance(leaf, Int4Weight):
-            spec = int4_spec(tuple(names.packed_QN), leaf.packed_QN.shape, leaf.scales_GN.shape, tp, expert_parallel)
-            return _split_bytes(leaf.packed_QN, spec, tp) + _split_bytes(leaf.scales_GN, spec, tp)
+        if isinstance(leaf, QUANTIZED):
+            specs = quantized_specs(tuple(names.stored[0]), leaf, tp, expert_parallel)
+            return sum(_split_bytes(part, spec, tp) for part, spec in zip(leaf.stored, specs))
         return _split_bytes(leaf, spec_for(tuple(names), leaf.shape, tp, expert_parallel), tp)
 
-    is_leaf = lambda x: isinstance(x, Int4Weight)
+    is_leaf = lambda x: isinstance(x, QUANTIZED)
     return sum(jax.tree.leaves(jax.tree.map(share, nn.unbox(boxed), nn.get_partition_spec(boxed), is_leaf=is_leaf)))
 
 

@@ -38,21 +38,33 @@ def spec_for(names: tuple, shape: tuple[int, ...], tp: int, expert_parallel: boo
     return P(*(split_if(name in axes and size % tp == 0) for name, size in zip(names, shape)))
 
 
-def int4_split(names: tuple, packed_shape: tuple[int, ...], scales_shape: tuple[int, ...], tp: int,
-               expert_parallel: bool = False):
-    """(input, output) mesh axes of an INT4 weight [..., K/8 | K/group, N]: its input features split
-    only where the packed rows and the scale groups both divide, so each device keeps whole groups."""
-    axes, (q, n), g = split_axes(expert_parallel), packed_shape[-2:], scales_shape[-2]
-    return (split_if(names[-2] in axes and q % tp == 0 and g % tp == 0),
-            split_if(names[-1] in axes and n % tp == 0))
+def quantized_split(names: tuple, w, tp: int, expert_parallel: bool = False):
+    """((input, output) mesh axes of the stored values, the same of the scales) of a quantized weight
+    (models.weights.QUANTIZED): values [..., rows, columns], scales [..., rows / r, columns / c],
+    (r, c) = w.values_per_scale (INT4: (group / 8, 1), FP8 blocks: (128, 128)).
+
+    A dimension whose values and scales both divide by tp, with the values filling whole scale
+    blocks, splits alike: each device's scales are exactly those of its values. Where a share would
+    cut a scale block (GLM-4.5's 1536 / 8 = 192 FP8 rows), INT4 keeps the dimension whole; FP8
+    splits its values and keeps the (tiny) scales whole, and each device takes the scales of its
+    rows (models.weights.shard_scales). vLLM instead refuses to load such an FP8 shard ("... is not
+    divisible by weight quantization block_n = 128"; vllm-project/vllm#39046 pads it)."""
+    axes = split_axes(expert_parallel)
+    values, scales = (x.shape for x in w.stored)
+    splits = []
+    for d in (-2, -1):
+        divisible = names[d] in axes and values[d] % tp == 0
+        aligned = divisible and scales[d] % tp == 0 and values[d] == scales[d] * w.values_per_scale[d]
+        splits.append((split_if(aligned or (divisible and w.cuts_scale_blocks)), split_if(aligned)))
+    (values_row, scales_row), (values_col, scales_col) = splits
+    return (values_row, values_col), (scales_row, scales_col)
 
 
-def int4_spec(names: tuple, packed_shape: tuple[int, ...], scales_shape: tuple[int, ...], tp: int,
-              expert_parallel: bool = False) -> P:
-    """The PartitionSpec of an INT4 weight's packed values and scales alike: leading axes (experts)
-    by name, the last two as int4_split says."""
-    lead = spec_for(names[:-2], packed_shape[:-2], tp, expert_parallel)
-    return P(*lead, *int4_split(names, packed_shape, scales_shape, tp, expert_parallel))
+def quantized_specs(names: tuple, w, tp: int, expert_parallel: bool = False) -> tuple[P, P]:
+    """The PartitionSpecs of a quantized weight's values and of its scales: leading axes (experts)
+    by name, the last two as quantized_split says."""
+    lead = spec_for(names[:-2], w.stored[0].shape[:-2], tp, expert_parallel)
+    return tuple(P(*lead, *axes) for axes in quantized_split(names, w, tp, expert_parallel))
 
 
 def check_expert_parallel(num_experts: int, tp: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from models import partitioning
 
-FP8_BLOCK = 128
+FP8_BLOCK = pallas_kernels.FP8_BLOCK
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn; it has no infinity, so an unclamped overflow is NaN
 FormatKind = Literal["bf16", "fp8_block", "int4"]
 
@@ -87,10 +88,19 @@ class Fp8BlockWeight:
         values = saturating_cast(q, jnp.float8_e4m3fn).reshape(*lead, kb * FP8_BLOCK, nb * FP8_BLOCK)
         return cls(values[..., :k, :n], scale_inv)
 
+    @property
+    def stored(self) -> tuple[jax.Array, jax.Array]:
+        """(values, scales), each [..., rows, columns]."""
+        return self.values_KN, self.scale_inv_kn
+
+    def with_stored(self, values, scales) -> "Fp8BlockWeight":
+        return Fp8BlockWeight(values, scales)
+
+    values_per_scale = (FP8_BLOCK, FP8_BLOCK)  # along (K, N)
+    cuts_scale_blocks = True  # a device's share may begin inside a block (partitioning.quantized_split)
+
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
-        *_, k, n = self.values_KN.shape
-        s = jnp.repeat(jnp.repeat(self.scale_inv_kn, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :k, :n]
-        return (self.values_KN.astype(jnp.float32) * s).astype(dtype)
+        return pallas_kernels.dequantize_fp8_block(self.values_KN, self.scale_inv_kn, dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -120,11 +130,27 @@ class Int4Weight:
         values = jnp.clip(jnp.round(groups / safe[..., None, :]), -8, 7).astype(jnp.int8)
         return cls(pallas_kernels.pack_int4(values.reshape(*lead, k, n)), scales, group_size)
 
+    @property
+    def stored(self) -> tuple[jax.Array, jax.Array]:
+        """(values, scales), each [..., rows, columns]."""
+        return self.packed_QN, self.scales_GN
+
+    def with_stored(self, values, scales) -> "Int4Weight":
+        return Int4Weight(values, scales, self.group_size)
+
+    @property
+    def values_per_scale(self) -> tuple[int, int]:
+        """Stored rows and columns per scale: packed rows of one group, one column."""
+        return self.group_size // 8, 1
+
+    cuts_scale_blocks = False  # a device's share holds whole groups, or the weight stays whole
+
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_int4(self.packed_QN, self.scales_GN, self.group_size, dtype)
 
 
 Weight = jax.Array | Fp8BlockWeight | Int4Weight
+QUANTIZED = (Fp8BlockWeight, Int4Weight)  # the formats with stored values and scales
 
 
 def saturating_cast(x: jax.Array, dtype) -> jax.Array:
@@ -148,42 +174,75 @@ def dequantize(w: Weight, dtype) -> jax.Array:
 
 def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla", axes: tuple[str, str] | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x's dtype, float32 accumulation. axes: w's logical
-    axis names, which say how a kernel splits under tensor parallelism (_int4_kernel)."""
+    axis names, which say how a kernel splits under tensor parallelism (_per_device_kernel)."""
+    backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
-        lead = x.shape[:-1]
         kernel = functools.partial(pallas_kernels.int4_matmul, group_size=w.group_size, backend=backend)
-        return _int4_kernel(kernel, x.reshape(-1, x.shape[-1]), w, axes, backend).reshape(*lead, -1)
-    w = dequantize(w, x.dtype)
-    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    elif isinstance(w, Fp8BlockWeight) and backend != "xla":
+        kernel = functools.partial(pallas_kernels.fp8_block_matmul, backend=backend)
+    else:
+        w = dequantize(w, x.dtype)
+        return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    lead = x.shape[:-1]
+    return _per_device_kernel(kernel, x.reshape(-1, x.shape[-1]), w, axes, backend).reshape(*lead, -1)
 
 
 def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backend: str | None = "xla",
                   axes: tuple[str, str, str] | None = None) -> jax.Array:
     """Rows of x sorted by expert, group_sizes_E rows per expert; w [E, K, N] -> [T, N]."""
+    backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
         kernel = functools.partial(pallas_kernels.moe_int4_matmul, group_size=w.group_size, backend=backend)
-        return _int4_kernel(kernel, x_TK, w, axes, backend, group_sizes_E)
-    w = dequantize(w, x_TK.dtype)
-    y = jax.lax.ragged_dot(x_TK, w, group_sizes_E, preferred_element_type=jnp.float32)
-    return y.astype(x_TK.dtype)
+    elif isinstance(w, Fp8BlockWeight) and backend != "xla":
+        kernel = functools.partial(pallas_kernels.moe_fp8_block_matmul, backend=backend)
+    else:
+        w = dequantize(w, x_TK.dtype)
+        y = jax.lax.ragged_dot(x_TK, w, group_sizes_E, preferred_element_type=jnp.float32)
+        return y.astype(x_TK.dtype)
+    return _per_device_kernel(kernel, x_TK, w, axes, backend, group_sizes_E)
 
 
-def _int4_kernel(kernel, x_MK, w: Int4Weight, axes, backend, *replicated):
-    """kernel(x, packed, scales, *replicated), per device under tensor parallelism: a weight split
+def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backend, *replicated):
+    """kernel(x, values, scales, *replicated), per device under tensor parallelism: a weight split
     on its output features (column-parallel) gives each device its output columns; one split on its
-    input features (row-parallel) its share of the contraction, summed over devices. The XLA
-    reference needs none of this: XLA's partitioner splits it."""
+    input features (row-parallel) its share of the contraction, summed over devices. Placement
+    follows partitioning.quantized_split, so no weight moves. (The INT4 XLA reference runs here
+    too; XLA's partitioner would split it by itself.)"""
+    values, scales = w.stored
     mesh = partitioning.context_mesh() if backend != "xla" and axes else None
-    row, col = partitioning.int4_split(axes, w.packed_QN.shape, w.scales_GN.shape, partitioning.tp_size(mesh)) \
-        if mesh is not None else (None, None)
-    w_spec = P(*(None,) * (w.packed_QN.ndim - 2), row, col)
+    unsplit = ((None, None), (None, None))
+    (row, col), scale_axes = partitioning.quantized_split(axes, w, partitioning.tp_size(mesh)) if mesh else unsplit
+    lead = (None,) * (values.ndim - 2)
+    cut = tuple(v is not None and s is None for v, s in zip((row, col), scale_axes))
 
-    def local(x, packed, scales, *rest):
-        y = kernel(x, packed, scales, *rest)
+    def local(x, values, scales, *rest):
+        if any(cut):
+            scales, block = shard_scales(values.shape, scales, cut)
+            y = kernel(x, values, scales, *rest, scale_block=block)
+        else:
+            y = kernel(x, values, scales, *rest)
         return jax.lax.psum(y, partitioning.MODEL_AXIS) if row else y
 
-    run = partitioning.per_device(local, mesh, (P(None, row), w_spec, w_spec) + (P(),) * len(replicated), P(None, col))
-    return run(x_MK, w.packed_QN, w.scales_GN, *replicated)
+    in_specs = (P(None, row), P(*lead, row, col), P(*lead, *scale_axes)) + (P(),) * len(replicated)
+    run = partitioning.per_device(local, mesh, in_specs, P(None, col))
+    return run(x_MK, values, scales, *replicated)
+
+
+def shard_scales(values_shape: tuple[int, ...], scale_inv_kn: jax.Array, cut: tuple[bool, bool]):
+    """This device's FP8 scales, and how many of its values each covers, for a share of a weight that
+    cuts 128-blocks (cut: along K, along N; inside shard_map over the model axis, with the whole
+    scales). A share of s rows starts at a multiple of s, so blocks of b = gcd(128, s) rows tile
+    both the share and the 128-blocks: each scale, repeated 128 / b times, covers b rows, and the
+    device takes the s / b of them from its start. GLM-4.5's 192-row share: 3 blocks of 64."""
+    block = [FP8_BLOCK, FP8_BLOCK]
+    for axis, is_cut in zip((-2, -1), cut):
+        if is_cut:
+            share = values_shape[axis]
+            block[axis] = math.gcd(FP8_BLOCK, share)
+            finer = jnp.repeat(scale_inv_kn, FP8_BLOCK // block[axis], axis=axis)
+            start = jax.lax.axis_index(partitioning.MODEL_AXIS) * (share // block[axis])
+            scale_inv_kn = jax.lax.dynamic_slice_in_dim(finer, start, share // block[axis], axis=finer.ndim + axis)
+    return scale_inv_kn, tuple(block)
 
 
 def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:

@@ -24,7 +24,8 @@ Tensor names end in their axes, one capital letter per axis:
     J  scale tiles per token of tile-scaled FP8 pages (tiled_fp8.py): L / 128
     V  value width of a softmax partial (D or L)
 
-  INT4 matmuls (int4_matmul.py, moe_int4_matmul.py)
+  Weight-streaming matmuls (weight_stream.py; INT4: int4_matmul.py, moe_int4_matmul.py;
+  FP8 with block scales: fp8_block_matmul.py)
     M  activation rows (tokens)
     T  expert-sorted token rows (MoE)
     W  work-list tiles (row tiles of one expert each)
@@ -33,10 +34,13 @@ Tensor names end in their axes, one capital letter per axis:
     N  output features
     G  quantization groups = K / group_size
     E  experts
+    k, n  (lower case) blocks of 128 along K and N: one FP8 block scale each
 """
 
 from pallas_kernels.backend import BACKENDS, Backend, resolve_backend
 from pallas_kernels.flash_decoding import AttentionTuning
+from pallas_kernels.fp8_block_matmul import (
+    FP8_BLOCK, Fp8BlockTuning, dequantize_fp8_block, fp8_block_matmul, moe_fp8_block_matmul)
 from pallas_kernels.int4_matmul import (
     Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
     unpack_int4)
@@ -49,12 +53,17 @@ __all__ = [
     "AttentionTuning",
     "BACKENDS",
     "Backend",
+    "FP8_BLOCK",
+    "Fp8BlockTuning",
     "Int4Tuning",
     "TiledLatentPages",
+    "dequantize_fp8_block",
     "dequantize_int4",
     "dequantize_tiles",
+    "fp8_block_matmul",
     "from_compressed_tensors",
     "int4_matmul",
+    "moe_fp8_block_matmul",
     "moe_int4_matmul",
     "pack_int4",
     "paged_attention_gqa",

@@ -95,6 +95,19 @@ for preset, tp in CASES:
     assert "int4_matmul/pallas_call" in text and "_attention_" in text
     # Every layer's attention kernel and at least its INT4 projections sit inside shard_map.
     assert text.count("sdy.manual_computation") >= 2 * model.config.num_layers, preset
+# FP8-block weights (every linear layer and the experts) through the FP8 kernels at TP4. The tiny
+# model's 64-wide inputs and outputs give 16-wide shares of a 128-block: the values split, the
+# scales stay whole, and each device takes the scales of its rows (models.weights.shard_scales).
+model = mixserve.load("tiny-kimi", dtype="float32")
+fp8, _ = quantize_model(model, plan_for(WeightFormat("fp8_block"), "all"))
+want = [r.tokens for r in Engine(fp8, **kw).generate(two, max_new_tokens=3)]
+kernels = Engine(dataclasses.replace(fp8, backend="interpret"), mesh=mesh_for(4), **kw)
+assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want
+text = kernels.lowered_decode_text()
+assert "fp8_block_matmul/pallas_call" in text and "moe_fp8_block_matmul" in text
+down = kernels.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
+assert not down.values_KN.sharding.is_fully_replicated and down.scale_inv_kn.sharding.is_fully_replicated
+assert_no_weight_gathered(kernels, "tiny-kimi fp8")
 print("ok")
 """
 
@@ -215,7 +228,8 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     row-parallel with a psum, or whole where the groups do not divide: the experts' down_proj at
     TP4 has 2 groups), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
     each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
-    the XLA references."""
+    the XLA references. Then FP8-block weights through the FP8 kernels at TP4, whose 16-wide
+    shares cut the scale blocks: one device's tokens, no weight gathered."""
     run_on_8_devices(KERNELS)
 
 
