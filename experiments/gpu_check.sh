@@ -46,16 +46,15 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
   python3 -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
 } 2>&1 | tee "$out/gpu_env.txt"
 
-# 1. The kernel tests on the compiled kernels: attention (prefetching is new
-# since the last GPU run) and INT4 (its dequantization became bf16 bit
-# arithmetic). The lowering tests read Triton IR out of jaxlib <= 0.10.2's
+# 1. The kernel tests on the compiled kernels: attention, INT4, and the
+# FP8-block matmuls (new since the last GPU run, 2026-12-01). The lowering tests read Triton IR out of jaxlib <= 0.10.2's
 # CUDA lowering (CPU CI); newer jaxlibs compile during lowering, which this
 # step exercises anyway.
 tests_rc=skipped
 if step tests; then
-  MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
     -k "not lower_to_triton and not triton_kernels_for_cuda" \
-    ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_tiled_fp8.py tests/test_kernels_int4.py} 2>&1 | tee "$out/gpu_tests.txt"
+    ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_tiled_fp8.py tests/test_kernels_int4.py tests/test_kernels_fp8_block.py} 2>&1 | tee "$out/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
 fi
 

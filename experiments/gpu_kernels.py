@@ -78,10 +78,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
-    AttentionTuning, Int4Tuning, int4_matmul, moe_int4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, pack_int4,
+    paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.paged_attention_mla import TiledLatentPages, latent_bytes_per_token  # noqa: E402
 from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
-from models import weights  # noqa: E402  (the FP8-block weight format, the seed's baseline)
+from models import weights  # noqa: E402  (the FP8-block weight format and mixserve's XLA path for it)
 
 try:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -548,9 +549,6 @@ def int4_rows(bench: Bench, key) -> None:
     kw, key = jax.random.split(key)
     packed, scales, w_bf16 = _int4_weights(kw, (), k, n, g)
     int4_bytes = packed.size * 4 + scales.size * 2
-    w_fp8 = weights.Fp8BlockWeight.quantize(w_bf16)
-    fp8_bytes = w_fp8.values_KN.size + w_fp8.scale_inv_kn.size * 4
-    fp8_matmul = functools.partial(weights.matmul, backend="xla")
     for m in cfg.matmul_ms:
         kx, key = jax.random.split(key)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -562,8 +560,6 @@ def int4_rows(bench: Bench, key) -> None:
                       args, int4_bytes, ref)
         bench.measure("INT4 matmul", shape, "xla", functools.partial(op, backend="xla"), args, int4_bytes)
         bench.measure("INT4 matmul", shape, "bf16 jnp.dot", jnp.dot, (x, w_bf16), w_bf16.size * 2, ref)
-        # Other values (FP8 rounding of the same weights): no error column.
-        bench.measure("INT4 matmul", shape, "fp8 block weights, xla", fp8_matmul, (x, w_fp8), fp8_bytes)
     # What one kernel takes just to read the bytes once (XLA's sum, 4 bytes a
     # value): the floor under each matmul at these sizes, where a kernel is a
     # few microseconds and its ramp-up counts. Goal 3.3x needs the INT4
@@ -572,6 +568,41 @@ def int4_rows(bench: Bench, key) -> None:
         kr, key = jax.random.split(key)
         words = jax.random.normal(kr, (nbytes // 4,), jnp.float32)
         bench.measure("INT4 matmul", f"K={k} N={n} g={g}", name, jnp.sum, (words,), nbytes)
+
+
+def fp8_block_rows(bench: Bench, key) -> None:
+    """The seed's baseline weight format, FP8 with 128 x 128 block scales (the same weights as the
+    INT4 rows, rounded to FP8), dense and over experts: the Pallas kernel against mixserve's XLA
+    path (models.weights: dequantize to bf16, then dot or ragged_dot over every expert)."""
+    cfg = bench.cfg
+    e, k, n, g = cfg.experts, cfg.matmul_k, cfg.matmul_n, cfg.group_size
+    kw, key = jax.random.split(key)
+    packed, scales, w_bf16 = _int4_weights(kw, (e,), k, n, g)
+    experts = weights.Fp8BlockWeight.quantize(w_bf16)
+    dense = weights.Fp8BlockWeight(experts.values_KN[0], experts.scale_inv_kn[0])
+    dense_bytes = dense.values_KN.size + dense.scale_inv_kn.size * 4
+    for m in cfg.matmul_ms:
+        kx, key = jax.random.split(key)
+        args = (jax.random.normal(kx, (m, k), jnp.bfloat16), dense.values_KN, dense.scale_inv_kn)
+        ref = fp8_block_matmul(*args, backend="xla")
+        shape = f"M={m} K={k} N={n}"
+        bench.measure("FP8-block matmul", shape, cfg.kernel_backend,
+                      functools.partial(fp8_block_matmul, backend=cfg.kernel_backend), args, dense_bytes, ref)
+        xla_path = lambda x, values, scale_inv: weights.matmul(x, weights.Fp8BlockWeight(values, scale_inv))
+        bench.measure("FP8-block matmul", shape, "xla: dequantize, dot", xla_path, args, dense_bytes, ref)
+    for tokens in cfg.moe_tokens:
+        kx, key = jax.random.split(key)
+        case = _moe_case(cfg, kx, packed, scales, tokens)
+        x, _, _, sizes = case.args
+        args = (x, experts.values_KN, experts.scale_inv_kn, sizes)
+        ref = moe_fp8_block_matmul(*args, backend="xla")
+        active_bytes = case.active * dense_bytes
+        bench.measure("MoE FP8-block", case.shape, cfg.kernel_backend,
+                      functools.partial(moe_fp8_block_matmul, backend=cfg.kernel_backend), args, active_bytes, ref)
+        xla_path = lambda x, values, scale_inv, sizes: weights.expert_matmul(
+            x, weights.Fp8BlockWeight(values, scale_inv), sizes)
+        bench.measure("MoE FP8-block", case.shape, "xla: dequantize all, ragged_dot", xla_path, args,
+                      active_bytes, ref)
 
 
 class MoeCase(NamedTuple):
@@ -857,7 +888,7 @@ def sweep_markdown(rows: list[Row], copy_bw: float) -> str:
     return "\n".join(out)
 
 
-PARTS = {"int4": int4_rows, "moe": moe_rows, "gqa": gqa_rows, "mla": mla_rows}
+PARTS = {"int4": int4_rows, "moe": moe_rows, "fp8": fp8_block_rows, "gqa": gqa_rows, "mla": mla_rows}
 
 
 def main() -> None:
