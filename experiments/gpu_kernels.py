@@ -78,7 +78,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
-    AttentionTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, pack_int4,
+    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, pack_int4,
     paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.paged_attention_mla import TiledLatentPages, latent_bytes_per_token  # noqa: E402
 from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
@@ -570,6 +570,10 @@ def int4_rows(bench: Bench, key) -> None:
         bench.measure("INT4 matmul", f"K={k} N={n} g={g}", name, jnp.sum, (words,), nbytes)
 
 
+# The default (float16 dots) and bfloat16 dots, whose SASS has 64 more conversions per block at M=1.
+FP8_DOTS = (("{}", Fp8BlockTuning()), ("{}, bf16 dots", Fp8BlockTuning(dot_dtype="bfloat16")))
+
+
 def fp8_block_rows(bench: Bench, key) -> None:
     """The seed's baseline weight format, FP8 with 128 x 128 block scales (the same weights as the
     INT4 rows, rounded to FP8), dense and over experts: the Pallas kernel against mixserve's XLA
@@ -586,8 +590,10 @@ def fp8_block_rows(bench: Bench, key) -> None:
         args = (jax.random.normal(kx, (m, k), jnp.bfloat16), dense.values_KN, dense.scale_inv_kn)
         ref = fp8_block_matmul(*args, backend="xla")
         shape = f"M={m} K={k} N={n}"
-        bench.measure("FP8-block matmul", shape, cfg.kernel_backend,
-                      functools.partial(fp8_block_matmul, backend=cfg.kernel_backend), args, dense_bytes, ref)
+        for impl, tuning in FP8_DOTS:
+            bench.measure("FP8-block matmul", shape, impl.format(cfg.kernel_backend),
+                          functools.partial(fp8_block_matmul, backend=cfg.kernel_backend, tuning=tuning), args,
+                          dense_bytes, ref)
         xla_path = lambda x, values, scale_inv: weights.matmul(x, weights.Fp8BlockWeight(values, scale_inv))
         bench.measure("FP8-block matmul", shape, "xla: dequantize, dot", xla_path, args, dense_bytes, ref)
     for tokens in cfg.moe_tokens:
@@ -597,8 +603,10 @@ def fp8_block_rows(bench: Bench, key) -> None:
         args = (x, experts.values_KN, experts.scale_inv_kn, sizes)
         ref = moe_fp8_block_matmul(*args, backend="xla")
         active_bytes = case.active * dense_bytes
-        bench.measure("MoE FP8-block", case.shape, cfg.kernel_backend,
-                      functools.partial(moe_fp8_block_matmul, backend=cfg.kernel_backend), args, active_bytes, ref)
+        for impl, tuning in FP8_DOTS:
+            bench.measure("MoE FP8-block", case.shape, impl.format(cfg.kernel_backend),
+                          functools.partial(moe_fp8_block_matmul, backend=cfg.kernel_backend, tuning=tuning), args,
+                          active_bytes, ref)
         xla_path = lambda x, values, scale_inv, sizes: weights.expert_matmul(
             x, weights.Fp8BlockWeight(values, scale_inv), sizes)
         bench.measure("MoE FP8-block", case.shape, "xla: dequantize all, ragged_dot", xla_path, args,

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.gpu_kernels import DCP, GPU, Config, tuning_label  # noqa: E402  (shapes of the benchmark)
 from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
-    AttentionTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, paged_attention_gqa,
+    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, paged_attention_gqa,
     paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
 from pallas_kernels.paged_attention_mla import TiledLatentPages  # noqa: E402
@@ -146,20 +146,23 @@ def cases(cfg: Config) -> list[Case]:
         out.append(Case("MoE INT4", f"T={tokens} E={e} g={g}", moe,
                         (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
                          spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
-    out += _fp8_block_cases(cfg.matmul_ms, k, n, e, cfg.moe_tokens, jnp.bfloat16)
+    for dots in ("bfloat16", "float16"):
+        out += _fp8_block_cases(cfg.matmul_ms, k, n, e, cfg.moe_tokens, jnp.bfloat16, Fp8BlockTuning(dot_dtype=dots))
     return out
 
 
-def _fp8_block_cases(ms, k: int, n: int, experts: int, moe_tokens, x_dtype, scale_block=(128, 128)) -> list[Case]:
+def _fp8_block_cases(ms, k: int, n: int, experts: int, moe_tokens, x_dtype, tuning: Fp8BlockTuning,
+                     scale_block=(128, 128)) -> list[Case]:
     """FP8-block matmuls (the seed's baseline weight format), dense at each M and over experts."""
     spec = jax.ShapeDtypeStruct
     scales = (-(-k // scale_block[0]), -(-n // scale_block[1]))
-    dense = functools.partial(fp8_block_matmul, scale_block=scale_block, backend="pallas")
-    moe = functools.partial(moe_fp8_block_matmul, scale_block=scale_block, backend="pallas")
+    dense = functools.partial(fp8_block_matmul, scale_block=scale_block, backend="pallas", tuning=tuning)
+    moe = functools.partial(moe_fp8_block_matmul, scale_block=scale_block, backend="pallas", tuning=tuning)
     label = f"K={k} N={n} blocks={scale_block} x {jnp.dtype(x_dtype).name}"
-    out = [Case("FP8-block matmul", f"M={m} {label}", dense,
+    name = "" if tuning.dot_dtype == "bfloat16" else " f16-dots"
+    out = [Case("FP8-block matmul" + name, f"M={m} {label}", dense,
                 (spec((m, k), x_dtype), spec((k, n), jnp.float8_e4m3fn), spec(scales, jnp.float32))) for m in ms]
-    out += [Case("MoE FP8-block", f"T={t} E={experts} {label}", moe,
+    out += [Case("MoE FP8-block" + name, f"T={t} E={experts} {label}", moe,
                  (spec((t, k), x_dtype), spec((experts, k, n), jnp.float8_e4m3fn), spec((experts, *scales), jnp.float32),
                   spec((experts,), jnp.int32))) for t in moe_tokens]
     return out
@@ -207,11 +210,12 @@ def test_cases() -> list[Case]:
                             (spec((sum(sizes), k), x_dtype), spec((e, k // 8, n), jnp.int32),
                              spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
     import test_kernels_fp8_block as tf
-    for x_dtype in (jnp.bfloat16, jnp.float32):
+    for x_dtype, dots in ((jnp.bfloat16, "bfloat16"), (jnp.bfloat16, "float16"), (jnp.float32, "bfloat16")):
+        tuning = Fp8BlockTuning(dot_dtype=dots)
         for m, k, n, block in tf.DENSE_SHAPES:
-            out += _fp8_block_cases((m,), k, n, 1, (), x_dtype, block)
+            out += _fp8_block_cases((m,), k, n, 1, (), x_dtype, tuning, block)
         for sizes, k, n in tf.MOE_CASES:
-            out += _fp8_block_cases((), k, n, len(sizes), (sum(sizes),), x_dtype)
+            out += _fp8_block_cases((), k, n, len(sizes), (sum(sizes),), x_dtype, tuning)
     for (kv_dtype, q_dtype), prefetch in itertools.product(((jnp.float8_e4m3fn, jnp.bfloat16), (jnp.float32, jnp.float32)),
                                                          (False, True)):
         label = " prefetch" * prefetch
