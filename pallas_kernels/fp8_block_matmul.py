@@ -43,8 +43,8 @@ from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.flash_decoding import scaled_query
 from pallas_kernels.weight_stream import (
-    StreamTuning, TileRunner, TileSchedule, Tiling, check_group_sizes, column_blocks, dense_rows, grouped_rows, pad_to,
-    plan_tiling, stream_tiles, whole)
+    StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, check_group_sizes, column_blocks, dense_rows,
+    grouped_rows, pad_to, plan_tiling, reference_dot, reference_ragged_dot, stream_tiles, whole)
 
 FP8_BLOCK = 128  # weights per scale, along K and along N
 
@@ -93,10 +93,7 @@ def dequantize_fp8_block(values_KN: jax.Array, scale_inv_kn: jax.Array, dtype=jn
 
 def _check_operands(x_MK: jax.Array, values_KN: jax.Array, scale_inv_kn: jax.Array, scale_block: ScaleBlock) -> None:
     """ValueError naming the mismatch; values/scales may carry an expert axis."""
-    if x_MK.ndim != 2:
-        raise ValueError(f"x must be [M, K], got shape {x_MK.shape}")
-    if x_MK.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"x must be bf16 or f32, got {x_MK.dtype}")
+    check_activations(x_MK)
     if values_KN.dtype != jnp.float8_e4m3fn or values_KN.shape[-2] != x_MK.shape[1]:
         raise ValueError(f"weights must be float8_e4m3fn [..., K={x_MK.shape[1]}, N], got "
                          f"{values_KN.dtype}{values_KN.shape}")
@@ -145,17 +142,13 @@ def moe_fp8_block_matmul(x_TK: jax.Array, values_EKN: jax.Array, scale_inv_Ekn: 
 
 @functools.partial(jax.jit, static_argnames=("scale_block",))
 def _reference(x_MK, values_KN, scale_inv_kn, *, scale_block: ScaleBlock):
-    w_KN = dequantize_fp8_block(values_KN, scale_inv_kn, scale_block=scale_block)
-    y_MN = jnp.dot(x_MK.astype(jnp.float32), w_KN, precision=jax.lax.Precision.HIGHEST)
-    return y_MN.astype(x_MK.dtype)
+    return reference_dot(x_MK, dequantize_fp8_block(values_KN, scale_inv_kn, scale_block=scale_block))
 
 
 @functools.partial(jax.jit, static_argnames=("scale_block",))
 def _moe_reference(x_TK, values_EKN, scale_inv_Ekn, group_sizes_E, *, scale_block: ScaleBlock):
     w_EKN = dequantize_fp8_block(values_EKN, scale_inv_Ekn, scale_block=scale_block)
-    y_TN = jax.lax.ragged_dot(x_TK.astype(jnp.float32), w_EKN, group_sizes_E.astype(jnp.int32),
-                              precision=jax.lax.Precision.HIGHEST)
-    return y_TN.astype(x_TK.dtype)
+    return reference_ragged_dot(x_TK, w_EKN, group_sizes_E)
 
 
 @functools.partial(jax.jit, static_argnames=("scale_block", "interpret", "tuning"))

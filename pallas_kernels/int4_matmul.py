@@ -52,7 +52,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.weight_stream import (
-    StreamTuning, TileRunner, TileSchedule, Tiling, column_blocks, dense_rows, pad_to, plan_tiling, stream_tiles)
+    StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, column_blocks, dense_rows, pad_to, plan_tiling,
+    reference_dot, stream_tiles)
 
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
@@ -124,10 +125,7 @@ def to_compressed_tensors(packed_QN: jax.Array, scales_GN: jax.Array):
 def check_int4_operands(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array,
                         group_size: int) -> None:
     """ValueError naming the mismatch; packed/scales may carry an expert axis."""
-    if x_MK.ndim != 2:
-        raise ValueError(f"x must be [M, K], got shape {x_MK.shape}")
-    if x_MK.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"x must be bf16 or f32, got {x_MK.dtype}")
+    check_activations(x_MK)
     k = x_MK.shape[1]
     if group_size <= 0 or group_size % PACK:
         raise ValueError(f"group_size={group_size} must be a positive multiple of {PACK}")
@@ -159,9 +157,7 @@ def int4_matmul(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, *,
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def _reference(x_MK, packed_QN, scales_GN, *, group_size: int):
-    w_KN = dequantize_int4(packed_QN, scales_GN, group_size)
-    y_MN = jnp.dot(x_MK.astype(jnp.float32), w_KN, precision=jax.lax.Precision.HIGHEST)
-    return y_MN.astype(x_MK.dtype)
+    return reference_dot(x_MK, dequantize_int4(packed_QN, scales_GN, group_size))
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))

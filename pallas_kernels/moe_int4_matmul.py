@@ -14,11 +14,10 @@ The kernel is int4_matmul's, driven by a work list of row tiles
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.int4_matmul import Int4Tuning, check_int4_operands, dequantize_int4, int4_runner
-from pallas_kernels.weight_stream import check_group_sizes, grouped_rows
+from pallas_kernels.weight_stream import check_group_sizes, grouped_rows, reference_ragged_dot
 
 
 def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
@@ -42,10 +41,7 @@ def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
 def _reference(x_TK, packed_EQN, scales_EGN, group_sizes_E, *, group_size: int):
-    w_EKN = dequantize_int4(packed_EQN, scales_EGN, group_size)
-    y_TN = jax.lax.ragged_dot(x_TK.astype(jnp.float32), w_EKN, group_sizes_E.astype(jnp.int32),
-                              precision=jax.lax.Precision.HIGHEST)
-    return y_TN.astype(x_TK.dtype)
+    return reference_ragged_dot(x_TK, dequantize_int4(packed_EQN, scales_EGN, group_size), group_sizes_E)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))

@@ -292,3 +292,24 @@ def pad_to(x_MK: jax.Array, rows: int) -> jax.Array:
 def check_group_sizes(group_sizes_E: jax.Array, num_experts: int) -> None:
     if group_sizes_E.shape != (num_experts,) or not jnp.issubdtype(group_sizes_E.dtype, jnp.integer):
         raise ValueError(f"group_sizes_E must be int [E={num_experts}], got {group_sizes_E.dtype}{group_sizes_E.shape}")
+
+
+def check_activations(x_MK: jax.Array) -> None:
+    if x_MK.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x_MK.shape}")
+    if x_MK.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"x must be bf16 or f32, got {x_MK.dtype}")
+
+
+def reference_dot(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
+    """The references' product: float32 weights (dequantized exactly or nearly), x in float32, the
+    dot at HIGHEST precision, cast to x's dtype."""
+    y_MN = jnp.dot(x_MK.astype(jnp.float32), w_KN, precision=jax.lax.Precision.HIGHEST)
+    return y_MN.astype(x_MK.dtype)
+
+
+def reference_ragged_dot(x_TK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    """reference_dot per expert group, with lax.ragged_dot."""
+    y_TN = jax.lax.ragged_dot(x_TK.astype(jnp.float32), w_EKN, group_sizes_E.astype(jnp.int32),
+                              precision=jax.lax.Precision.HIGHEST)
+    return y_TN.astype(x_TK.dtype)
