@@ -10,8 +10,8 @@ what SGLang's DeepSeek/GLM models replicate on every rank: norms, the router, ML
 down-projections (q_a_proj, kv_a_proj_with_mqa) and the DSA indexer (wq_b, wk, weights_proj, k_norm).
 
 `device_bytes` is the other view: the bytes of the main model that one device holds under
-mixserve's own placement (mixserve/sharding.py's rules, INT4 groups kept whole), at tensor or
-expert parallelism.
+mixserve's own placement (mixserve/sharding.py's rules: a quantized weight's scales stay whole
+where a device's share would cut their blocks), at tensor or expert parallelism.
 
 MTP: `count_params` leaves the next-token-prediction layer out (it is not part of the forward), but
 checkpoints ship it, so `mtp` estimates it: one more decoder layer shaped like the last one, plus

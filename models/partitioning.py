@@ -41,21 +41,21 @@ def spec_for(names: tuple, shape: tuple[int, ...], tp: int, expert_parallel: boo
 def quantized_split(names: tuple, w, tp: int, expert_parallel: bool = False):
     """((input, output) mesh axes of the stored values, the same of the scales) of a quantized weight
     (models.weights.QUANTIZED): values [..., rows, columns], scales [..., rows / r, columns / c],
-    (r, c) = w.values_per_scale (INT4: (group / 8, 1), FP8 blocks: (128, 128)).
+    (r, c) = w.values_per_scale (INT4: (group / 8 packed rows, 1), FP8 blocks: (128, 128)).
 
-    A dimension whose values and scales both divide by tp, with the values filling whole scale
-    blocks, splits alike: each device's scales are exactly those of its values. Where a share would
-    cut a scale block (GLM-4.5's 1536 / 8 = 192 FP8 rows), INT4 keeps the dimension whole; FP8
-    splits its values and keeps the (tiny) scales whole, and each device takes the scales of its
-    rows (models.weights.shard_scales). vLLM instead refuses to load such an FP8 shard ("... is not
-    divisible by weight quantization block_n = 128"; vllm-project/vllm#39046 pads it)."""
+    A dimension splits its values wherever tp divides them (whole packed words). Its scales split
+    alike where each device's values fill whole scale blocks; otherwise a share would cut a block
+    (GLM-4.5's expert width at TP8, 1536 / 8 = 192: 1.5 FP8 blocks, 1.5 INT4 g128 groups), and the
+    (tiny) scales stay whole on every device, which takes the scales of its own values
+    (models.weights.shard_scales). vLLM refuses to load such shards instead ("... is not divisible by
+    weight quantization block_n = 128"; vllm-project/vllm#39046 pads them)."""
     axes = split_axes(expert_parallel)
     values, scales = (x.shape for x in w.stored)
     splits = []
     for d in (-2, -1):
         divisible = names[d] in axes and values[d] % tp == 0
         aligned = divisible and scales[d] % tp == 0 and values[d] == scales[d] * w.values_per_scale[d]
-        splits.append((split_if(aligned or (divisible and w.cuts_scale_blocks)), split_if(aligned)))
+        splits.append((split_if(divisible), split_if(aligned)))
     (values_row, scales_row), (values_col, scales_col) = splits
     return (values_row, values_col), (scales_row, scales_col)
 

@@ -97,7 +97,11 @@ class Fp8BlockWeight:
         return Fp8BlockWeight(values, scales)
 
     values_per_scale = (FP8_BLOCK, FP8_BLOCK)  # along (K, N)
-    cuts_scale_blocks = True  # a device's share may begin inside a block (partitioning.quantized_split)
+
+    @staticmethod
+    def kernel_args(values_per_scale: tuple[int, int]) -> dict:
+        """The kernels' arguments for scales that each cover values_per_scale values (shard_scales)."""
+        return {"scale_block": values_per_scale}
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_fp8_block(self.values_KN, self.scale_inv_kn, dtype)
@@ -143,7 +147,10 @@ class Int4Weight:
         """Stored rows and columns per scale: packed rows of one group, one column."""
         return self.group_size // 8, 1
 
-    cuts_scale_blocks = False  # a device's share holds whole groups, or the weight stays whole
+    @staticmethod
+    def kernel_args(values_per_scale: tuple[int, int]) -> dict:
+        """The kernels' arguments for scales that each cover values_per_scale packed values (shard_scales)."""
+        return {"group_size": 8 * values_per_scale[0]}
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_int4(self.packed_QN, self.scales_GN, self.group_size, dtype)
@@ -177,7 +184,7 @@ def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla", axes: tuple[
     axis names, which say how a kernel splits under tensor parallelism (_per_device_kernel)."""
     backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
-        kernel = functools.partial(pallas_kernels.int4_matmul, group_size=w.group_size, backend=backend)
+        kernel = functools.partial(pallas_kernels.int4_matmul, backend=backend)
     elif isinstance(w, Fp8BlockWeight) and backend != "xla":
         kernel = functools.partial(pallas_kernels.fp8_block_matmul, backend=backend)
     else:
@@ -192,7 +199,7 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
     """Rows of x sorted by expert, group_sizes_E rows per expert; w [E, K, N] -> [T, N]."""
     backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
-        kernel = functools.partial(pallas_kernels.moe_int4_matmul, group_size=w.group_size, backend=backend)
+        kernel = functools.partial(pallas_kernels.moe_int4_matmul, backend=backend)
     elif isinstance(w, Fp8BlockWeight) and backend != "xla":
         kernel = functools.partial(pallas_kernels.moe_fp8_block_matmul, backend=backend)
     else:
@@ -203,11 +210,11 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
 
 
 def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backend, *replicated):
-    """kernel(x, values, scales, *replicated), per device under tensor parallelism: a weight split
-    on its output features (column-parallel) gives each device its output columns; one split on its
-    input features (row-parallel) its share of the contraction, summed over devices. Placement
-    follows partitioning.quantized_split, so no weight moves. (The INT4 XLA reference runs here
-    too; XLA's partitioner would split it by itself.)"""
+    """kernel(x, values, scales, *replicated, **format arguments), per device under tensor
+    parallelism: a weight split on its output features (column-parallel) gives each device its
+    output columns; one split on its input features (row-parallel) its share of the contraction,
+    summed over devices. Placement follows partitioning.quantized_split, so no weight moves. (The
+    INT4 XLA reference runs here too; XLA's partitioner would split it by itself.)"""
     values, scales = w.stored
     mesh = partitioning.context_mesh() if backend != "xla" and axes else None
     unsplit = ((None, None), (None, None))
@@ -216,11 +223,10 @@ def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backe
     cut = tuple(v is not None and s is None for v, s in zip((row, col), scale_axes))
 
     def local(x, values, scales, *rest):
+        per_scale = w.values_per_scale
         if any(cut):
-            scales, block = shard_scales(values.shape, scales, cut)
-            y = kernel(x, values, scales, *rest, scale_block=block)
-        else:
-            y = kernel(x, values, scales, *rest)
+            scales, per_scale = shard_scales(values.shape, scales, cut, per_scale)
+        y = kernel(x, values, scales, *rest, **w.kernel_args(per_scale))
         return jax.lax.psum(y, partitioning.MODEL_AXIS) if row else y
 
     in_specs = (P(None, row), P(*lead, row, col), P(*lead, *scale_axes)) + (P(),) * len(replicated)
@@ -228,21 +234,24 @@ def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backe
     return run(x_MK, values, scales, *replicated)
 
 
-def shard_scales(values_shape: tuple[int, ...], scale_inv_kn: jax.Array, cut: tuple[bool, bool]):
-    """This device's FP8 scales, and how many of its values each covers, for a share of a weight that
-    cuts 128-blocks (cut: along K, along N; inside shard_map over the model axis, with the whole
-    scales). A share of s rows starts at a multiple of s, so blocks of b = gcd(128, s) rows tile
-    both the share and the 128-blocks: each scale, repeated 128 / b times, covers b rows, and the
-    device takes the s / b of them from its start. GLM-4.5's 192-row share: 3 blocks of 64."""
-    block = [FP8_BLOCK, FP8_BLOCK]
+def shard_scales(values_shape: tuple[int, ...], scales: jax.Array, cut: tuple[bool, bool],
+                 values_per_scale: tuple[int, int]):
+    """This device's scales, and how many of its stored values each covers, for a share of a weight
+    that cuts scale blocks (cut: along rows, along columns; inside shard_map over the model axis,
+    with the whole scales). A share of s values starts at a multiple of s, so blocks of
+    b = gcd(v, s) values, v = values_per_scale, tile both the share and the scale blocks: each scale,
+    repeated v / b times, covers b values, and the device takes the s / b of them from its start.
+    GLM-4.5's expert width at TP8, 1536 / 8 = 192: FP8 128-blocks become 3 blocks of 64 rows; INT4
+    g128 (16 packed rows) becomes g64 (8 packed rows of the 24)."""
+    block = list(values_per_scale)
     for axis, is_cut in zip((-2, -1), cut):
         if is_cut:
             share = values_shape[axis]
-            block[axis] = math.gcd(FP8_BLOCK, share)
-            finer = jnp.repeat(scale_inv_kn, FP8_BLOCK // block[axis], axis=axis)
+            block[axis] = math.gcd(values_per_scale[axis], share)
+            finer = jnp.repeat(scales, values_per_scale[axis] // block[axis], axis=axis)
             start = jax.lax.axis_index(partitioning.MODEL_AXIS) * (share // block[axis])
-            scale_inv_kn = jax.lax.dynamic_slice_in_dim(finer, start, share // block[axis], axis=finer.ndim + axis)
-    return scale_inv_kn, tuple(block)
+            scales = jax.lax.dynamic_slice_in_dim(finer, start, share // block[axis], axis=finer.ndim + axis)
+    return scales, tuple(block)
 
 
 def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:

@@ -1,6 +1,6 @@
 """FP8 weights with block scales (W8A16, dense and MoE-grouped): interpret-mode
-kernels and their jnp references against float64 numpy, and the scales of a
-tensor-parallel share that cuts 128-blocks.
+kernels and their jnp references against float64 numpy. (The scales of a
+tensor-parallel share that cuts 128-blocks: tests/test_sharding.py.)
 
 Fresh inputs every run; the seed (from os.urandom) is in every assertion
 message. The weights are random e4m3 bit patterns (every finite value,
@@ -37,7 +37,7 @@ import pytest
 from conftest import KERNEL_BACKEND, dots_below_the_mma_minimum, ttir_dots
 from test_kernels_int4 import F32_TOL, U_BF16, _f64, _seed
 
-from models.weights import Fp8BlockWeight, shard_scales
+from models.weights import Fp8BlockWeight
 from pallas_kernels import Fp8BlockTuning, dequantize_fp8_block, fp8_block_matmul, moe_fp8_block_matmul
 from pallas_kernels.backend import triton_kernels_for_cuda
 
@@ -182,34 +182,6 @@ def test_moe_fp8_block_kernel_matches_float64(case, tuning, x_dtype):
     got = moe_fp8_block_matmul(x, poisoned_values, poisoned_scales, sizes, backend=KERNEL_BACKEND, tuning=tuning)
     assert got.shape == (x.shape[0], n) and got.dtype == x_dtype
     _check_bound(got, expected, bound, seed, "kernel vs float64")
-
-
-@pytest.mark.parametrize("rows, columns, tp, axis", [(1536, 64, 8, -2), (200, 64, 4, -2), (64, 1536, 8, -1),
-                                                     (64, 64, 4, -1)])
-def test_shard_scales_give_each_share_the_scales_of_its_values(rows, columns, tp, axis):
-    """A share that cuts 128-blocks (GLM-4.5's 1536 / 8 = 192; a last block that ends early,
-    200 / 4 = 50; the tiny models' 64 / 4 = 16) dequantizes to exactly its slice of the whole
-    weight. vmap over a named axis stands in for shard_map's devices: shard_scales reads only
-    axis_index."""
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    values = _fp8_values(rng, (3, rows, columns))
-    scales = _scales(rng, (3, -(-rows // 128), -(-columns // 128)), jnp.float32)
-    parts = np.split(values, tp, axis=axis)
-    cut = (axis == -2, axis == -1)
-    blocks = []
-
-    def local(_):
-        device_scales, block = shard_scales(parts[0].shape, scales, cut)
-        blocks.append(block)
-        return device_scales
-
-    device_scales = jax.vmap(local, axis_name="model")(jnp.arange(tp))
-    share = values.shape[axis] // tp
-    assert blocks[0] == tuple(int(np.gcd(128, share)) if c else 128 for c in cut)
-    for device, want in enumerate(np.split(_dequant_f64(values, scales, (128, 128)), tp, axis=axis)):
-        got = _dequant_f64(parts[device], device_scales[device], blocks[0])
-        np.testing.assert_array_equal(got, want, err_msg=f"device {device}, seed={seed}")
 
 
 def test_fp8_block_kernels_lower_to_triton_at_gpu_shapes():

@@ -212,19 +212,21 @@ def test_weight_bytes_reproduce_the_seed(glm5_bytes):
     assert int4.per_gpu / GIB == pytest.approx(52, rel=0.09)
 
 
-def test_device_bytes_tp_keeps_ungroupable_int4_experts_whole_and_ep_splits_them():
+def test_device_bytes_tp_splits_ungroupable_int4_experts_and_keeps_only_their_scales_whole():
     """GLM-4.5's experts at INT4 g128: at TP8 a device's share of down_proj's 1536 input rows is
-    192, 1.5 groups, so mixserve.sharding keeps every down_proj whole on every device; EP8 holds
-    20 whole experts of 160. The difference is exactly 7/8 of all down_proj bytes. Kimi K2 at g32
-    splits evenly either way (2048 / 8 = 256 rows, 8 groups)."""
+    192, 1.5 groups. mixserve.sharding splits the packed values anyway and keeps the scales whole
+    on every device (each re-blocks them to its rows: models.weights.shard_scales); EP8 holds 20
+    whole experts of 160. The difference is exactly 7/8 of all down_proj scales: 25.8 against 24.3
+    GiB (keeping down_proj whole, as before 2026-12-01, held 71.4). Kimi K2 at g32 splits evenly
+    either way (2048 / 8 = 256 rows, 8 groups)."""
     g128, g32 = (WeightPlan(WeightFormat("int4", g), BF16) for g in (128, 32))
     tp, ep = (device_bytes("glm-4.5", g128, 8, flag) for flag in (False, True))
     cfg = get_preset("glm-4.5")
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     f, d = cfg.moe_intermediate_size, cfg.hidden_size
-    down_proj = moe_layers * cfg.n_routed_experts * (f * d // 2 + f // 128 * d * 2)  # nibbles + bf16 scales
-    assert tp - ep == down_proj * 7 // 8
-    assert ep / GIB == pytest.approx(24.3, abs=0.05) and tp / GIB == pytest.approx(71.4, abs=0.05)
+    down_proj_scales = moe_layers * cfg.n_routed_experts * f // 128 * d * 2  # bf16
+    assert tp - ep == down_proj_scales * 7 // 8
+    assert ep / GIB == pytest.approx(24.3, abs=0.05) and tp / GIB == pytest.approx(25.8, abs=0.05)
     assert device_bytes("kimi-k2", g32, 8) == device_bytes("kimi-k2", g32, 8, True)
     with pytest.raises(ValueError, match=r"routed expert count \(384\) to divide"):
         device_bytes("kimi-k2", g32, 5, True)

@@ -8,6 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.weights import shard_scales
+
 PRELUDE = """
 import dataclasses, re
 import jax, numpy as np, pytest
@@ -97,7 +104,8 @@ for preset, tp in CASES:
     assert text.count("sdy.manual_computation") >= 2 * model.config.num_layers, preset
 # FP8-block weights (every linear layer and the experts) through the FP8 kernels at TP4. The tiny
 # model's 64-wide inputs and outputs give 16-wide shares of a 128-block: the values split, the
-# scales stay whole, and each device takes the scales of its rows (models.weights.shard_scales).
+# scales stay whole, and each device takes the scales of its rows (models.weights.shard_scales;
+# the INT4 run above does the same for the experts' down_proj).
 model = mixserve.load("tiny-kimi", dtype="float32")
 fp8, _ = quantize_model(model, plan_for(WeightFormat("fp8_block"), "all"))
 want = [r.tokens for r in Engine(fp8, **kw).generate(two, max_new_tokens=3)]
@@ -118,16 +126,20 @@ for preset in ("tiny-kimi",):  # the MoE code is the same under GQA (tiny-glm4 i
     want = [r.tokens for r in Engine(int4, **kw).generate(prompts, max_new_tokens=6)]
     split = Engine(int4, mesh=mesh_for(4), expert_parallel=True, **kw)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want, preset
-    # Whole experts, two per device. TP4 must keep down_proj whole on every device: its input, 32
-    # wide, is 2 groups of 16, which cannot split 4 ways.
+    # Whole experts, two per device. TP4 splits down_proj's 32-wide input 8 rows a device, which cuts
+    # its 2 groups of 16: its scales stay whole on every device, and are all that TP holds above EP.
     experts = lambda m: m.runner.model.params["layers_1"]["mlp"]["experts"]
     cfg, ep_down = model.config, experts(split)["down_proj"]
     assert ep_down.packed_QN.addressable_shards[0].data.shape == (2, cfg.moe_intermediate_size // 8, cfg.hidden_size)
     tp_experts = sharding.shard_model(int4, split.mesh)
-    assert tp_experts.params["layers_1"]["mlp"]["experts"]["down_proj"].packed_QN.sharding.is_fully_replicated
+    tp_down = tp_experts.params["layers_1"]["mlp"]["experts"]["down_proj"]
+    assert tp_down.packed_QN.addressable_shards[0].data.shape == (8, 1, cfg.hidden_size)
+    assert tp_down.scales_GN.sharding.is_fully_replicated
     expert_bytes = sum(x.nbytes for x in jax.tree.leaves(experts(split)))
     assert sharding.bytes_per_device(experts(split)) * 4 == expert_bytes
-    assert sharding.bytes_per_device(split.runner.model.params) < sharding.bytes_per_device(tp_experts.params), preset
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert (sharding.bytes_per_device(tp_experts.params) - sharding.bytes_per_device(split.runner.model.params)
+            == moe_layers * tp_down.scales_GN.nbytes * 3 // 4), preset
     # mixserve.weight_bytes.device_bytes, the abstract count for full-size models, agrees.
     for ep, placed in ((True, split.runner.model), (False, tp_experts)):
         assert device_bytes(preset, int4.plan, 4, ep, np.float32) == sharding.bytes_per_device(placed.params), (preset, ep)
@@ -225,8 +237,8 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
 def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     """INT4 weights (group 16, every linear layer and the experts) and the Pallas kernels in
     interpret mode under the same meshes: INT4 dense and grouped-MoE matmuls (column-parallel,
-    row-parallel with a psum, or whole where the groups do not divide: the experts' down_proj at
-    TP4 has 2 groups), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
+    row-parallel with a psum; the experts' down_proj at TP4 cuts its 2 groups, and each device
+    re-blocks the whole scales to its 8 rows), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
     each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
     the XLA references. Then FP8-block weights through the FP8 kernels at TP4, whose 16-wide
     shares cut the scale blocks: one device's tokens, no weight gathered."""
@@ -235,8 +247,9 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
 
 def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_device():
     """Expert parallelism at EP4 (tiny-kimi, INT4 g16 experts, XLA path): the same greedy tokens as
-    one device, two whole experts per device (a quarter of the expert bytes, where TP4 keeps every
-    down_proj whole; mixserve.weight_bytes.device_bytes agrees), no split weight gathered by the
+    one device, two whole experts per device (a quarter of the expert bytes; TP4 holds more by
+    exactly 3/4 of the down_proj scales, which it keeps whole; mixserve.weight_bytes.device_bytes
+    agrees), no split weight gathered by the
     decode step; GLM-5 with the Pallas kernels (interpret) per device, INT4 everywhere; named errors
     for an expert count the devices do not divide and for no mesh; `mixserve.run --expert-parallel`
     serves tiny-glm4 (GQA) with one device's tokens."""
@@ -253,3 +266,44 @@ def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_dev
     a split weight or pool (prefill gathers only its rows' pages). Named errors: GQA, a page size
     the devices do not divide, a non-power-of-two share for the kernels, no mesh or one device."""
     run_on_8_devices(CONTEXT_PARALLEL)
+
+
+@pytest.mark.parametrize("rows, columns, per_scale, tp, axis", [
+    (1536, 64, (128, 128), 8, -2),  # GLM-4.5's expert width at TP8, FP8: 192 rows, 3 blocks of 64
+    (200, 64, (128, 128), 4, -2),  # a last block that ends early: 50 rows, blocks of 2
+    (64, 1536, (128, 128), 8, -1),  # column-parallel
+    (192, 64, (16, 1), 8, -2),  # INT4 g128 in packed rows (16 per group), 1536 / 8 rows: g64 per device
+    (4, 64, (2, 1), 4, -2),  # tiny-kimi's down_proj at g16 and TP4: one packed row, g8
+])
+def test_shard_scales_give_each_share_the_scales_of_its_values(rows, columns, per_scale, tp, axis):
+    """A share that cuts scale blocks dequantizes to exactly its slice of the whole weight: with
+    the whole scales, each device's re-blocked scales (gcd(block, share) values each) cover its
+    own values. vmap over a named axis stands in for shard_map's devices: shard_scales reads only
+    axis_index. Values are random numbers: which scale covers which value is the same for any
+    format (INT4 by packed row, FP8 by value)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((3, rows, columns))
+    scales = jnp.asarray(2.0 ** rng.uniform(-12, -4, (3, -(-rows // per_scale[0]), -(-columns // per_scale[1]))),
+                         jnp.float32)
+    parts = np.split(values, tp, axis=axis)
+    cut = (axis == -2, axis == -1)
+    blocks = []
+
+    def local(_):
+        device_scales, block = shard_scales(parts[0].shape, scales, cut, per_scale)
+        blocks.append(block)
+        return device_scales
+
+    device_scales = np.asarray(jax.vmap(local, axis_name="model")(jnp.arange(tp)), np.float64)
+    share = values.shape[axis] // tp
+    assert blocks[0] == tuple(int(np.gcd(b, share)) if c else b for b, c in zip(per_scale, cut))
+
+    def dequantize(v, s, block):
+        s = np.repeat(np.repeat(s, block[0], axis=-2), block[1], axis=-1)
+        return v * s[..., :v.shape[-2], :v.shape[-1]]
+
+    whole = dequantize(values, np.asarray(scales, np.float64), per_scale)
+    for device, want in enumerate(np.split(whole, tp, axis=axis)):
+        np.testing.assert_array_equal(dequantize(parts[device], device_scales[device], blocks[0]), want,
+                                      err_msg=f"device {device}, seed={seed}")
