@@ -16,7 +16,7 @@ Kernel strategy: a program's column block (a power of two dividing the
 scale block's columns) lies in one column of scale blocks, and so does each
 K block in one row of them: the block's weights share one scale. The
 kernel converts the FP8 block to x's dtype (exact: e4m3 has 4 significant
-bits), takes the tensor-core dot with x in float32, and multiplies the
+bits), takes the tensor-core dot with x, accumulating in float32, and multiplies the
 [BM, BN] product by that scale before adding it to the accumulator, as
 DeepSeek's FP8 GEMMs promote per 128-block. No weight is rounded, unlike
 dequantizing to bf16 first (XLA's path in models.weights.matmul). With bf16

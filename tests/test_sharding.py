@@ -77,6 +77,17 @@ for preset, tp in CASES:
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
     assert_no_weight_gathered(split, preset)
+# Quantized weights whose TP4 shares cut their scale blocks (tiny-kimi: 16 of a 128-block's rows at
+# FP8, 8 of down_proj's 2 INT4 g16 groups) keep their scales whole: XLA's partitioner slices them
+# per device without moving a weight, in prefill and decode.
+model = mixserve.load("tiny-kimi", dtype="float32")
+for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
+    quantized, _ = quantize_model(model, plan_for(fmt, "all"))
+    expected = [r.tokens for r in Engine(quantized, **kw).generate(prompts, max_new_tokens=3)]
+    split = Engine(quantized, mesh=mesh_for(4), **kw)
+    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == expected, fmt
+    assert_no_weight_gathered(split, str(fmt))
+    assert_no_weight_gathered(split, str(fmt), prefill=True)
 with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
 report = run.main(["--tensor-parallel", "2", "--model", "tiny-glm4", "--max-new-tokens", "3", "--json"])
@@ -230,7 +241,8 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     one device (FP8 KV, chunked prefill of ragged prompts, integrity check on), no recompile,
     expert and head weights split, GQA pools split by KV head (twice the pages at TP2 for the same
     per-device budget), MLA pools replicated, and the compiled decode step gathers no split
-    weight. `mixserve.run --tensor-parallel 2` reports the per-device bytes."""
+    weight; the same for INT4 and FP8-block weights whose shares cut their scale blocks.
+    `mixserve.run --tensor-parallel 2` reports the per-device bytes."""
     run_on_8_devices(XLA_PATH)
 
 
