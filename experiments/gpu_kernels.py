@@ -594,8 +594,7 @@ def fp8_block_rows(bench: Bench, key) -> None:
             bench.measure("FP8-block matmul", shape, impl.format(cfg.kernel_backend),
                           functools.partial(fp8_block_matmul, backend=cfg.kernel_backend, tuning=tuning), args,
                           dense_bytes, ref)
-        xla_path = lambda x, values, scale_inv: weights.matmul(x, weights.Fp8BlockWeight(values, scale_inv))
-        bench.measure("FP8-block matmul", shape, "xla: dequantize, dot", xla_path, args, dense_bytes, ref)
+        bench.measure("FP8-block matmul", shape, "xla: dequantize, dot", _fp8_xla_matmul, args, dense_bytes, ref)
     for tokens in cfg.moe_tokens:
         kx, key = jax.random.split(key)
         case = _moe_case(cfg, kx, packed, scales, tokens)
@@ -607,10 +606,16 @@ def fp8_block_rows(bench: Bench, key) -> None:
             bench.measure("MoE FP8-block", case.shape, impl.format(cfg.kernel_backend),
                           functools.partial(moe_fp8_block_matmul, backend=cfg.kernel_backend, tuning=tuning), args,
                           active_bytes, ref)
-        xla_path = lambda x, values, scale_inv, sizes: weights.expert_matmul(
-            x, weights.Fp8BlockWeight(values, scale_inv), sizes)
-        bench.measure("MoE FP8-block", case.shape, "xla: dequantize all, ragged_dot", xla_path, args,
+        bench.measure("MoE FP8-block", case.shape, "xla: dequantize all, ragged_dot", _fp8_xla_expert_matmul, args,
                       active_bytes, ref)
+
+
+def _fp8_xla_matmul(x, values, scale_inv):
+    return weights.matmul(x, weights.Fp8BlockWeight(values, scale_inv))
+
+
+def _fp8_xla_expert_matmul(x, values, scale_inv, sizes):
+    return weights.expert_matmul(x, weights.Fp8BlockWeight(values, scale_inv), sizes)
 
 
 class MoeCase(NamedTuple):

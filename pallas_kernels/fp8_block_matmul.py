@@ -184,7 +184,7 @@ def _runner(values_EKN: jax.Array, scale_inv_Ekn: jax.Array, *, scale_block: Sca
     return run
 
 
-def _fp8_step(x_ref, weight_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
+def _fp8_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
               scale_block: ScaleBlock) -> Callable:
     """step(k_block, acc) for one program (weight_stream.StepFactory).
 
@@ -193,7 +193,7 @@ def _fp8_step(x_ref, weight_refs, expert: jax.Array, start: jax.Array, rows: jax
     with f16 x, the factors undoing its scaling [rows_read].
     """
     del rows  # x is padded: a tile reads all of its block_m rows
-    values_ref, scale_ref, *unscale_ref = weight_refs
+    values_ref, scale_ref, *unscale_ref = operand_refs
     scale_rows, scale_columns = scale_block
     scale_column = pl.program_id(1) * tiling.block_n // scale_columns
     # Per row with scaled f16 x (applied with each block's scale: [BM, 1], not [BM, BN]), else 1.

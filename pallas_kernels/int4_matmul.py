@@ -179,8 +179,8 @@ def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int
         else:
             # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
             x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, PACK).transpose(2, 0, 1)
-        weights = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
-        return stream_tiles(x_in, weights, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
+        operands = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
+        return stream_tiles(x_in, operands, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
                             make_step=functools.partial(_int4_step, group_size=group_size), interpret=interpret,
                             name="int4_matmul")
 
@@ -263,14 +263,14 @@ def _scale_row_loader(scales_ref, expert: jax.Array, packed_rows: int, group_siz
     return load
 
 
-def _int4_step(x_ref, weight_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
+def _int4_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
                group_size: int) -> Callable:
     """step(k_block, acc) for one program (weight_stream.StepFactory).
 
     Refs: x_planes [8, M, K/8] (or x [M, K] with gather_x); packed
     [E, K/8, BN]; scales [E, K/g, BN].
     """
-    packed_ref, scales_ref = weight_refs
+    packed_ref, scales_ref = operand_refs
     load_x_plane = _x_plane_loader(x_ref, start, rows, tiling)
     packed_rows = tiling.block_k // PACK
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)

@@ -132,7 +132,7 @@ def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int, tun
     return Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
 
 
-# make_step(x_ref, weight_refs, expert, start, rows, tiling) -> step(k_block, acc_MN) -> acc_MN:
+# make_step(x_ref, operand_refs, expert, start, rows, tiling) -> step(k_block, acc_MN) -> acc_MN:
 # the format's inner loop body, built once per program.
 StepFactory = Callable[..., Callable[[jax.Array, jax.Array], jax.Array]]
 
@@ -142,13 +142,14 @@ def _stream_kernel(expert_ref, start_ref, rows_ref, x_ref, *refs, make_step: Ste
     """One (tile, column block, split) program.
 
     Refs: expert/start/rows [1]; x (as the format's step reads it); the
-    weight refs (one column block of each, or whole); out [BM', BN]: the f32
+    format's operands (weights, scales: one column block of each, or whole);
+    out [BM', BN]: the f32
     partial sum over this split's K, or the result in x's dtype when there is
     one split.
     """
-    *weight_refs, out_ref = refs
+    *operand_refs, out_ref = refs
     rows = rows_ref[0]
-    step = make_step(x_ref, weight_refs, expert_ref[0], start_ref[0], rows, tiling)
+    step = make_step(x_ref, operand_refs, expert_ref[0], start_ref[0], rows, tiling)
     first_block = pl.program_id(2) * blocks_per_split
     # An unused tile streams no weights (the decode case: most experts idle).
     # Arithmetic, not jnp.where(rows > 0, n, 0): the Triton lowering gave that
@@ -174,13 +175,15 @@ def whole(array: jax.Array) -> pl.BlockSpec:
     return pl.BlockSpec(array.shape, lambda t, c, s: (0,) * array.ndim)
 
 
-def stream_tiles(x_in: jax.Array, weights: Sequence[tuple[jax.Array, pl.BlockSpec]], schedule: TileSchedule,
+def stream_tiles(x_in: jax.Array, operands: Sequence[tuple[jax.Array, pl.BlockSpec]], schedule: TileSchedule,
                  tiling: Tiling, *, n: int, k: int, out_dtype, make_step: StepFactory, interpret: bool,
                  name: str) -> jax.Array:
     """Runs the work list; returns [tiles, out_rows, N], split-K summed in f32,
     or in out_dtype straight from the kernel when there is one split.
 
-    x_in reaches every program whole, in the form the format's step reads.
+    x_in reaches every program whole, in the form the format's step reads;
+    operands (the weights, their scales, anything else the step reads) with
+    their block specs.
     """
     kernel_dtype = out_dtype if tiling.num_splits == 1 else jnp.float32
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
@@ -188,13 +191,13 @@ def stream_tiles(x_in: jax.Array, weights: Sequence[tuple[jax.Array, pl.BlockSpe
         functools.partial(_stream_kernel, make_step=make_step, tiling=tiling,
                           blocks_per_split=tiling.blocks_per_split(k)),
         grid=(schedule.num_tiles, n // tiling.block_n, tiling.num_splits),
-        in_specs=[scalar_spec, scalar_spec, scalar_spec, whole(x_in)] + [spec for _, spec in weights],
+        in_specs=[scalar_spec, scalar_spec, scalar_spec, whole(x_in)] + [spec for _, spec in operands],
         out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
         out_shape=jax.ShapeDtypeStruct((tiling.num_splits, schedule.num_tiles, tiling.out_rows, n), kernel_dtype),
         compiler_params=compiler_params(tiling.block_m, tiling.tuning),
         interpret=interpret,
         name=name,
-    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_in, *(array for array, _ in weights))
+    )(schedule.expert_W, schedule.start_W, schedule.rows_W, x_in, *(array for array, _ in operands))
     return partial_XTMN[0] if tiling.num_splits == 1 else jnp.sum(partial_XTMN, axis=0)
 
 
