@@ -89,10 +89,12 @@ NOTES = f"""\
   (90.1) and +8% for INT4 (56.3, those layers are BF16 there). KV cache and activations come on top.
 - mixserve TP{TP} / EP{TP}: the main model (no MTP: mixserve does not load it) on the fullest device as
   `mixserve.sharding` places it (`Engine(mesh=tp_mesh({TP}))`, and with `expert_parallel=True`). TP
-  splits an expert's hidden width. Where a device's share cuts scale groups (GLM-4.5's 1536 / {TP} = 192
-  rows at INT4 g128, GLM-4.5-Air's 1408 / {TP} = 176 at g32 and g128), the values split and the scales
-  stay whole on every device, which is what TP holds above EP there. EP gives each device E / {TP} whole
-  experts, so every format splits evenly.
+  splits an expert's hidden width. Where a device's share would cut scale groups (GLM-4.5's 1536 / {TP} = 192
+  rows at INT4 g128, GLM-4.5-Air's 1408 / {TP} = 176 at g32 and g128), the scales are re-blocked to
+  gcd(group, share) rows and split with the values (models.weights.split_for_tp): a device holds
+  (group / gcd) / {TP} of the whole scales where EP holds 1 / {TP}, and that is what TP holds above EP:
+  GLM-4.5 g128 (g64) and Air g32 (g16) a quarter of them, Air g128 (g16) all of them, as many as
+  keeping them whole would. EP gives each device E / {TP} whole experts, so every format splits evenly.
 """
 
 

@@ -25,8 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import SPLIT_ENTRY, bytes_per_token, stored_names
-from models.partitioning import MODEL_AXIS, check_expert_parallel, quantized_specs, spec_for, tp_size
-from models.weights import QUANTIZED
+from models.partitioning import MODEL_AXIS, check_expert_parallel, spec_for, tp_size
+from models.weights import QUANTIZED, split_for_tp
 
 
 def tp_mesh(tp: int, first: int = 0) -> Mesh:
@@ -45,15 +45,17 @@ def as_auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
-def param_shardings(model, mesh: Mesh, expert_parallel: bool = False):
-    """A NamedSharding per parameter leaf (quantized weights: per packed/scale leaf)."""
+def _place_params(model, mesh: Mesh, expert_parallel: bool = False):
+    """The model's parameters on the mesh, each leaf split as partitioning says (quantized weights:
+    values and scales alike, the scales re-blocked where a share would cut them: split_for_tp)."""
     tp = tp_size(mesh)
 
     def place(leaf, names):
-        if isinstance(leaf, QUANTIZED):  # values and scales as partitioning.quantized_split says
-            specs = quantized_specs(tuple(names.stored[0]), leaf, tp, expert_parallel)
-            return leaf.with_stored(*(NamedSharding(mesh, spec) for spec in specs))
-        return NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
+        if isinstance(leaf, QUANTIZED):
+            leaf, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
+        else:
+            spec = spec_for(tuple(names), leaf.shape, tp, expert_parallel)
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
 
     return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
 
@@ -78,8 +80,7 @@ def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     by hidden width; the handle's module then runs them so (models/moe.py)."""
     if expert_parallel:
         check_expert_parallel(model.config.n_routed_experts, tp_size(mesh))
-    placed = jax.device_put(model.params, param_shardings(model, mesh, expert_parallel))
-    return dataclasses.replace(model, params=placed, expert_parallel=expert_parallel)
+    return dataclasses.replace(model, params=_place_params(model, mesh, expert_parallel), expert_parallel=expert_parallel)
 
 
 def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None, split_slots: bool = False) -> int:

@@ -10,8 +10,9 @@ what SGLang's DeepSeek/GLM models replicate on every rank: norms, the router, ML
 down-projections (q_a_proj, kv_a_proj_with_mqa) and the DSA indexer (wq_b, wk, weights_proj, k_norm).
 
 `device_bytes` is the other view: the bytes of the main model that one device holds under
-mixserve's own placement (mixserve/sharding.py's rules: a quantized weight's scales stay whole
-where a device's share would cut their blocks), at tensor or expert parallelism.
+mixserve's own placement (mixserve/sharding.py's rules: a quantized weight's scales are re-blocked
+where a device's share would cut their blocks, models.weights.split_for_tp), at tensor or expert
+parallelism.
 
 MTP: `count_params` leaves the next-token-prediction layer out (it is not part of the forward), but
 checkpoints ship it, so `mtp` estimates it: one more decoder layer shaped like the last one, plus
@@ -31,10 +32,10 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.kv import NoCache
-from models.partitioning import check_expert_parallel, quantized_specs, spec_for
+from models.partitioning import check_expert_parallel, spec_for
 from models.presets import get_preset
 from models.transformer import DecoderLayer, Transformer
-from models.weights import BF16, QUANTIZED, WeightFormat, WeightPlan, abstract_weight
+from models.weights import BF16, QUANTIZED, WeightFormat, WeightPlan, abstract_weight, split_for_tp
 
 FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block")}
 REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "indexer", "gate")  # module names kept whole on every rank
@@ -150,8 +151,8 @@ def _device_share(init, tp: int, expert_parallel: bool) -> int:
 
     def share(leaf, names) -> int:
         if isinstance(leaf, QUANTIZED):
-            specs = quantized_specs(tuple(names.stored[0]), leaf, tp, expert_parallel)
-            return sum(_split_bytes(part, spec, tp) for part, spec in zip(leaf.stored, specs))
+            leaf, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
+            return sum(_split_bytes(part, spec, tp) for part in leaf.stored)
         return _split_bytes(leaf, spec_for(tuple(names), leaf.shape, tp, expert_parallel), tp)
 
     is_leaf = lambda x: isinstance(x, QUANTIZED)

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, boxed_weight_init
+from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, weight_param
 from models.weights import BF16, WeightFormat, dequantize, matmul
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
@@ -96,9 +96,8 @@ class LatentUpProjection(nn.Module):
     backend: str = "xla"
 
     def setup(self):
-        self.kernel = self.param(
-            "kernel", boxed_weight_init(self.fmt, ("kv_lora", "heads"), self.dtype), (self.in_features, self.features)
-        )
+        self.kernel = weight_param(self, "kernel", self.fmt, ("kv_lora", "heads"), self.dtype,
+                                   (self.in_features, self.features))
 
     def __call__(self, c_kv):
         return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend, axes=("kv_lora", "heads"))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeConfig
-from models.weights import BF16, Weight, WeightFormat, matmul, quantize
+from models.weights import BF16, Fp8BlockWeight, Int4Weight, Weight, WeightFormat, matmul, quantize
 
 Dtype = Any
 default_init = nn.initializers.normal(stddev=0.02)
@@ -31,6 +31,21 @@ def boxed_weight_init(fmt: WeightFormat, axes: tuple[str, ...], dtype: Dtype, in
         return jax.tree.map(lambda leaf: nn.Partitioned(leaf, names=axes), w)
 
     return init_fn
+
+
+def weight_param(module: nn.Module, name: str, fmt: WeightFormat, axes: tuple[str, ...], dtype: Dtype,
+                 shape: tuple[int, ...]) -> Weight:
+    """module.param for a weight [..., in, out] in `fmt`. Tensor parallelism may have placed a
+    quantized one with finer scale blocks than the format's (models.weights.split_for_tp), so more
+    scales than Flax's param check expects: such a weight is checked by its type and shape."""
+    if fmt.kind == "bf16" or not module.has_variable("params", name):
+        return module.param(name, boxed_weight_init(fmt, axes, dtype), shape)
+    w = nn.unbox(module.get_variable("params", name))
+    expected = {"fp8_block": Fp8BlockWeight, "int4": Int4Weight}[fmt.kind]
+    if not isinstance(w, expected) or tuple(w.shape) != tuple(shape):
+        raise ValueError(f"parameter {name!r} of {module.name!r} is {type(w).__name__} {tuple(w.shape)}, "
+                         f"expected {fmt} {tuple(shape)}")
+    return w
 
 
 class RMSNorm(nn.Module):
@@ -79,9 +94,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel: Weight = self.param(
-            "kernel", boxed_weight_init(self.fmt, self.axes, self.dtype), (x.shape[-1], self.features)
-        )
+        kernel = weight_param(self, "kernel", self.fmt, self.axes, self.dtype, (x.shape[-1], self.features))
         y = matmul(x.astype(self.dtype), kernel, backend=self.backend, axes=self.axes)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]), (self.features,), self.dtype)

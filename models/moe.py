@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from models import partitioning
 from models.config import ModelConfig
-from models.layers import Dtype, GatedMLP, boxed_weight_init
+from models.layers import Dtype, GatedMLP, weight_param
 from models.weights import BF16, WeightFormat, expert_matmul
 
 UP_AXES, DOWN_AXES = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
@@ -107,10 +107,10 @@ class RoutedExperts(nn.Module):
     def __call__(self, x_TD, weights_TK, experts_TK, valid_T=None):
         cfg = self.cfg
         num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, x_TD.shape[-1]
-        init = lambda axes: boxed_weight_init(self.fmt, axes, self.dtype)
-        gate = self.param("gate_proj", init(UP_AXES), (num_experts, hidden, inter))
-        up = self.param("up_proj", init(UP_AXES), (num_experts, hidden, inter))
-        down = self.param("down_proj", init(DOWN_AXES), (num_experts, inter, hidden))
+        param = lambda name, axes, shape: weight_param(self, name, self.fmt, axes, self.dtype, shape)
+        gate = param("gate_proj", UP_AXES, (num_experts, hidden, inter))
+        up = param("up_proj", UP_AXES, (num_experts, hidden, inter))
+        down = param("down_proj", DOWN_AXES, (num_experts, inter, hidden))
 
         out_dtype, x_TD = x_TD.dtype, x_TD.astype(self.dtype)
         keep_TK = jnp.ones(experts_TK.shape, bool) if valid_T is None else jnp.broadcast_to(valid_T[:, None], experts_TK.shape)

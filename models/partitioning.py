@@ -15,6 +15,8 @@ kernel under shard_map instead, on each device's share, when the step is traced 
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -34,37 +36,40 @@ def tp_size(mesh) -> int:
 
 def spec_for(names: tuple, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> P:
     """One array's PartitionSpec from its logical axis names."""
-    axes = split_axes(expert_parallel)
-    return P(*(split_if(name in axes and size % tp == 0) for name, size in zip(names, shape)))
+    return P(*(split_if(_splits(name, size, tp, expert_parallel)) for name, size in zip(names, shape)))
 
 
-def quantized_split(names: tuple, w, tp: int, expert_parallel: bool = False):
-    """((input, output) mesh axes of the stored values, the same of the scales) of a quantized weight
-    (models.weights.QUANTIZED): values [..., rows, columns], scales [..., rows / r, columns / c],
-    (r, c) = w.values_per_scale (INT4: (group / 8 packed rows, 1), FP8 blocks: (128, 128)).
+def tp_values_per_scale(names: tuple, w, tp: int, expert_parallel: bool = False) -> tuple[int, int]:
+    """Stored values per scale, along (rows, columns), at which every device's share of a quantized
+    weight (models.weights.QUANTIZED: values [..., rows, columns], scales [..., rows / r, columns / c],
+    (r, c) = w.values_per_scale) holds whole scale blocks.
 
-    A dimension splits its values wherever tp divides them (whole packed words). Its scales split
-    alike where each device's values fill whole scale blocks; otherwise a share would cut a block
-    (GLM-4.5's expert width at TP8, 1536 / 8 = 192: 1.5 FP8 blocks, 1.5 INT4 g128 groups), and the
-    (tiny) scales stay whole on every device, which takes the scales of its own values
-    (models.weights.shard_scales). vLLM refuses to load such shards instead ("... is not divisible by
-    weight quantization block_n = 128"; vllm-project/vllm#39046 pads them)."""
-    axes = split_axes(expert_parallel)
-    values, scales = (x.shape for x in w.stored)
-    splits = []
-    for d in (-2, -1):
-        divisible = names[d] in axes and values[d] % tp == 0
-        aligned = divisible and scales[d] % tp == 0 and values[d] == scales[d] * w.values_per_scale[d]
-        splits.append((split_if(divisible), split_if(aligned)))
-    (values_row, scales_row), (values_col, scales_col) = splits
-    return (values_row, values_col), (scales_row, scales_col)
+    That is w's own, except where tp splits a dimension into shares of s values that cut its blocks
+    of v: then gcd(v, s), which tiles both the share (it starts at a multiple of s) and the blocks.
+    GLM-4.5's expert width at TP8 is 1536 / 8 = 192 rows, 1.5 FP8 blocks or INT4 g128 groups: blocks
+    of 64. vLLM refuses to load such shards instead ("... is not divisible by weight quantization
+    block_n = 128"; vllm-project/vllm#39046 pads them). A device holds (v / b) / tp of the whole
+    scales: a quarter for GLM-4.5 at TP8, all of them (as many as keeping them whole) for
+    GLM-4.5-Air's 176 rows at g128; more only where v / b > tp, which no preset has at TP8."""
+    values = w.stored[0].shape
+    return tuple(math.gcd(v, values[d] // tp) if _splits(names[d], values[d], tp, expert_parallel) else v
+                 for d, v in zip((-2, -1), w.values_per_scale))
 
 
-def quantized_specs(names: tuple, w, tp: int, expert_parallel: bool = False) -> tuple[P, P]:
-    """The PartitionSpecs of a quantized weight's values and of its scales: leading axes (experts)
-    by name, the last two as quantized_split says."""
-    lead = spec_for(names[:-2], w.stored[0].shape[:-2], tp, expert_parallel)
-    return tuple(P(*lead, *axes) for axes in quantized_split(names, w, tp, expert_parallel))
+def quantized_spec(names: tuple, w, tp: int, expert_parallel: bool = False) -> P:
+    """The one PartitionSpec of a quantized weight's values and of its scales: leading axes (experts)
+    by name, the last two wherever tp divides the values (whole packed words). Its scales must
+    already be in blocks that no share cuts (models.weights.split_for_tp re-blocks them)."""
+    values = w.stored[0].shape
+    if tp_values_per_scale(names, w, tp, expert_parallel) != tuple(w.values_per_scale):
+        raise ValueError(f"scale blocks of {w.values_per_scale} values are cut by {tp}-way shares of {values}: "
+                         "re-block them first (models.weights.split_for_tp)")
+    lead = spec_for(names[:-2], values[:-2], tp, expert_parallel)
+    return P(*lead, *(split_if(_splits(names[d], values[d], tp, expert_parallel)) for d in (-2, -1)))
+
+
+def _splits(name: str, size: int, tp: int, expert_parallel: bool) -> bool:
+    return name in split_axes(expert_parallel) and size % tp == 0
 
 
 def check_expert_parallel(num_experts: int, tp: int) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Literal
 
 import jax
@@ -66,10 +65,13 @@ class WeightPlan:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Fp8BlockWeight:
-    """values_KN float8_e4m3fn [..., K, N]; scale_inv_kn float32 [..., ceil(K/128), ceil(N/128)]."""
+    """values_KN float8_e4m3fn [..., K, N]; scale_inv_kn float32 [..., ceil(K/r), ceil(N/c)] for
+    scale_block (r, c): 128 x 128 as checkpoints store it, finer where tensor parallelism re-blocks
+    the scales (split_for_tp)."""
 
     values_KN: jax.Array
     scale_inv_kn: jax.Array
+    scale_block: tuple[int, int] = dataclasses.field(default=(FP8_BLOCK, FP8_BLOCK), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,18 +95,20 @@ class Fp8BlockWeight:
         """(values, scales), each [..., rows, columns]."""
         return self.values_KN, self.scale_inv_kn
 
-    def with_stored(self, values, scales) -> "Fp8BlockWeight":
-        return Fp8BlockWeight(values, scales)
+    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None) -> "Fp8BlockWeight":
+        return Fp8BlockWeight(values, scales, values_per_scale or self.scale_block)
 
-    values_per_scale = (FP8_BLOCK, FP8_BLOCK)  # along (K, N)
+    @property
+    def values_per_scale(self) -> tuple[int, int]:
+        """Stored rows and columns per scale."""
+        return self.scale_block
 
-    @staticmethod
-    def kernel_args(values_per_scale: tuple[int, int]) -> dict:
-        """The kernels' arguments for scales that each cover values_per_scale values (shard_scales)."""
-        return {"scale_block": values_per_scale}
+    @property
+    def kernel_args(self) -> dict:
+        return {"scale_block": self.scale_block}
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
-        return pallas_kernels.dequantize_fp8_block(self.values_KN, self.scale_inv_kn, dtype)
+        return pallas_kernels.dequantize_fp8_block(self.values_KN, self.scale_inv_kn, dtype, self.scale_block)
 
 
 @jax.tree_util.register_dataclass
@@ -139,18 +143,19 @@ class Int4Weight:
         """(values, scales), each [..., rows, columns]."""
         return self.packed_QN, self.scales_GN
 
-    def with_stored(self, values, scales) -> "Int4Weight":
-        return Int4Weight(values, scales, self.group_size)
+    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None) -> "Int4Weight":
+        if values_per_scale is not None and values_per_scale[1] != 1:
+            raise ValueError(f"an INT4 scale covers one column, not {values_per_scale[1]}")
+        return Int4Weight(values, scales, 8 * values_per_scale[0] if values_per_scale else self.group_size)
 
     @property
     def values_per_scale(self) -> tuple[int, int]:
         """Stored rows and columns per scale: packed rows of one group, one column."""
         return self.group_size // 8, 1
 
-    @staticmethod
-    def kernel_args(values_per_scale: tuple[int, int]) -> dict:
-        """The kernels' arguments for scales that each cover values_per_scale packed values (shard_scales)."""
-        return {"group_size": 8 * values_per_scale[0]}
+    @property
+    def kernel_args(self) -> dict:
+        return {"group_size": self.group_size}
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_int4(self.packed_QN, self.scales_GN, self.group_size, dtype)
@@ -213,45 +218,50 @@ def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backe
     """kernel(x, values, scales, *replicated, **format arguments), per device under tensor
     parallelism: a weight split on its output features (column-parallel) gives each device its
     output columns; one split on its input features (row-parallel) its share of the contraction,
-    summed over devices. Placement follows partitioning.quantized_split, so no weight moves. (The
-    INT4 XLA reference runs here too; XLA's partitioner would split it by itself.)"""
-    values, scales = w.stored
+    summed over devices. Placement follows split_for_tp, so no weight moves. (The INT4 XLA
+    reference runs here too; XLA's partitioner would split it by itself.)"""
     mesh = partitioning.context_mesh() if backend != "xla" and axes else None
-    unsplit = ((None, None), (None, None))
-    (row, col), scale_axes = partitioning.quantized_split(axes, w, partitioning.tp_size(mesh)) if mesh else unsplit
-    lead = (None,) * (values.ndim - 2)
-    cut = tuple(v is not None and s is None for v, s in zip((row, col), scale_axes))
+    if mesh:
+        w, spec = split_for_tp(w, axes, partitioning.tp_size(mesh))  # a placed weight is already re-blocked
+    else:
+        spec = P(*(None,) * w.stored[0].ndim)
+    row, col = spec[-2:]
 
     def local(x, values, scales, *rest):
-        per_scale = w.values_per_scale
-        if any(cut):
-            scales, per_scale = shard_scales(values.shape, scales, cut, per_scale)
-        y = kernel(x, values, scales, *rest, **w.kernel_args(per_scale))
+        y = kernel(x, values, scales, *rest, **w.kernel_args)
         return jax.lax.psum(y, partitioning.MODEL_AXIS) if row else y
 
-    in_specs = (P(None, row), P(*lead, row, col), P(*lead, *scale_axes)) + (P(),) * len(replicated)
+    in_specs = (P(None, row), spec, spec) + (P(),) * len(replicated)
     run = partitioning.per_device(local, mesh, in_specs, P(None, col))
-    return run(x_MK, values, scales, *replicated)
+    return run(x_MK, *w.stored, *replicated)
 
 
-def shard_scales(values_shape: tuple[int, ...], scales: jax.Array, cut: tuple[bool, bool],
-                 values_per_scale: tuple[int, int]):
-    """This device's scales, and how many of its stored values each covers, for a share of a weight
-    that cuts scale blocks (cut: along rows, along columns; inside shard_map over the model axis,
-    with the whole scales). A share of s values starts at a multiple of s, so blocks of
-    b = gcd(v, s) values, v = values_per_scale, tile both the share and the scale blocks: each scale,
-    repeated v / b times, covers b values, and the device takes the s / b of them from its start.
-    GLM-4.5's expert width at TP8, 1536 / 8 = 192: FP8 128-blocks become 3 blocks of 64 rows; INT4
-    g128 (16 packed rows) becomes g64 (8 packed rows of the 24)."""
-    block = list(values_per_scale)
-    for axis, is_cut in zip((-2, -1), cut):
-        if is_cut:
-            share = values_shape[axis]
-            block[axis] = math.gcd(values_per_scale[axis], share)
-            finer = jnp.repeat(scales, values_per_scale[axis] // block[axis], axis=axis)
-            start = jax.lax.axis_index(partitioning.MODEL_AXIS) * (share // block[axis])
-            scales = jax.lax.dynamic_slice_in_dim(finer, start, share // block[axis], axis=finer.ndim + axis)
-    return scales, tuple(block)
+def reblock(w: Fp8BlockWeight | Int4Weight, values_per_scale: tuple[int, int]) -> Fp8BlockWeight | Int4Weight:
+    """The same weight with finer scale blocks of values_per_scale stored values (each dividing
+    w's own): every scale repeated over the blocks it covered, so the values and their products are
+    unchanged. The blocks at the end of a dimension that ends mid-block are cut to fit."""
+    values_per_scale = tuple(values_per_scale)
+    if values_per_scale == w.values_per_scale:
+        return w
+    values, scales = w.stored
+    for axis, old, new in zip((-2, -1), w.values_per_scale, values_per_scale):
+        if new <= 0 or old % new:
+            raise ValueError(f"scale blocks of {new} values do not tile blocks of {old}")
+        scales = jnp.repeat(scales, old // new, axis=axis)
+        scales = jax.lax.slice_in_dim(scales, 0, -(-values.shape[axis] // new), axis=scales.ndim + axis)
+    return w.with_stored(values, scales, values_per_scale)
+
+
+def split_for_tp(w: Fp8BlockWeight | Int4Weight, names: tuple, tp: int,
+                 expert_parallel: bool = False) -> tuple[Fp8BlockWeight | Int4Weight, P]:
+    """w re-blocked so that no device's share of its values cuts a scale block
+    (partitioning.tp_values_per_scale), and the one PartitionSpec its values and scales then share.
+    GLM-4.5's expert width at TP8, 1536 / 8 = 192 rows a device: FP8 128-blocks become 64-row
+    blocks, INT4 g128 becomes g64, and each device holds the scales of its own rows only. Works on
+    abstract weights too (ShapeDtypeStruct leaves: mixserve.weight_bytes)."""
+    finer = functools.partial(reblock, values_per_scale=partitioning.tp_values_per_scale(names, w, tp, expert_parallel))
+    w = jax.eval_shape(finer, w) if isinstance(w.stored[0], jax.ShapeDtypeStruct) else finer(w)
+    return w, partitioning.quantized_spec(names, w, tp, expert_parallel)
 
 
 def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:

@@ -2,6 +2,7 @@
 seed, Orbax round trip. Load-time corruption errors live in test_checkpoint.py; pack/unpack of
 the kernel layout in test_kernels_int4.py."""
 
+import dataclasses
 import importlib
 import json
 
@@ -19,7 +20,7 @@ from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import index_tensors, load_tensor
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
-from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, reblock
 
 GIB = 2**30
 EXPERT = "model.layers.1.mlp.experts.3.up_proj"
@@ -212,21 +213,22 @@ def test_weight_bytes_reproduce_the_seed(glm5_bytes):
     assert int4.per_gpu / GIB == pytest.approx(52, rel=0.09)
 
 
-def test_device_bytes_tp_splits_ungroupable_int4_experts_and_keeps_only_their_scales_whole():
+def test_device_bytes_tp_splits_ungroupable_int4_experts_with_their_scales_re_blocked():
     """GLM-4.5's experts at INT4 g128: at TP8 a device's share of down_proj's 1536 input rows is
-    192, 1.5 groups. mixserve.sharding splits the packed values anyway and keeps the scales whole
-    on every device (each re-blocks them to its rows: models.weights.shard_scales); EP8 holds 20
-    whole experts of 160. The difference is exactly 7/8 of all down_proj scales: 25.8 against 24.3
-    GiB (keeping down_proj whole, as before 2026-12-01, held 71.4). Kimi K2 at g32 splits evenly
-    either way (2048 / 8 = 256 rows, 8 groups)."""
+    192, 1.5 groups. mixserve.sharding splits the packed values anyway, and the scales with them,
+    re-blocked to g64 (models.weights.split_for_tp): twice the scales, an eighth of them a device.
+    EP8 holds 20 whole experts of 160, an eighth of the g128 scales. The difference is exactly 1/8
+    of all down_proj scales: 24.55 against 24.34 GiB (keeping the scales whole on every device, as
+    2026-12-01's first version did, held 25.8; keeping down_proj whole, as before, 71.4). Kimi K2 at
+    g32 splits evenly either way (2048 / 8 = 256 rows, 8 groups)."""
     g128, g32 = (WeightPlan(WeightFormat("int4", g), BF16) for g in (128, 32))
     tp, ep = (device_bytes("glm-4.5", g128, 8, flag) for flag in (False, True))
     cfg = get_preset("glm-4.5")
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     f, d = cfg.moe_intermediate_size, cfg.hidden_size
     down_proj_scales = moe_layers * cfg.n_routed_experts * f // 128 * d * 2  # bf16
-    assert tp - ep == down_proj_scales * 7 // 8
-    assert ep / GIB == pytest.approx(24.3, abs=0.05) and tp / GIB == pytest.approx(25.8, abs=0.05)
+    assert tp - ep == down_proj_scales // 8
+    assert ep / GIB == pytest.approx(24.34, abs=0.005) and tp / GIB == pytest.approx(24.55, abs=0.005)
     assert device_bytes("kimi-k2", g32, 8) == device_bytes("kimi-k2", g32, 8, True)
     with pytest.raises(ValueError, match=r"routed expert count \(384\) to divide"):
         device_bytes("kimi-k2", g32, 5, True)
@@ -254,6 +256,28 @@ def test_weight_bytes_equal_real_params():
     model = mixserve.load("tiny-glm5", plan=plan)
     real = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
     assert mixserve.weight_bytes("tiny-glm5", plan=plan).total == real
+
+
+def test_a_model_with_re_blocked_scales_computes_the_same_logits_and_a_wrong_format_is_named():
+    """Tensor parallelism places quantized weights with finer scale blocks (models.weights.split_for_tp):
+    the model takes them without a mesh too, and every layer's output is the same, so the logits are
+    equal. A weight of the wrong format or shape is refused by name, as Flax's own check would."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ids = jnp.asarray(np.random.default_rng().integers(0, model.config.vocab_size, (2, 7)), jnp.int32)
+    for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
+        quantized, _ = quantize_model(model, plan_for(fmt, "all"))
+        finer = lambda w: reblock(w, tuple(max(1, v // 2) if v > 1 else v for v in w.values_per_scale))
+        leaves = (Fp8BlockWeight, Int4Weight)
+        params = jax.tree.map(lambda w: finer(w) if isinstance(w, leaves) else w, quantized.params,
+                              is_leaf=lambda x: isinstance(x, leaves))
+        down = params["layers_1"]["mlp"]["experts"]["down_proj"]
+        assert down.values_per_scale == {"int4": (1, 1), "fp8_block": (64, 64)}[fmt.kind]
+        np.testing.assert_array_equal(np.asarray(dataclasses.replace(quantized, params=params).logits(ids)),
+                                      np.asarray(quantized.logits(ids)), err_msg=str(fmt))
+    dense = quantized.params["layers_1"]["mlp"]["experts"]["down_proj"].dequantize(jnp.float32)
+    params["layers_1"]["mlp"]["experts"]["down_proj"] = Int4Weight.quantize(dense, 16)
+    with pytest.raises(ValueError, match=r"'down_proj' of 'experts' is Int4Weight \(8, 32, 64\), expected fp8_block"):
+        dataclasses.replace(quantized, params=params).logits(ids)
 
 
 # ---- Orbax --------------------------------------------------------------------------------------
@@ -285,3 +309,4 @@ def test_orbax_round_trip_is_bit_exact(bf16_dir, tmp_path):
 def test_orbax_restore_names_a_wrong_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.json"):
         restore_params(str(tmp_path))
+

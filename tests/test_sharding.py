@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.weights import shard_scales
+from models.partitioning import quantized_spec
+from models.weights import Fp8BlockWeight, Int4Weight, split_for_tp
 
 PRELUDE = """
 import dataclasses, re
@@ -77,15 +78,18 @@ for preset, tp in CASES:
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
     assert_no_weight_gathered(split, preset)
-# Quantized weights whose TP4 shares cut their scale blocks (tiny-kimi: 16 of a 128-block's rows at
-# FP8, 8 of down_proj's 2 INT4 g16 groups) keep their scales whole: XLA's partitioner slices them
-# per device without moving a weight, in prefill and decode.
+# Quantized weights whose TP4 shares would cut their scale blocks (tiny-kimi: 16 of a 128-block's rows
+# at FP8, 8 of down_proj's 2 INT4 g16 groups): the scales are re-blocked (FP8 8-row blocks for
+# down_proj's 32 rows, INT4 g8) and split with the values, and no weight moves in prefill or decode.
 model = mixserve.load("tiny-kimi", dtype="float32")
 for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
     quantized, _ = quantize_model(model, plan_for(fmt, "all"))
     expected = [r.tokens for r in Engine(quantized, **kw).generate(prompts, max_new_tokens=3)]
     split = Engine(quantized, mesh=mesh_for(4), **kw)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == expected, fmt
+    down = split.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
+    assert down.values_per_scale == {"int4": (1, 1), "fp8_block": (8, 128)}[fmt.kind]
+    assert all(not x.sharding.is_fully_replicated for x in down.stored), fmt
     assert_no_weight_gathered(split, str(fmt))
     assert_no_weight_gathered(split, str(fmt), prefill=True)
 with pytest.raises(ValueError, match="needs a 'model' axis"):
@@ -114,9 +118,9 @@ for preset, tp in CASES:
     # Every layer's attention kernel and at least its INT4 projections sit inside shard_map.
     assert text.count("sdy.manual_computation") >= 2 * model.config.num_layers, preset
 # FP8-block weights (every linear layer and the experts) through the FP8 kernels at TP4. The tiny
-# model's 64-wide inputs and outputs give 16-wide shares of a 128-block: the values split, the
-# scales stay whole, and each device takes the scales of its rows (models.weights.shard_scales;
-# the INT4 run above does the same for the experts' down_proj).
+# model's 64-wide inputs and outputs give 16-wide shares of a 128-block (8-wide for the experts'
+# 32-row down_proj): the scales are re-blocked to the shares and split with the values
+# (models.weights.split_for_tp; the INT4 run above re-blocks the experts' down_proj to g8).
 model = mixserve.load("tiny-kimi", dtype="float32")
 fp8, _ = quantize_model(model, plan_for(WeightFormat("fp8_block"), "all"))
 want = [r.tokens for r in Engine(fp8, **kw).generate(two, max_new_tokens=3)]
@@ -125,7 +129,7 @@ assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want
 text = kernels.lowered_decode_text()
 assert "fp8_block_matmul/pallas_call" in text and "moe_fp8_block_matmul" in text
 down = kernels.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
-assert not down.values_KN.sharding.is_fully_replicated and down.scale_inv_kn.sharding.is_fully_replicated
+assert down.scale_block == (8, 128) and not any(x.sharding.is_fully_replicated for x in down.stored)
 assert_no_weight_gathered(kernels, "tiny-kimi fp8")
 print("ok")
 """
@@ -137,20 +141,21 @@ for preset in ("tiny-kimi",):  # the MoE code is the same under GQA (tiny-glm4 i
     want = [r.tokens for r in Engine(int4, **kw).generate(prompts, max_new_tokens=6)]
     split = Engine(int4, mesh=mesh_for(4), expert_parallel=True, **kw)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want, preset
-    # Whole experts, two per device. TP4 splits down_proj's 32-wide input 8 rows a device, which cuts
-    # its 2 groups of 16: its scales stay whole on every device, and are all that TP holds above EP.
+    # Whole experts, two per device. TP4 splits down_proj's 32-wide input 8 rows a device, which would
+    # cut its 2 groups of 16: it re-blocks the scales to g8 (twice as many) and splits them. That is
+    # all TP holds above EP: a quarter of the g8 scales against a quarter of the g16 ones.
     experts = lambda m: m.runner.model.params["layers_1"]["mlp"]["experts"]
     cfg, ep_down = model.config, experts(split)["down_proj"]
     assert ep_down.packed_QN.addressable_shards[0].data.shape == (2, cfg.moe_intermediate_size // 8, cfg.hidden_size)
     tp_experts = sharding.shard_model(int4, split.mesh)
     tp_down = tp_experts.params["layers_1"]["mlp"]["experts"]["down_proj"]
     assert tp_down.packed_QN.addressable_shards[0].data.shape == (8, 1, cfg.hidden_size)
-    assert tp_down.scales_GN.sharding.is_fully_replicated
+    assert tp_down.group_size == 8 and tp_down.scales_GN.addressable_shards[0].data.shape == (8, 1, cfg.hidden_size)
     expert_bytes = sum(x.nbytes for x in jax.tree.leaves(experts(split)))
     assert sharding.bytes_per_device(experts(split)) * 4 == expert_bytes
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     assert (sharding.bytes_per_device(tp_experts.params) - sharding.bytes_per_device(split.runner.model.params)
-            == moe_layers * tp_down.scales_GN.nbytes * 3 // 4), preset
+            == moe_layers * tp_down.scales_GN.nbytes // 8), preset
     # mixserve.weight_bytes.device_bytes, the abstract count for full-size models, agrees.
     for ep, placed in ((True, split.runner.model), (False, tp_experts)):
         assert device_bytes(preset, int4.plan, 4, ep, np.float32) == sharding.bytes_per_device(placed.params), (preset, ep)
@@ -241,7 +246,8 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     one device (FP8 KV, chunked prefill of ragged prompts, integrity check on), no recompile,
     expert and head weights split, GQA pools split by KV head (twice the pages at TP2 for the same
     per-device budget), MLA pools replicated, and the compiled decode step gathers no split
-    weight; the same for INT4 and FP8-block weights whose shares cut their scale blocks.
+    weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
+    (re-blocked to the shares and split with the values).
     `mixserve.run --tensor-parallel 2` reports the per-device bytes."""
     run_on_8_devices(XLA_PATH)
 
@@ -249,18 +255,18 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
 def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     """INT4 weights (group 16, every linear layer and the experts) and the Pallas kernels in
     interpret mode under the same meshes: INT4 dense and grouped-MoE matmuls (column-parallel,
-    row-parallel with a psum; the experts' down_proj at TP4 cuts its 2 groups, and each device
-    re-blocks the whole scales to its 8 rows), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
+    row-parallel with a psum; the experts' down_proj at TP4 would cut its 2 groups, and is placed
+    re-blocked to g8), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
     each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
     the XLA references. Then FP8-block weights through the FP8 kernels at TP4, whose 16-wide
-    shares cut the scale blocks: one device's tokens, no weight gathered."""
+    shares would cut the scale blocks: one device's tokens, no weight gathered."""
     run_on_8_devices(KERNELS)
 
 
 def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_device():
     """Expert parallelism at EP4 (tiny-kimi, INT4 g16 experts, XLA path): the same greedy tokens as
     one device, two whole experts per device (a quarter of the expert bytes; TP4 holds more by
-    exactly 3/4 of the down_proj scales, which it keeps whole; mixserve.weight_bytes.device_bytes
+    exactly a quarter of the down_proj scales, which it re-blocks to g8; mixserve.weight_bytes.device_bytes
     agrees), no split weight gathered by the
     decode step; GLM-5 with the Pallas kernels (interpret) per device, INT4 everywhere; named errors
     for an expert count the devices do not divide and for no mesh; `mixserve.run --expert-parallel`
@@ -280,42 +286,40 @@ def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_dev
     run_on_8_devices(CONTEXT_PARALLEL)
 
 
-@pytest.mark.parametrize("rows, columns, per_scale, tp, axis", [
-    (1536, 64, (128, 128), 8, -2),  # GLM-4.5's expert width at TP8, FP8: 192 rows, 3 blocks of 64
-    (200, 64, (128, 128), 4, -2),  # a last block that ends early: 50 rows, blocks of 2
-    (64, 1536, (128, 128), 8, -1),  # column-parallel
-    (192, 64, (16, 1), 8, -2),  # INT4 g128 in packed rows (16 per group), 1536 / 8 rows: g64 per device
-    (4, 64, (2, 1), 4, -2),  # tiny-kimi's down_proj at g16 and TP4: one packed row, g8
+@pytest.mark.parametrize("group, rows, columns, tp, axis, block", [
+    (None, 1536, 64, 8, -2, (64, 128)),  # FP8, GLM-4.5's expert width at TP8: 192 rows, 3 blocks of 64
+    (None, 200, 64, 4, -2, (2, 128)),  # FP8, a last block that ends early: 50 rows, blocks of 2
+    (None, 64, 1536, 8, -1, (128, 64)),  # FP8, column-parallel
+    (None, 1024, 64, 8, -2, (128, 128)),  # FP8, shares of whole blocks: nothing to re-block
+    (128, 192, 64, 8, -2, (8, 1)),  # INT4 g128 (16 packed rows), 1536 / 8 rows a device: g64
+    (16, 4, 64, 4, -2, (1, 1)),  # INT4, tiny-kimi's down_proj at g16 and TP4: one packed row, g8
 ])
-def test_shard_scales_give_each_share_the_scales_of_its_values(rows, columns, per_scale, tp, axis):
-    """A share that cuts scale blocks dequantizes to exactly its slice of the whole weight: with
-    the whole scales, each device's re-blocked scales (gcd(block, share) values each) cover its
-    own values. vmap over a named axis stands in for shard_map's devices: shard_scales reads only
-    axis_index. Values are random numbers: which scale covers which value is the same for any
-    format (INT4 by packed row, FP8 by value)."""
+def test_split_for_tp_gives_each_share_whole_scale_blocks_and_the_same_weight(group, rows, columns, tp, axis, block):
+    """A weight whose shares would cut its scale blocks is re-blocked to gcd(block, share) values
+    per scale and split, values and scales alike: each device's share dequantizes to exactly its
+    slice of the whole weight. Random FP8 bit patterns (NaN excluded) or packed INT4 words, random
+    power-of-two-spread scales, three experts."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
-    values = rng.standard_normal((3, rows, columns))
-    scales = jnp.asarray(2.0 ** rng.uniform(-12, -4, (3, -(-rows // per_scale[0]), -(-columns // per_scale[1]))),
-                         jnp.float32)
-    parts = np.split(values, tp, axis=axis)
-    cut = (axis == -2, axis == -1)
-    blocks = []
-
-    def local(_):
-        device_scales, block = shard_scales(parts[0].shape, scales, cut, per_scale)
-        blocks.append(block)
-        return device_scales
-
-    device_scales = np.asarray(jax.vmap(local, axis_name="model")(jnp.arange(tp)), np.float64)
-    share = values.shape[axis] // tp
-    assert blocks[0] == tuple(int(np.gcd(b, share)) if c else b for b, c in zip(per_scale, cut))
-
-    def dequantize(v, s, block):
-        s = np.repeat(np.repeat(s, block[0], axis=-2), block[1], axis=-1)
-        return v * s[..., :v.shape[-2], :v.shape[-1]]
-
-    whole = dequantize(values, np.asarray(scales, np.float64), per_scale)
-    for device, want in enumerate(np.split(whole, tp, axis=axis)):
-        np.testing.assert_array_equal(dequantize(parts[device], device_scales[device], blocks[0]), want,
-                                      err_msg=f"device {device}, seed={seed}")
+    spread = lambda *shape: 2.0 ** rng.uniform(-12, -4, shape)
+    if group is None:
+        bits = rng.integers(0, 256, (3, rows, columns), dtype=np.uint8)
+        bits[(bits & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaNs
+        w = Fp8BlockWeight(jnp.asarray(bits).view(jnp.float8_e4m3fn),
+                           jnp.asarray(spread(3, -(-rows // 128), -(-columns // 128)), jnp.float32))
+    else:  # rows of 8 packed values
+        packed = rng.integers(-2**31, 2**31, (3, rows, columns), dtype=np.int64).astype(np.int32)
+        w = Int4Weight(jnp.asarray(packed), jnp.asarray(spread(3, rows * 8 // group, columns), jnp.bfloat16), group)
+    names = ("experts", "moe_mlp", "embed") if axis == -2 else ("experts", "embed", "moe_mlp")
+    placed, spec = split_for_tp(w, names, tp)
+    assert placed.values_per_scale == block and spec[axis] == "model" and spec[-3] is None
+    abstract, abstract_spec = split_for_tp(jax.eval_shape(lambda x: x, w), names, tp)  # mixserve.weight_bytes
+    assert abstract_spec == spec and [x.shape for x in abstract.stored] == [x.shape for x in placed.stored]
+    whole = np.asarray(w.dequantize(jnp.float32))
+    shares = zip(*(np.split(np.asarray(x), tp, axis=axis) for x in placed.stored))
+    for device, (want, (v, s)) in enumerate(zip(np.split(whole, tp, axis=axis), shares)):
+        got = placed.with_stored(jnp.asarray(v), jnp.asarray(s)).dequantize(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"device {device}, seed={seed}")
+    if placed is not w:
+        with pytest.raises(ValueError, match="re-block them first"):
+            quantized_spec(names, w, tp)
