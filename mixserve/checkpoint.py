@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,16 +172,24 @@ def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
 
 
 def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True,
-                infos: dict[str, TensorInfo] | None = None):
+                infos: dict[str, TensorInfo] | None = None, placement=None):
     """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype).
-    `infos` (the shards' headers) can be passed in when the caller has already read them."""
+    `infos` (the shards' headers) can be passed in when the caller has already read them.
+    placement(abstract params, their logical axes) -> a tree of functions that put each leaf where
+    it goes (mixserve.sharding.placement); each leaf is placed as soon as it is read, so host
+    memory holds one unit (or one stack of experts) at a time. None: the default device."""
     infos = index_tensors(directory) if infos is None else infos
     prefix = text_prefix(infos)
-    abstract = jax.eval_shape(
+    boxed = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     )["params"]
-    abstract = jax.tree.map(lambda x: x.value, abstract, is_leaf=lambda x: hasattr(x, "names"))
+    abstract = nn.unbox(boxed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    if placement is None:
+        puts = [jnp.asarray] * len(flat)
+    else:
+        where = placement(abstract, nn.get_partition_spec(boxed))
+        puts, treedef = jax.tree.leaves(where), jax.tree.structure(where)
 
     leaves: list[_Leaf] = []
     templates: dict[str, dict[str, int]] = {}
@@ -214,7 +223,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
         got = pending.setdefault(unit, {})
         got[part] = array
         if set(got) >= set(on_disk[unit]) - {"weight_shape"}:  # all parts of the unit are in
-            _fill(units[unit], _convert(unit, pending.pop(unit), units[unit]), leaves, done)
+            _fill(units[unit], _convert(unit, pending.pop(unit), units[unit]), leaves, done, puts)
     bar.close()
     return jax.tree_util.tree_unflatten(treedef, done)
 
@@ -293,17 +302,17 @@ def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str
     return parts
 
 
-def _fill(unit: _Unit, parts: dict[str, np.ndarray], leaves: list[_Leaf], done: list) -> None:
+def _fill(unit: _Unit, parts: dict[str, np.ndarray], leaves: list[_Leaf], done: list, puts: list) -> None:
     for part, i in unit.leaves.items():
         leaf = leaves[i]
         value = np.asarray(parts[part])
         value = (value.T if leaf.transpose else value).astype(leaf.dtype)
         if not leaf.stacked:
-            done[i] = jnp.asarray(value)
+            done[i] = puts[i](value)
             continue
         if leaf.buffer is None:
             leaf.buffer = np.empty(leaf.shape, leaf.dtype)
         leaf.buffer[unit.expert] = value
         leaf.filled += 1
         if leaf.filled == leaf.shape[0]:
-            done[i], leaf.buffer = jnp.asarray(leaf.buffer), None
+            done[i], leaf.buffer = puts[i](leaf.buffer), None

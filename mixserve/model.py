@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mixserve import sharding
 from mixserve.checkpoint import detect_plan, load_params, read_config
 from mixserve.safetensors_io import index_tensors
 from mixserve.tokenizer import Tokenizer, load_tokenizer
@@ -73,10 +74,17 @@ def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int):
 
 
 def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPlan | None = None,
-         backend: str = "xla", progress: bool = True) -> Model:
+         backend: str = "xla", progress: bool = True, mesh=None, expert_parallel: bool = False) -> Model:
     """A directory loads an HF checkpoint (BF16, FP8 block or INT4 compressed-tensors);
-    a preset name builds randomly initialised weights (tiny presets only)."""
+    a preset name builds randomly initialised weights (tiny presets only).
+
+    mesh: place the parameters on it as they are read (tensor parallelism over its "model" axis,
+    expert_parallel: routed experts by expert), as Engine(model, mesh=mesh) would place them, but
+    without a whole copy of each parameter on one device first: how a model larger than one
+    device's memory (every full preset but GLM-4.5-Air) loads."""
     dt = _dtype(dtype)
+    if expert_parallel and mesh is None:
+        raise ValueError("expert_parallel places the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
         infos = index_tensors(path_or_preset)
@@ -86,8 +94,10 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
             raise ValueError(
                 f"checkpoint stores ({stored}); load it as stored and convert with mixserve.quantize instead of ({plan})"
             )
-        params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos)
-        return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset)
+        placement = None if mesh is None else functools.partial(sharding.placement, mesh=mesh,
+                                                                 expert_parallel=expert_parallel)
+        params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement)
+        return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset, expert_parallel)
     if path_or_preset in FULL_PRESETS:
         raise ValueError(
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
@@ -95,7 +105,8 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
         )
     config = get_preset(path_or_preset)
     plan = plan or WeightPlan()
-    return Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)
+    model = Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)
+    return model if mesh is None else sharding.shard_model(model, mesh, expert_parallel)
 
 
 def count_params(preset_or_config: str | ModelConfig) -> dict[str, int]:

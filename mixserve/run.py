@@ -132,7 +132,9 @@ def main(argv=None) -> dict:
         prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
     else:  # one engine, or a pair sharing a single device
         prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
-    model = mixserve.load(args.model, progress=not args.json, backend=backend)  # converted copies keep it
+    # Placed on the (prefill) mesh as it is read; converted copies (--*-weights) keep it.
+    model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
+                          expert_parallel=args.expert_parallel)
     random_weights = args.model in TINY_PRESETS
     budget = parse_memory(args.kv_memory)
     prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))

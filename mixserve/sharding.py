@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import SPLIT_ENTRY, bytes_per_token, stored_names
 from models.partitioning import MODEL_AXIS, check_expert_parallel, spec_for, tp_size
-from models.weights import QUANTIZED, split_for_tp
+from models.weights import QUANTIZED, reblock, split_for_tp
 
 
 def tp_mesh(tp: int, first: int = 0) -> Mesh:
@@ -45,19 +45,31 @@ def as_auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
-def _place_params(model, mesh: Mesh, expert_parallel: bool = False):
-    """The model's parameters on the mesh, each leaf split as partitioning says (quantized weights:
-    values and scales alike, the scales re-blocked where a share would cut them: split_for_tp)."""
+def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
+    """Where each parameter goes: a pytree shaped like the placed params (quantized weights with
+    their scales re-blocked where a share would cut them: split_for_tp) whose leaves are functions
+    from a leaf of `params` (a host or device array, in flattening order) to that leaf on the mesh.
+    params may be abstract (ShapeDtypeStruct leaves): the checkpoint loader places each tensor as it
+    is read, so no device ever holds a whole split parameter (mixserve.load(..., mesh=))."""
     tp = tp_size(mesh)
 
     def place(leaf, names):
         if isinstance(leaf, QUANTIZED):
-            leaf, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
-        else:
-            spec = spec_for(tuple(names), leaf.shape, tp, expert_parallel)
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+            placed, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
+            to = NamedSharding(mesh, spec)
+            values = leaf.stored[0]
+            finer = lambda scales: reblock(leaf.with_stored(values, scales), placed.values_per_scale).stored[1]
+            return placed.with_stored(lambda v: jax.device_put(v, to), lambda s: jax.device_put(finer(s), to))
+        to = NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
+        return lambda x: jax.device_put(x, to)
 
-    return jax.tree.map(place, model.params, model.param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
+    return jax.tree.map(place, params, param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
+
+
+def place_params(params, placement_tree):
+    """params placed as placement_tree says (its structure: the placed params')."""
+    leaves = [put(x) for put, x in zip(jax.tree.leaves(placement_tree), jax.tree.leaves(params), strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(placement_tree), leaves)
 
 
 def pool_shardings(pools: list[dict], mesh: Mesh, split_slots: bool = False) -> list[dict]:
@@ -80,7 +92,8 @@ def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     by hidden width; the handle's module then runs them so (models/moe.py)."""
     if expert_parallel:
         check_expert_parallel(model.config.n_routed_experts, tp_size(mesh))
-    return dataclasses.replace(model, params=_place_params(model, mesh, expert_parallel), expert_parallel=expert_parallel)
+    where = placement(model.params, model.param_axes, mesh, expert_parallel)
+    return dataclasses.replace(model, params=place_params(model.params, where), expert_parallel=expert_parallel)
 
 
 def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None, split_slots: bool = False) -> int:

@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
@@ -239,16 +240,19 @@ def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backe
 def reblock(w: Fp8BlockWeight | Int4Weight, values_per_scale: tuple[int, int]) -> Fp8BlockWeight | Int4Weight:
     """The same weight with finer scale blocks of values_per_scale stored values (each dividing
     w's own): every scale repeated over the blocks it covered, so the values and their products are
-    unchanged. The blocks at the end of a dimension that ends mid-block are cut to fit."""
+    unchanged. The blocks at the end of a dimension that ends mid-block are cut to fit. Host (numpy)
+    scales stay on the host: a checkpoint streams onto a mesh this way (mixserve.sharding.placement)."""
     values_per_scale = tuple(values_per_scale)
     if values_per_scale == w.values_per_scale:
         return w
     values, scales = w.stored
+    xp = np if isinstance(scales, np.ndarray) else jnp
     for axis, old, new in zip((-2, -1), w.values_per_scale, values_per_scale):
         if new <= 0 or old % new:
             raise ValueError(f"scale blocks of {new} values do not tile blocks of {old}")
-        scales = jnp.repeat(scales, old // new, axis=axis)
-        scales = jax.lax.slice_in_dim(scales, 0, -(-values.shape[axis] // new), axis=scales.ndim + axis)
+        fit = [slice(None)] * scales.ndim
+        fit[axis] = slice(0, -(-values.shape[axis] // new))
+        scales = xp.repeat(scales, old // new, axis=axis)[tuple(fit)]
     return w.with_stored(values, scales, values_per_scale)
 
 

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mixserve.quantize import plan_for, quantize_checkpoint
 from models.partitioning import quantized_spec
-from models.weights import Fp8BlockWeight, Int4Weight, split_for_tp
+from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, split_for_tp
 
 PRELUDE = """
 import dataclasses, re
@@ -234,10 +235,34 @@ print("ok")
 """
 
 
-def run_on_8_devices(body: str) -> None:
+SHARDED_LOAD = """
+# Checkpoints (BF16, INT4 g16 experts, FP8 everywhere) placed on 4 devices as they are read: the same
+# leaves, shardings and re-blocked scales as loading on one device and placing the whole model.
+import sys
+from mixserve.model import Model
+mesh = sharding.tp_mesh(4)
+for directory in sys.argv[1:]:
+    for ep in (False, True):
+        streamed = mixserve.load(directory, dtype="float32", progress=False, mesh=mesh, expert_parallel=ep)
+        placed = sharding.shard_model(mixserve.load(directory, dtype="float32", progress=False), mesh, ep)
+        assert streamed.expert_parallel == ep and jax.tree.structure(streamed.params) == jax.tree.structure(placed.params)
+        for a, b in zip(jax.tree.leaves(streamed.params), jax.tree.leaves(placed.params), strict=True):
+            assert a.sharding == b.sharding and a.sharding.mesh == mesh, (directory, ep, a.sharding, b.sharding)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        down = streamed.params["layers_1"]["mlp"]["experts"]["down_proj"]
+        if not isinstance(down, jax.Array):  # TP4: 8 of the 32 rows a device, re-blocked; EP4: whole experts
+            assert down.values_per_scale == {(False, "Int4Weight"): (1, 1), (True, "Int4Weight"): (2, 1),
+                                             (False, "Fp8BlockWeight"): (8, 128), (True, "Fp8BlockWeight"): (128, 128)}[ep, type(down).__name__]
+with pytest.raises(ValueError, match="expert_parallel places the routed experts over a mesh"):
+    mixserve.load(sys.argv[1], expert_parallel=True)
+print("ok")
+"""
+
+
+def run_on_8_devices(body: str, *args: str) -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     script = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
 
 
@@ -284,6 +309,23 @@ def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_dev
     a split weight or pool (prefill gathers only its rows' pages). Named errors: GQA, a page size
     the devices do not divide, a non-power-of-two share for the kernels, no mesh or one device."""
     run_on_8_devices(CONTEXT_PARALLEL)
+
+
+def test_a_checkpoint_streams_onto_the_mesh_as_the_engine_would_place_it(tmp_path):
+    """mixserve.load(dir, mesh=) puts each tensor on its devices as it is read (a full model does not
+    fit one device): BF16, INT4 g16 (experts) and FP8-block checkpoints of a tiny Kimi at TP4 and EP4 give the
+    leaves, shardings and re-blocked scales (INT4 g8, FP8 8-row blocks for down_proj's 8-row
+    shares) of loading whole and placing, and a named error for expert parallelism without a mesh."""
+    import hf_reference as ref
+
+    bf16 = str(tmp_path / "bf16")
+    ref.save(ref.build("kimi-yarn-groups"), bf16)
+    dirs = [bf16]
+    for name, plan in (("int4", plan_for(WeightFormat("int4", 16), "experts")),  # MLA's 24-wide kv_b_proj: no g16
+                       ("fp8", plan_for(WeightFormat("fp8_block"), "all"))):
+        dirs.append(str(tmp_path / name))
+        quantize_checkpoint(bf16, dirs[-1], plan)
+    run_on_8_devices(SHARDED_LOAD, *dirs)
 
 
 @pytest.mark.parametrize("group, rows, columns, tp, axis, block", [
