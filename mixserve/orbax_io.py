@@ -30,13 +30,20 @@ from mixserve.gptq import abstract_params
 from mixserve.model import DTYPES, Model
 from mixserve.tokenizer import load_tokenizer
 from models.config import ModelConfig, RopeConfig
-from models.weights import WeightFormat, WeightPlan
+from models.weights import QUANTIZED, WeightFormat, WeightPlan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json")
 
 
 def save_params(path: str, model: Model) -> None:
     """Write model.params (+ config, plan, dtype, tokenizer files) under `path`, replacing what was there."""
+    stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype), is_leaf=_is_quantized)
+    held = jax.tree.leaves(model.params, is_leaf=_is_quantized)
+    for want, got in zip(stored, held):
+        if _is_quantized(got) and got.values_per_scale != want.values_per_scale:
+            raise ValueError(f"a {type(got).__name__} holds scales re-blocked for tensor parallelism ({got.values_per_scale} "
+                             f"values per scale, its plan stores {want.values_per_scale}): save the model as loaded "
+                             "without a mesh")
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, "params")):
         shutil.rmtree(os.path.join(path, "params"))
@@ -51,6 +58,10 @@ def save_params(path: str, model: Model) -> None:
         for name in TOKENIZER_FILES:
             if os.path.exists(os.path.join(model.source, name)):
                 shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
+
+
+def _is_quantized(x) -> bool:
+    return isinstance(x, QUANTIZED)
 
 
 def restore_params(path: str, *, shardings: Any = None, target: Any = None, backend: str = "xla") -> Model:

@@ -255,6 +255,10 @@ for directory in sys.argv[1:]:
                                              (False, "Fp8BlockWeight"): (8, 128), (True, "Fp8BlockWeight"): (128, 128)}[ep, type(down).__name__]
 with pytest.raises(ValueError, match="expert_parallel places the routed experts over a mesh"):
     mixserve.load(sys.argv[1], expert_parallel=True)
+# Orbax saves the model as its plan stores it, so a placed one with re-blocked scales is refused.
+from mixserve.orbax_io import save_params
+with pytest.raises(ValueError, match="re-blocked for tensor parallelism"):
+    save_params(sys.argv[-1] + "-orbax", mixserve.load(sys.argv[2], progress=False, mesh=mesh))
 print("ok")
 """
 
@@ -315,7 +319,8 @@ def test_a_checkpoint_streams_onto_the_mesh_as_the_engine_would_place_it(tmp_pat
     """mixserve.load(dir, mesh=) puts each tensor on its devices as it is read (a full model does not
     fit one device): BF16, INT4 g16 (experts) and FP8-block checkpoints of a tiny Kimi at TP4 and EP4 give the
     leaves, shardings and re-blocked scales (INT4 g8, FP8 8-row blocks for down_proj's 8-row
-    shares) of loading whole and placing, and a named error for expert parallelism without a mesh."""
+    shares) of loading whole and placing; named errors for expert parallelism without a mesh and for
+    saving (Orbax) a placed model whose scales were re-blocked."""
     import hf_reference as ref
 
     bf16 = str(tmp_path / "bf16")
