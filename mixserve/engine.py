@@ -109,11 +109,8 @@ class Engine(Frontend):
             if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
                 raise ValueError(f"{name} must be finite and positive")
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
-        if expert_parallel and mesh is None:
-            raise ValueError("expert_parallel splits the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
+        sharding.check_mesh(mesh, cfg.n_routed_experts, expert_parallel)
         if mesh is not None:
-            if sharding.MODEL_AXIS not in mesh.shape:
-                raise ValueError(f"the mesh needs a {sharding.MODEL_AXIS!r} axis to split over, got {tuple(mesh.shape)}")
             model = sharding.shard_model(model, mesh, expert_parallel)
             decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh, expert_parallel)
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks

@@ -81,15 +81,14 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
     mesh: place the parameters on it as they are read (tensor parallelism over its "model" axis,
     expert_parallel: routed experts by expert), as Engine(model, mesh=mesh) would place them, but
     without a whole copy of each parameter on one device first: how a model larger than one
-    device's memory (every full preset but GLM-4.5-Air) loads."""
+    device's memory loads (of the full presets only GLM-4.5-Air in FP8 or INT4 fits one H200)."""
     dt = _dtype(dtype)
-    if expert_parallel and mesh is None:
-        raise ValueError("expert_parallel places the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
         infos = index_tensors(path_or_preset)
         stored = detect_plan(config, infos, quant)
         plan = stored if plan is None else plan
+        sharding.check_mesh(mesh, config.n_routed_experts, expert_parallel)
         if plan != stored:
             raise ValueError(
                 f"checkpoint stores ({stored}); load it as stored and convert with mixserve.quantize instead of ({plan})"

@@ -11,7 +11,8 @@ nodes, so packed int32, float8 values and scales are stored as they are) beside 
 Restore builds the abstract target from config + plan (jax.eval_shape of the Transformer), so the
 tree, dtypes and the static group sizes come from the code, and each leaf can carry a sharding:
 pass `shardings` (a pytree of jax.sharding.Sharding shaped like the params) to restore straight
-onto a mesh; by default everything lands on the first device.
+onto a mesh; by default everything lands on the first device. Shares that would cut scale blocks
+need the scales re-blocked (models.weights.split_for_tp): restore, then mixserve.sharding.shard_model.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def save_params(path: str, model: Model) -> None:
     """Write model.params (+ config, plan, dtype, tokenizer files) under `path`, replacing what was there."""
     stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype), is_leaf=_is_quantized)
     held = jax.tree.leaves(model.params, is_leaf=_is_quantized)
-    for want, got in zip(stored, held):
+    for want, got in zip(stored, held, strict=True):
         if _is_quantized(got) and got.values_per_scale != want.values_per_scale:
             raise ValueError(f"a {type(got).__name__} holds scales re-blocked for tensor parallelism ({got.values_per_scale} "
                              f"values per scale, its plan stores {want.values_per_scale}): save the model as loaded "

@@ -20,6 +20,7 @@ import pallas_kernels
 from mixserve import sharding
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
+from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_DTYPES, TILED, kv_format
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
@@ -112,7 +113,8 @@ def with_weights(model, choice: str):
 
 
 def param_bytes(model) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    """Bytes of the model's weights as its plan stores them (a placed copy may hold re-blocked scales)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype)))
 
 
 def main(argv=None) -> dict:
@@ -132,7 +134,7 @@ def main(argv=None) -> dict:
         prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
     else:  # one engine, or a pair sharing a single device
         prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
-    # Placed on the (prefill) mesh as it is read; converted copies (--*-weights) keep it.
+    # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel)
     random_weights = args.model in TINY_PRESETS

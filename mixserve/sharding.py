@@ -50,12 +50,14 @@ def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
     their scales re-blocked where a share would cut them: split_for_tp) whose leaves are functions
     from a leaf of `params` (a host or device array, in flattening order) to that leaf on the mesh.
     params may be abstract (ShapeDtypeStruct leaves): the checkpoint loader places each tensor as it
-    is read, so no device ever holds a whole split parameter (mixserve.load(..., mesh=))."""
+    is read, from the host, so no device holds a whole split parameter (mixserve.load(..., mesh=);
+    a quantized unit that a dense plan dequantizes passes through the default device first)."""
     tp = tp_size(mesh)
 
     def place(leaf, names):
         if isinstance(leaf, QUANTIZED):
-            placed, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
+            shape_only = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaf)
+            placed, spec = split_for_tp(shape_only, tuple(names.stored[0]), tp, expert_parallel)
             to = NamedSharding(mesh, spec)
             values = leaf.stored[0]
             finer = lambda scales: reblock(leaf.with_stored(values, scales), placed.values_per_scale).stored[1]
@@ -86,12 +88,23 @@ def pool_shardings(pools: list[dict], mesh: Mesh, split_slots: bool = False) -> 
     return [{name: NamedSharding(mesh, spec(name, pool)) for name, pool in layer.items()} for layer in pools]
 
 
+def check_mesh(mesh: Mesh | None, n_routed_experts: int, expert_parallel: bool) -> None:
+    """Named errors for a placement the mesh cannot take, before anything is placed."""
+    if mesh is None:
+        if expert_parallel:
+            raise ValueError("expert_parallel splits the routed experts over a mesh: give one (mixserve.sharding.tp_mesh(n))")
+        return
+    if MODEL_AXIS not in mesh.shape:
+        raise ValueError(f"the mesh needs a {MODEL_AXIS!r} axis to split over, got {tuple(mesh.shape)}")
+    if expert_parallel:
+        check_expert_parallel(n_routed_experts, tp_size(mesh))
+
+
 def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     """The model with its parameters placed on the mesh (a copy of the handle, same config).
     expert_parallel: the routed experts split by expert (E/n whole experts per device) rather than
     by hidden width; the handle's module then runs them so (models/moe.py)."""
-    if expert_parallel:
-        check_expert_parallel(model.config.n_routed_experts, tp_size(mesh))
+    check_mesh(mesh, model.config.n_routed_experts, expert_parallel)
     where = placement(model.params, model.param_axes, mesh, expert_parallel)
     return dataclasses.replace(model, params=place_params(model.params, where), expert_parallel=expert_parallel)
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeConfig
-from models.weights import BF16, Fp8BlockWeight, Int4Weight, Weight, WeightFormat, matmul, quantize
+from models.weights import BF16, Weight, WeightFormat, abstract_weight, matmul, quantize
 
 Dtype = Any
 default_init = nn.initializers.normal(stddev=0.02)
@@ -37,14 +37,21 @@ def weight_param(module: nn.Module, name: str, fmt: WeightFormat, axes: tuple[st
                  shape: tuple[int, ...]) -> Weight:
     """module.param for a weight [..., in, out] in `fmt`. Tensor parallelism may have placed a
     quantized one with finer scale blocks than the format's (models.weights.split_for_tp), so more
-    scales than Flax's param check expects: such a weight is checked by its type and shape."""
+    scales than Flax's param check expects: such a weight is checked by its type, its shape, and
+    scales that tile its values in blocks dividing the format's."""
     if fmt.kind == "bf16" or not module.has_variable("params", name):
         return module.param(name, boxed_weight_init(fmt, axes, dtype), shape)
     w = nn.unbox(module.get_variable("params", name))
-    expected = {"fp8_block": Fp8BlockWeight, "int4": Int4Weight}[fmt.kind]
-    if not isinstance(w, expected) or tuple(w.shape) != tuple(shape):
+    want = abstract_weight(fmt, shape, dtype)
+    if type(w) is not type(want) or tuple(w.shape) != tuple(shape):
         raise ValueError(f"parameter {name!r} of {module.name!r} is {type(w).__name__} {tuple(w.shape)}, "
                          f"expected {fmt} {tuple(shape)}")
+    values, scales = w.stored
+    tiled = tuple(-(-size // block) for size, block in zip(values.shape[-2:], w.values_per_scale))
+    if (any(whole % block for whole, block in zip(want.values_per_scale, w.values_per_scale))
+            or scales.shape != (*values.shape[:-2], *tiled)):
+        raise ValueError(f"parameter {name!r} of {module.name!r}: scales {scales.shape} in blocks of "
+                         f"{w.values_per_scale} do not tile its values {values.shape} in blocks dividing {fmt}'s")
     return w
 
 

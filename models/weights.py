@@ -12,6 +12,9 @@ Formats (on-disk names in brackets):
   int4       symmetric group-wise along the input dim, group 32 or 128, 8 nibbles per int32
              [compressed-tensors pack-quantized: `weight_packed`, `weight_scale`, `weight_shape`].
              Packed layout: see pallas_kernels/int4_matmul.py (the transpose of compressed-tensors).
+Tensor parallelism may hold either with finer scale blocks (their scales repeated: the same
+weight), where a device's share would cut the stored ones (split_for_tp): FP8 scale_block (64, 128)
+or an INT4 group of 64 for GLM-4.5's 192-row expert shares at TP8.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ class WeightPlan:
 @dataclasses.dataclass
 class Fp8BlockWeight:
     """values_KN float8_e4m3fn [..., K, N]; scale_inv_kn float32 [..., ceil(K/r), ceil(N/c)] for
-    scale_block (r, c): 128 x 128 as checkpoints store it, finer where tensor parallelism re-blocks
-    the scales (split_for_tp)."""
+    scale_block (r, c) (its values_per_scale): 128 x 128 as checkpoints store it, finer where tensor
+    parallelism re-blocks the scales (split_for_tp)."""
 
     values_KN: jax.Array
     scale_inv_kn: jax.Array

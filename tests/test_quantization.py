@@ -266,7 +266,7 @@ def test_a_model_with_re_blocked_scales_computes_the_same_logits_and_a_wrong_for
     ids = jnp.asarray(np.random.default_rng().integers(0, model.config.vocab_size, (2, 7)), jnp.int32)
     for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
         quantized, _ = quantize_model(model, plan_for(fmt, "all"))
-        finer = lambda w: reblock(w, tuple(max(1, v // 2) if v > 1 else v for v in w.values_per_scale))
+        finer = lambda w: reblock(w, tuple(max(1, v // 2) for v in w.values_per_scale))
         leaves = (Fp8BlockWeight, Int4Weight)
         params = jax.tree.map(lambda w: finer(w) if isinstance(w, leaves) else w, quantized.params,
                               is_leaf=lambda x: isinstance(x, leaves))
@@ -278,6 +278,13 @@ def test_a_model_with_re_blocked_scales_computes_the_same_logits_and_a_wrong_for
     params["layers_1"]["mlp"]["experts"]["down_proj"] = Int4Weight.quantize(dense, 16)
     with pytest.raises(ValueError, match=r"'down_proj' of 'experts' is Int4Weight \(8, 32, 64\), expected fp8_block"):
         dataclasses.replace(quantized, params=params).logits(ids)
+    # Scales that do not tile the values (one block row too many), or blocks coarser than the format's.
+    down = quantized.params["layers_1"]["mlp"]["experts"]["down_proj"]
+    for bad in (down.with_stored(down.values_KN, jnp.concatenate([down.scale_inv_kn] * 2, axis=-2)),
+                down.with_stored(down.values_KN, down.scale_inv_kn, (256, 128))):
+        params["layers_1"]["mlp"]["experts"]["down_proj"] = bad
+        with pytest.raises(ValueError, match=r"'down_proj' of 'experts': scales .* do not tile its values"):
+            dataclasses.replace(quantized, params=params).logits(ids)
 
 
 # ---- Orbax --------------------------------------------------------------------------------------
@@ -309,4 +316,3 @@ def test_orbax_round_trip_is_bit_exact(bf16_dir, tmp_path):
 def test_orbax_restore_names_a_wrong_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.json"):
         restore_params(str(tmp_path))
-

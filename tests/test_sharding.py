@@ -239,11 +239,29 @@ SHARDED_LOAD = """
 # Checkpoints (BF16, INT4 g16 experts, FP8 everywhere) placed on 4 devices as they are read: the same
 # leaves, shardings and re-blocked scales as loading on one device and placing the whole model.
 import sys
-from mixserve.model import Model
+# Every tensor reaches its devices from the host: the loader never puts a whole one on a device first.
+placement = sharding.placement
+
+
+def from_host(put):
+    def checked(x):
+        assert isinstance(x, np.ndarray), type(x)
+        return put(x)
+    return checked
+
+
+def streamed_load(directory, **kwargs):
+    sharding.placement = lambda *a, **k: jax.tree.map(from_host, placement(*a, **k))
+    try:
+        return mixserve.load(directory, dtype="float32", progress=False, **kwargs)
+    finally:
+        sharding.placement = placement
+
+
 mesh = sharding.tp_mesh(4)
 for directory in sys.argv[1:]:
     for ep in (False, True):
-        streamed = mixserve.load(directory, dtype="float32", progress=False, mesh=mesh, expert_parallel=ep)
+        streamed = streamed_load(directory, mesh=mesh, expert_parallel=ep)
         placed = sharding.shard_model(mixserve.load(directory, dtype="float32", progress=False), mesh, ep)
         assert streamed.expert_parallel == ep and jax.tree.structure(streamed.params) == jax.tree.structure(placed.params)
         for a, b in zip(jax.tree.leaves(streamed.params), jax.tree.leaves(placed.params), strict=True):
@@ -253,8 +271,12 @@ for directory in sys.argv[1:]:
         if not isinstance(down, jax.Array):  # TP4: 8 of the 32 rows a device, re-blocked; EP4: whole experts
             assert down.values_per_scale == {(False, "Int4Weight"): (1, 1), (True, "Int4Weight"): (2, 1),
                                              (False, "Fp8BlockWeight"): (8, 128), (True, "Fp8BlockWeight"): (128, 128)}[ep, type(down).__name__]
-with pytest.raises(ValueError, match="expert_parallel places the routed experts over a mesh"):
-    mixserve.load(sys.argv[1], expert_parallel=True)
+# Named errors before any tensor is read: no mesh, no "model" axis, experts the devices do not divide.
+for kwargs, error in (({"expert_parallel": True}, "expert_parallel splits the routed experts over a mesh"),
+                      ({"mesh": jax.make_mesh((4,), ("data",))}, "needs a 'model' axis"),
+                      ({"mesh": sharding.tp_mesh(3), "expert_parallel": True}, r"routed expert count \\(8\\) to divide")):
+    with pytest.raises(ValueError, match=error):
+        mixserve.load(sys.argv[1], **kwargs)
 # Orbax saves the model as its plan stores it, so a placed one with re-blocked scales is refused.
 from mixserve.orbax_io import save_params
 with pytest.raises(ValueError, match="re-blocked for tensor parallelism"):
@@ -319,8 +341,9 @@ def test_a_checkpoint_streams_onto_the_mesh_as_the_engine_would_place_it(tmp_pat
     """mixserve.load(dir, mesh=) puts each tensor on its devices as it is read (a full model does not
     fit one device): BF16, INT4 g16 (experts) and FP8-block checkpoints of a tiny Kimi at TP4 and EP4 give the
     leaves, shardings and re-blocked scales (INT4 g8, FP8 8-row blocks for down_proj's 8-row
-    shares) of loading whole and placing; named errors for expert parallelism without a mesh and for
-    saving (Orbax) a placed model whose scales were re-blocked."""
+    shares) of loading whole and placing, each tensor put from the host; named errors before any
+    read for meshes that cannot take the model, and for saving (Orbax) a placed model whose scales
+    were re-blocked."""
     import hf_reference as ref
 
     bf16 = str(tmp_path / "bf16")
