@@ -27,21 +27,21 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from mixserve.gptq import abstract_params
+from mixserve.gptq import abstract_params, is_quantized
 from mixserve.model import DTYPES, Model
 from mixserve.tokenizer import load_tokenizer
 from models.config import ModelConfig, RopeConfig
-from models.weights import QUANTIZED, WeightFormat, WeightPlan
+from models.weights import WeightFormat, WeightPlan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json")
 
 
 def save_params(path: str, model: Model) -> None:
     """Write model.params (+ config, plan, dtype, tokenizer files) under `path`, replacing what was there."""
-    stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype), is_leaf=_is_quantized)
-    held = jax.tree.leaves(model.params, is_leaf=_is_quantized)
+    stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype), is_leaf=is_quantized)
+    held = jax.tree.leaves(model.params, is_leaf=is_quantized)
     for want, got in zip(stored, held, strict=True):
-        if _is_quantized(got) and got.values_per_scale != want.values_per_scale:
+        if is_quantized(got) and got.values_per_scale != want.values_per_scale:
             raise ValueError(f"a {type(got).__name__} holds scales re-blocked for tensor parallelism ({got.values_per_scale} "
                              f"values per scale, its plan stores {want.values_per_scale}): save the model as loaded "
                              "without a mesh")
@@ -59,10 +59,6 @@ def save_params(path: str, model: Model) -> None:
         for name in TOKENIZER_FILES:
             if os.path.exists(os.path.join(model.source, name)):
                 shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
-
-
-def _is_quantized(x) -> bool:
-    return isinstance(x, QUANTIZED)
 
 
 def restore_params(path: str, *, shardings: Any = None, target: Any = None, backend: str = "xla") -> Model:
