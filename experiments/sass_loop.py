@@ -15,6 +15,8 @@ SASS_KINDS = {
     "wgmma": ("HGMMA",),  # Hopper warpgroup MMA (its B operand from shared memory)
     "convert": ("F2F", "I2F", "F2I", "I2I"),  # the F2F prefix covers packed F2FP too
     "permute": ("PRMT",),
+    "shared store": ("STS",),  # STS and STSM: an MMA operand staged through shared memory
+    "sync": ("BAR", "MEMBAR", "FENCE"),  # barriers and fences between those stores and the MMA
     "spill": ("LDL", "STL"),
 }
 

@@ -135,19 +135,21 @@ def cases(cfg: Config) -> list[Case]:
         for m in sorted({*cfg.matmul_ms, 32}):  # 32: the one tile height (16/32/64) the benchmark skips
             out.append(Case("INT4 matmul", f"M={m} g={group}", functools.partial(int4_matmul, group_size=group, backend="pallas"),
                             (spec((m, k), jnp.bfloat16), *weights)))
-    for name, tuning in (("gather-x", Int4Tuning(gather_x=True)), ("block_k=128", Int4Tuning(block_k=128))):
+    for name, tuning in (("gather-x", Int4Tuning(gather_x=True)), ("block_k=128", Int4Tuning(block_k=128)),
+                         ("swap-ab", Int4Tuning(swap_ab=True))):
         for m in (min(cfg.matmul_ms), max(cfg.matmul_ms)):
             out.append(Case(f"INT4 matmul {name}", f"M={m} g=32",
                             functools.partial(int4_matmul, group_size=32, backend="pallas", tuning=tuning),
                             (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // 32, n), jnp.bfloat16))))
     e, g = cfg.experts, cfg.group_size
-    moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
-    for tokens in cfg.moe_tokens:
-        out.append(Case("MoE INT4", f"T={tokens} E={e} g={g}", moe,
-                        (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
-                         spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
-    for dots in ("bfloat16", "float16"):
-        out += _fp8_block_cases(cfg.matmul_ms, k, n, e, cfg.moe_tokens, jnp.bfloat16, Fp8BlockTuning(dot_dtype=dots))
+    for name, tuning in (("", Int4Tuning()), (" swap-ab", Int4Tuning(swap_ab=True))):
+        moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas", tuning=tuning)
+        for tokens in cfg.moe_tokens:
+            out.append(Case("MoE INT4" + name, f"T={tokens} E={e} g={g}", moe,
+                            (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
+                             spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
+    for tuning in (Fp8BlockTuning(dot_dtype="bfloat16"), Fp8BlockTuning(), Fp8BlockTuning(swap_ab=True)):
+        out += _fp8_block_cases(cfg.matmul_ms, k, n, e, cfg.moe_tokens, jnp.bfloat16, tuning)
     return out
 
 
@@ -159,7 +161,7 @@ def _fp8_block_cases(ms, k: int, n: int, experts: int, moe_tokens, x_dtype, tuni
     dense = functools.partial(fp8_block_matmul, scale_block=scale_block, backend="pallas", tuning=tuning)
     moe = functools.partial(moe_fp8_block_matmul, scale_block=scale_block, backend="pallas", tuning=tuning)
     label = f"K={k} N={n} blocks={scale_block} x {jnp.dtype(x_dtype).name}"
-    name = "" if tuning.dot_dtype == "bfloat16" else " f16-dots"
+    name = ("" if tuning.dot_dtype == "bfloat16" else " f16-dots") + " swap-ab" * tuning.swap_ab
     out = [Case("FP8-block matmul" + name, f"M={m} {label}", dense,
                 (spec((m, k), x_dtype), spec((k, n), jnp.float8_e4m3fn), spec(scales, jnp.float32))) for m in ms]
     out += [Case("MoE FP8-block" + name, f"T={t} E={experts} {label}", moe,

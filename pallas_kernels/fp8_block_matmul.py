@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.flash_decoding import scaled_query
 from pallas_kernels.weight_stream import (
     StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, check_group_sizes, column_blocks, dense_rows,
-    grouped_rows, pad_to, plan_tiling, reference_dot, reference_ragged_dot, stream_tiles, whole)
+    grouped_rows, pad_to, plan_tiling, reference_dot, reference_ragged_dot, row_factor, stream_tiles, tile_product,
+    whole)
 
 FP8_BLOCK = 128  # weights per scale, along K and along N
 
@@ -197,13 +197,13 @@ def _fp8_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: ja
     scale_rows, scale_columns = scale_block
     scale_column = pl.program_id(1) * tiling.block_n // scale_columns
     # Per row with scaled f16 x (applied with each block's scale: [BM, 1], not [BM, BN]), else 1.
-    unscale_M1 = unscale_ref[0][pl.ds(start, tiling.block_m)][:, None] if unscale_ref else 1.0
+    unscale = row_factor(unscale_ref[0][pl.ds(start, tiling.block_m)], tiling) if unscale_ref else 1.0
 
-    def step(block, acc_MN):
+    def step(block, acc):
         first_k = block * tiling.block_k
         x_MK = x_ref[pl.ds(start, tiling.block_m), pl.ds(first_k, tiling.block_k)]
         w_KN = values_ref[expert, pl.ds(first_k, tiling.block_k), :].astype(x_MK.dtype)
         scale = scale_ref[expert, first_k // scale_rows, scale_column].astype(jnp.float32)
-        return acc_MN + mma.dot_nn(x_MK, w_KN) * (scale * unscale_M1)
+        return acc + tile_product(x_MK, w_KN, tiling) * (scale * unscale)
 
     return step

@@ -53,7 +53,7 @@ from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.weight_stream import (
     StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, column_blocks, dense_rows, pad_to, plan_tiling,
-    reference_dot, stream_tiles)
+    reference_dot, stream_tiles, tile_product)
 
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
@@ -275,13 +275,13 @@ def _int4_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: j
     packed_rows = tiling.block_k // PACK
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
 
-    def step(block, acc_MN):
+    def step(block, acc):
         first_row = block * packed_rows
         packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
         scale_QN = load_scales(first_row)
         for j in range(PACK // 2):
             for plane, w_QN in zip((j, j + 4), _dequantize_planes(packed_QN, j, scale_QN, x_ref.dtype)):
-                acc_MN += mma.dot_nn(load_x_plane(plane, first_row), w_QN)
-        return acc_MN
+                acc += tile_product(load_x_plane(plane, first_row), w_QN, tiling)
+        return acc
 
     return step

@@ -53,3 +53,10 @@ def dot_nn(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
     a_MK, b_KN = _mma_operands(a_MK, b_KN, a_MK.shape[0], a_MK.shape[1], b_KN.shape[1])
     return lax.dot_general(a_MK, b_KN, (((1,), (0,)), ((), ())),
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def dot_tt(a_KM: jax.Array, b_NK: jax.Array) -> jax.Array:
+    """a.T @ b.T with float32 accumulation (IEEE, not TF32, for f32 operands)."""
+    a_KM, b_NK = _mma_operands(a_KM, b_NK, a_KM.shape[1], a_KM.shape[0], b_NK.shape[0])
+    return lax.dot_general(a_KM, b_NK, (((0,), (1,)), ((), ())),
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)

@@ -16,6 +16,13 @@ streamed by hundreds of programs, not 16.
 
 A tile with no rows streams no weights, so in the decode case (few tokens,
 many experts) idle experts cost no bandwidth.
+
+With StreamTuning.swap_ab a program computes the transposed product,
+acc_NM += w^T x^T, so that the dequantized weights are the MMA's first
+operand. On sm_90 Triton then issues Hopper's warpgroup MMA (wgmma) with
+that operand in registers, and only x goes through shared memory; in the
+plain orientation a 64-row tile's wgmma reads the weights from shared memory,
+so each step stores every dequantized weight there and fences before the MMA.
 """
 
 import dataclasses
@@ -43,6 +50,15 @@ class StreamTuning:
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
       (2 per SM of an H100/H200's 132).
+    swap_ab: accumulate the transposed product (module docstring). sm_90a
+      compiles at K=7168 N=2048 (experiments/results/sm90_sass.md): the INT4
+      kernel's inner loop at M=64 loses its 64 shared-memory stores and 23 of
+      its 25 barriers and fences per step, for 32 smaller wgmmas instead of 16
+      (1097 instructions against 1111; 195 registers against 167, 2 programs
+      per SM either way); at M=1 it trades 32 mma.sync for 16 wgmma, 600
+      instructions against 519. The FP8-block kernel gets nothing from it:
+      its weights reach the MMA's register layout through 128 byte permutes
+      per step at M=64 (581 instructions against 284). Not yet timed on a GPU.
     """
 
     block_n: int = 128
@@ -50,6 +66,7 @@ class StreamTuning:
     num_warps: int | None = None
     num_stages: int = 2
     target_programs: int = 2 * 132
+    swap_ab: bool = False
     MIN_BLOCK_K: ClassVar[int] = mma.MIN_DOT_ROWS
 
     def __post_init__(self):
@@ -132,9 +149,20 @@ def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int, tun
     return Tiling(block_m, out_rows, block_n, block_k, num_splits, tuning)
 
 
-# make_step(x_ref, operand_refs, expert, start, rows, tiling) -> step(k_block, acc_MN) -> acc_MN:
-# the format's inner loop body, built once per program.
+# make_step(x_ref, operand_refs, expert, start, rows, tiling) -> step(k_block, acc) -> acc:
+# the format's inner loop body, built once per program. It adds tile_products to acc.
 StepFactory = Callable[..., Callable[[jax.Array, jax.Array], jax.Array]]
+
+
+def tile_product(x_MQ: jax.Array, w_QN: jax.Array, tiling: Tiling) -> jax.Array:
+    """x @ w in float32, in the accumulator's orientation: [BM, BN], or
+    [BN, BM] = w^T x^T with tuning.swap_ab."""
+    return mma.dot_tt(w_QN, x_MQ) if tiling.tuning.swap_ab else mma.dot_nn(x_MQ, w_QN)
+
+
+def row_factor(f_M: jax.Array, tiling: Tiling) -> jax.Array:
+    """A factor per row of x, shaped to multiply a tile_product."""
+    return f_M[None, :] if tiling.tuning.swap_ab else f_M[:, None]
 
 
 def _stream_kernel(expert_ref, start_ref, rows_ref, x_ref, *refs, make_step: StepFactory, tiling: Tiling,
@@ -156,8 +184,10 @@ def _stream_kernel(expert_ref, start_ref, rows_ref, x_ref, *refs, make_step: Ste
     # select a type other than the loop's lower bound, an scf.for that fails
     # verification on the GPU (caught by tests/test_kernels_int4.py).
     num_blocks = jnp.minimum(rows, 1) * blocks_per_split  # rows >= 0
-    acc_MN = jax.lax.fori_loop(0, num_blocks, lambda block, acc: step(first_block + block, acc),
-                               jnp.zeros((tiling.block_m, tiling.block_n), jnp.float32))
+    shape = (tiling.block_n, tiling.block_m) if tiling.tuning.swap_ab else (tiling.block_m, tiling.block_n)
+    acc = jax.lax.fori_loop(0, num_blocks, lambda block, acc: step(first_block + block, acc),
+                            jnp.zeros(shape, jnp.float32))
+    acc_MN = acc.T if tiling.tuning.swap_ab else acc
     if tiling.out_rows < tiling.block_m:
         # Rows >= out_rows are exactly zero (zero-padded x): folding them onto
         # the first out_rows is exact, and at M = 1 it cuts the split-K partial

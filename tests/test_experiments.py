@@ -225,15 +225,19 @@ def test_sass_inner_loop_and_its_instruction_mix():
         /*0030*/                   F2F.BF16.F16 R4, R2 ;
         /*0040*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
         /*0050*/              @!P0 STL [R1], R9 ;
+        /*0054*/                   STS.128 [R3], R8 ;
+        /*0056*/                   FENCE.VIEW.ASYNC.S ;
         /*0058*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0060*/               @P1 BRA 0x20 ;
         /*0070*/                   BRA 0x70 ;
         /*0080*/                   EXIT ;
     """
     body = inner_loop(listing)
-    assert body == ["F2FP.F16.E4M3.UNPACK_B", "F2F.BF16.F16", "HMMA.16816.F32.BF16", "STL", "HGMMA.64x128x16.F32.BF16", "BRA"]
+    assert body == ["F2FP.F16.E4M3.UNPACK_B", "F2F.BF16.F16", "HMMA.16816.F32.BF16", "STL", "STS.128",
+                    "FENCE.VIEW.ASYNC.S", "HGMMA.64x128x16.F32.BF16", "BRA"]
     mix = LoopMix.of(body)
-    assert mix.instructions == 6 and mix.kinds == {"mma.sync": 1, "wgmma": 1, "convert": 2, "permute": 0, "spill": 1}
+    assert mix.instructions == 8 and mix.kinds == {"mma.sync": 1, "wgmma": 1, "convert": 2, "permute": 0,
+                                                   "shared store": 1, "sync": 1, "spill": 1}
     assert mix.conversions == {"F2FP.F16.E4M3.UNPACK_B": 1, "F2F.BF16.F16": 1}
 
 
@@ -255,9 +259,10 @@ ptxas info    : Used 96 registers, used 1 barriers, 38912 bytes smem, 400 bytes 
     assert ptx_target(ptx) == "sm_90a" and ptx_warps(ptx) == 4
     case = gpu_ptx.cases(gpu_ptx.GPU)[0]
     usage = gpu_ptx.Compiled(4, 2, 96, 20, 38 * 1024, 0.0)
-    mix = LoopMix(792, {"mma.sync": 32, "wgmma": 0, "convert": 196, "permute": 64, "spill": 0}, {})
+    mix = LoopMix(792, {"mma.sync": 32, "wgmma": 0, "convert": 196, "permute": 64, "shared store": 8, "sync": 2,
+                        "spill": 0}, {})
     row = gpu_ptx.table_row(case, usage, mix)
-    assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 32 | 0 | 196 | 64 | 0 |"
+    assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 32 | 0 | 196 | 64 | 8 | 2 | 0 |"
 
 
 def test_gpu_profile_cases_launch_the_kernels_ncu_is_told_to_profile(tmp_path):

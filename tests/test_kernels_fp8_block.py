@@ -120,6 +120,8 @@ DENSE_SHAPES = [(1, 512, 256, (128, 128)), (7, 384, 200, (128, 128)), (64, 256, 
 # Small blocks and a high program target: more split-K partials and column blocks.
 SMALL_TILES = Fp8BlockTuning(block_n=16, block_k=16, target_programs=4096)
 BF16_DOTS = Fp8BlockTuning(dot_dtype="bfloat16")
+# The transposed product (w^T x^T): the row factors of f16 x multiply columns of the accumulator.
+SWAP_AB = Fp8BlockTuning(swap_ab=True)
 
 
 @pytest.mark.parametrize("shape, tuning, scale_dtype",
@@ -127,6 +129,7 @@ BF16_DOTS = Fp8BlockTuning(dot_dtype="bfloat16")
                          + [(DENSE_SHAPES[0], SMALL_TILES, jnp.float32), (DENSE_SHAPES[1], SMALL_TILES, jnp.float32),
                             (DENSE_SHAPES[0], BF16_DOTS, jnp.float32), (DENSE_SHAPES[4], BF16_DOTS, jnp.float32),
                             (DENSE_SHAPES[2], Fp8BlockTuning(), jnp.bfloat16),
+                            (DENSE_SHAPES[1], SWAP_AB, jnp.float32), (DENSE_SHAPES[4], SWAP_AB, jnp.float32),
                             # one program per column block: no split-K, the kernel writes x's dtype
                             (DENSE_SHAPES[2], Fp8BlockTuning(block_n=16, target_programs=1), jnp.float32)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
@@ -183,7 +186,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize("case, tuning", [(case, Fp8BlockTuning()) for case in MOE_CASES]
-                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], BF16_DOTS)])
+                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], BF16_DOTS), (MOE_CASES[1], SWAP_AB)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_moe_fp8_block_kernel_matches_float64(case, tuning, x_dtype):
     seed = _seed()

@@ -25,6 +25,7 @@ magnitudes, computed in float64):
 
 import dataclasses
 import functools
+import itertools
 import os
 import re
 
@@ -153,6 +154,8 @@ SMALL_TILES = Int4Tuning(block_n=16, block_k=128, num_stages=2, target_programs=
 # one program per column block there is no split-K, and the kernel writes x's dtype.
 GATHER_X = Int4Tuning(gather_x=True)
 GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
+# The transposed product (w^T x^T), the dequantized weights as the MMA's first operand.
+SWAP_AB = Int4Tuning(swap_ab=True)
 
 
 # Scales are bf16 (what checkpoints store; the kernel's bf16 dequant math) or
@@ -163,6 +166,8 @@ GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
                             (DENSE_SHAPES[1], Int4Tuning(), jnp.float32), (DENSE_SHAPES[1], GATHER_X, jnp.bfloat16),
                             (DENSE_SHAPES[0], GATHER_X_UNSPLIT, jnp.bfloat16),
                             (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16),
+                            (DENSE_SHAPES[2], SWAP_AB, jnp.bfloat16), (DENSE_SHAPES[0], SWAP_AB, jnp.bfloat16),
+                            (SMALL_K_SHAPES[0], SWAP_AB, jnp.bfloat16),
                             # 6 packed rows per group: the per-row scale gather, not the broadcast.
                             ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16),
                             # K with no power-of-two block >= 128: a smaller block, whose dots
@@ -197,21 +202,23 @@ def test_int4_kernels_keep_small_dots_off_the_mma():
     and >= 16 wide; where K has no power-of-two block >= 128 (GLM-4.5's
     down projection share at TP8, 1536 / 8 = 192, and the tiny models' 32)
     the dots contract < 16 and take float32 operands instead, which the H200
-    computed correctly where bf16 returned twice the product."""
+    computed correctly where bf16 returned twice the product. Both orientations
+    of the product (Int4Tuning.swap_ab)."""
     spec = jax.ShapeDtypeStruct
-    for m, k, n, g in ((1, 7168, 2048, 32), (64, 7168, 2048, 128), (1, 192, 5120, 32), (5, 32, 64, 16)):
-        for experts in (0, 4):
-            if experts:
-                op = functools.partial(moe_int4_matmul, group_size=g, backend="pallas")
-                args = (spec((m, k), jnp.bfloat16), spec((experts, k // 8, n), jnp.int32),
-                        spec((experts, k // g, n), jnp.bfloat16), spec((experts,), jnp.int32))
-            else:
-                op = functools.partial(int4_matmul, group_size=g, backend="pallas")
-                args = (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))
-            [kernel] = [kern for kern in triton_kernels_for_cuda(op, *args) if kern.name == "int4_matmul"]
-            dots = ttir_dots(kernel.ttir)
-            assert dots and not dots_below_the_mma_minimum(kernel.ttir), (m, k, experts, dots[:2])
-            assert {t for _, _, t in dots} == ({"f32"} if k % 128 else {"bf16"}), (m, k, experts, dots[:2])
+    for (m, k, n, g), experts, tuning in itertools.product(
+            ((1, 7168, 2048, 32), (64, 7168, 2048, 128), (1, 192, 5120, 32), (5, 32, 64, 16)), (0, 4),
+            (Int4Tuning(), SWAP_AB)):
+        if experts:
+            op = functools.partial(moe_int4_matmul, group_size=g, backend="pallas", tuning=tuning)
+            args = (spec((m, k), jnp.bfloat16), spec((experts, k // 8, n), jnp.int32),
+                    spec((experts, k // g, n), jnp.bfloat16), spec((experts,), jnp.int32))
+        else:
+            op = functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=tuning)
+            args = (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // g, n), jnp.bfloat16))
+        [kernel] = [kern for kern in triton_kernels_for_cuda(op, *args) if kern.name == "int4_matmul"]
+        dots = ttir_dots(kernel.ttir)
+        assert dots and not dots_below_the_mma_minimum(kernel.ttir), (m, k, experts, dots[:2])
+        assert {t for _, _, t in dots} == ({"f32"} if k % 128 else {"bf16"}), (m, k, experts, dots[:2])
 
 
 def test_int4_matmul_rejects_bad_inputs():
@@ -283,7 +290,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize("case, tuning", [(case, Int4Tuning()) for case in MOE_CASES]
-                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], GATHER_X),
+                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], GATHER_X), (MOE_CASES[1], SWAP_AB),
                             (MOE_CASES[1], dataclasses.replace(SMALL_TILES, gather_x=True))])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_moe_int4_kernel_matches_reference(case, tuning, x_dtype):
