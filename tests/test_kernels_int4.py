@@ -168,6 +168,7 @@ SWAP_AB = Int4Tuning(swap_ab=True)
                             (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16),
                             (DENSE_SHAPES[2], SWAP_AB, jnp.bfloat16), (DENSE_SHAPES[0], SWAP_AB, jnp.bfloat16),
                             (SMALL_K_SHAPES[0], SWAP_AB, jnp.bfloat16),
+                            (DENSE_SHAPES[1], dataclasses.replace(SWAP_AB, gather_x=True), jnp.bfloat16),
                             # 6 packed rows per group: the per-row scale gather, not the broadcast.
                             ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16),
                             # K with no power-of-two block >= 128: a smaller block, whose dots
