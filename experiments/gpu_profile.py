@@ -55,10 +55,12 @@ SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpS
 # The defaults, and beside each the sweep's leading candidate for its goal. INT4:
 # swap_ab (its stalls without the weights' shared-memory round trip) replaced
 # gather_x with block_n=64, whose run-3 profile was the slowest at M=64 (30 us).
+# Attention: swap_pv (the values product as wgmma; 12-16% fewer loop
+# instructions, not fewer shared-memory loads) replaced GQA prefetch and MLA
+# block_tokens=32, which run 3 profiled and runs 3-4 timed slower than the defaults.
 INT4_PROFILED = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(swap_ab=True))
-GQA_PROFILED = (AttentionTuning(), AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=256))
-MLA_PROFILED = (AttentionTuning(), AttentionTuning(fp8_dots="float16", prefetch=True, target_programs=128),
-                AttentionTuning(block_tokens=32, fp8_dots="float16", target_programs=256))
+GQA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True))
+MLA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(prefetch=True))
 
 
 class Call(NamedTuple):

@@ -93,6 +93,9 @@ def cases(cfg: Config) -> list[Case]:
                 for name, dtype, dots in (("bf16", jnp.bfloat16, "bfloat16"), ("fp8", jnp.float8_e4m3fn, "bfloat16"),
                                           ("fp8 f16-dots", jnp.float8_e4m3fn, "float16"))]
     variants = [(name + " prefetch" * tuning.prefetch, dtype, tuning) for name, dtype, tuning in variants]
+    # The values product accumulated transposed, so that it runs as wgmma (AttentionTuning.swap_pv).
+    variants += [(f"{name} swap-pv", dtype, dataclasses.replace(tuning, swap_pv=True))
+                 for name, dtype, tuning in variants if name in ("bf16", "fp8 f16-dots", "fp8 f16-dots prefetch")]
     for name, dtype, tuning in variants:
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             n = context // cfg.gqa_page
@@ -117,7 +120,8 @@ def cases(cfg: Config) -> list[Case]:
                                  AttentionTuning(block_tokens=32, fp8_dots=dots), batch, context))
     # FlashMLA's tile-scaled layout (kv_cache_dtype fp8_ds_mla): three pools, tiles dequantized in registers.
     for name, tuning in (("fp8 tiled", AttentionTuning()), ("fp8 tiled block-32", AttentionTuning(block_tokens=32)),
-                         ("fp8 tiled prefetch", AttentionTuning(prefetch=True))):
+                         ("fp8 tiled prefetch", AttentionTuning(prefetch=True)),
+                         ("fp8 tiled swap-pv", AttentionTuning(swap_pv=True))):
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
             out.append(_mla_case(cfg, f"MLA {name}", "tiled", tuning, batch, context))
     # Decode context parallelism at 8 ways: one device runs all 64 heads over 1/8 of the context in
@@ -127,8 +131,9 @@ def cases(cfg: Config) -> list[Case]:
     for batch in (1, max(cfg.batches)):
         out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share", jnp.float8_e4m3fn, AttentionTuning(), batch,
                              max(cfg.contexts) // DCP))
-    out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share, head_rows=64", jnp.float8_e4m3fn,
-                         AttentionTuning(head_rows=64), max(cfg.batches), max(cfg.contexts) // DCP))
+    for name, tuning in (("", AttentionTuning(head_rows=64)), (" swap-pv", AttentionTuning(head_rows=64, swap_pv=True))):
+        out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share, head_rows=64{name}", jnp.float8_e4m3fn, tuning,
+                             max(cfg.batches), max(cfg.contexts) // DCP))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))

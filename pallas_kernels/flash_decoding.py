@@ -62,6 +62,16 @@ class AttentionTuning:
       already held to ~2 waves of programs. Not yet timed at 1.
     prefetch: carry the next block through the loop so that its loads
       overlap this block's math (see attend_split).
+    swap_pv: compute the probabilities-times-values product transposed,
+      acc^T [V, R] += values^T [V, T] p^T [T, R], so that its M side is the
+      value width (GQA 128, MLA 512) rather than R query rows (16). Triton
+      then runs it as Hopper's warpgroup wgmma (M >= 64) instead of mma.sync.
+      sm_90a SASS at B=64 (experiments/results/sm90_sass.md): GQA fp8 with
+      float16 dots 578 instructions per loop iteration against 692, MLA fp8
+      997 against 1136, mostly the register moves (IMAD.MOV) that feed
+      mma.sync's operand fragments (GQA 64 against 164, MLA 158 against
+      286); registers 121 against 100 and 190 against 194 (GQA keeps 4
+      programs per SM, MLA 1). Not yet timed: off until a GPU sweep says.
     head_rows: MLA: the most query heads one program holds, a power of two
       >= 16. More heads run in blocks of this many, each its own program
       that reads the pages again. 16 holds Kimi's 8 heads per GPU at TP8;
@@ -77,6 +87,7 @@ class AttentionTuning:
     fp8_dots: str = "float16"
     partial_share: int = 1
     prefetch: bool = False
+    swap_pv: bool = False
     target_programs: int | None = None
     head_rows: int = 16
 
@@ -254,23 +265,24 @@ def row_logit_scale(logit_scale: jax.Array, unscale_R: jax.Array | None) -> jax.
 class SoftmaxPartial(NamedTuple):
     """Online-softmax state for R query rows over the tokens seen so far."""
 
-    acc_RV: jax.Array  # f32: sum_t exp(logit_t - max) * value_t
+    acc: jax.Array  # f32 [R, V] (or [V, R] with swap_pv): sum_t exp(logit_t - max) * value_t
     max_R: jax.Array  # f32: running max logit (finite: finfo.min when empty)
     sum_R: jax.Array  # f32: sum_t exp(logit_t - max)
 
 
-def empty_partial(rows: int, value_dim: int) -> SoftmaxPartial:
+def empty_partial(rows: int, value_dim: int, swap_pv: bool) -> SoftmaxPartial:
     # A finite "minus infinity" keeps exp(max_a - max_b) NaN-free when a
     # split saw no tokens at all (empty request or split past its length).
     return SoftmaxPartial(
-        jnp.zeros((rows, value_dim), jnp.float32),
+        jnp.zeros((value_dim, rows) if swap_pv else (rows, value_dim), jnp.float32),
         jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
 
 
 def online_softmax_step(
-    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array, zero_invalid: bool
+    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array, zero_invalid: bool,
+    swap_pv: bool,
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
@@ -279,7 +291,8 @@ def online_softmax_step(
     zeros (gather_pages with a mask), or zeroed here (zero_invalid) when a
     stale slot was loaded as it is. values_TV is in the dot operand dtype; the
     probabilities are rounded to it for the tensor-core dot (as
-    FlashAttention does) but summed in f32.
+    FlashAttention does) but summed in f32. swap_pv: state.acc is [V, R]
+    (AttentionTuning.swap_pv).
     """
     logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
     max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
@@ -287,14 +300,18 @@ def online_softmax_step(
     p_RT = jnp.exp(logits_RT - max_R[:, None])
     if zero_invalid:
         values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
-    acc_RV = state.acc_RV * rescale_R[:, None] + mma.dot_nn(p_RT.astype(values_TV.dtype), values_TV)
+    rounded_RT = p_RT.astype(values_TV.dtype)
+    if swap_pv:
+        acc = state.acc * rescale_R[None, :] + mma.dot_tt(values_TV, rounded_RT)
+    else:
+        acc = state.acc * rescale_R[:, None] + mma.dot_nn(rounded_RT, values_TV)
     sum_R = state.sum_R * rescale_R + jnp.sum(p_RT, axis=1)
-    return SoftmaxPartial(acc_RV, max_R, sum_R)
+    return SoftmaxPartial(acc, max_R, sum_R)
 
 
 def attend_split(
     slots_ref, length: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
-    rows: int, value_dim: int, gather: Callable, logits_and_values: Callable, prefetch: bool,
+    rows: int, value_dim: int, gather: Callable, logits_and_values: Callable, tuning: AttentionTuning,
 ) -> SoftmaxPartial:
     """Online softmax over the token blocks of one split of one request.
 
@@ -308,7 +325,7 @@ def attend_split(
     B=64 ctx=32k 357 vs 420 us, MLA 1657 vs 1957 us;
     experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md).
 
-    prefetch (AttentionTuning.prefetch): Triton's pipeliner, given the
+    tuning.prefetch (AttentionTuning.prefetch): Triton's pipeliner, given the
     page-table indirection, keeps one buffer per block and issues the next
     block's copy at the end of the loop body, right before the wait at the
     top, so a program never computes while its own loads are in flight
@@ -338,10 +355,11 @@ def attend_split(
     def fold(block, tiles, state):
         logits_RT, values_TV = logits_and_values(tiles)
         # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
-        return online_softmax_step(state, logits_RT, valid_tokens(block), values_TV, zero_invalid=not prefetch)
+        return online_softmax_step(state, logits_RT, valid_tokens(block), values_TV,
+                                   zero_invalid=not tuning.prefetch, swap_pv=tuning.swap_pv)
 
-    empty = empty_partial(rows, value_dim)
-    if not prefetch:
+    empty = empty_partial(rows, value_dim, tuning.swap_pv)
+    if not tuning.prefetch:
         return lax.fori_loop(0, num_blocks, lambda block, state: fold(block, gather(pages_of(block), None), state),
                              empty)
 
@@ -378,8 +396,9 @@ def gather_pages(pages_ref, pages: jax.Array, valid_T: jax.Array | None, start: 
     return plgpu.load(pages_ref.at[index], mask=mask, other=jnp.zeros(shape, pages_ref.dtype))
 
 
-def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref) -> None:
-    acc_ref[...] = state.acc_RV
+def store_partial(state: SoftmaxPartial, acc_ref, max_ref, sum_ref, tuning: AttentionTuning) -> None:
+    """Writes the partial with acc as [R, V], whatever the orientation it was accumulated in."""
+    acc_ref[...] = state.acc.T if tuning.swap_pv else state.acc
     max_ref[...] = state.max_R
     sum_ref[...] = state.sum_R
 

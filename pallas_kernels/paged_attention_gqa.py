@@ -11,7 +11,8 @@ block of pages scattered anywhere in the pool is one vectorized load with no
 copy and no scalar-prefetch machinery (which Triton-Pallas lacks anyway), and
 its dots accept the [16, T] x [T, D] shapes of decode. Mosaic GPU would need
 explicit TMA/async-copy pipelining per page and warpgroup-sized (64-row)
-tiles, a poor fit for 12-16 query rows. The same body runs in the Pallas
+tiles, a poor fit for 12-16 query rows (Triton takes wgmma where a product
+has 64 rows: AttentionTuning.swap_pv computes values^T p^T). The same body runs in the Pallas
 interpreter on CPU for tests, and `backend.lower_for_cuda` checks on CPU that
 it lowers to Triton IR.
 
@@ -135,7 +136,7 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
                 acc_ref, max_ref, sum_ref, *, plan: fd.SplitPlan, page_size: int, dot_dtype,
-                prefetch: bool):
+                tuning: fd.AttentionTuning):
     """One (request, KV head, split) grid step.
 
     Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
@@ -157,8 +158,8 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
-                            rows, head_dim, gather, logits_and_values, prefetch)
-    fd.store_partial(state, acc_ref, max_ref, sum_ref)
+                            rows, head_dim, gather, logits_and_values, tuning)
+    fd.store_partial(state, acc_ref, max_ref, sum_ref, tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
@@ -181,7 +182,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
         functools.partial(_gqa_kernel, plan=plan, page_size=page_size, dot_dtype=dtype,
-                          prefetch=tuning.prefetch),
+                          tuning=tuning),
         grid=(b, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),

@@ -9,7 +9,9 @@ per step and serves both products for all H heads of the request.
 
 Why Triton-backed Pallas: like the GQA kernel, a block of pages is gathered
 through the page table with one vectorized pointer load, and all H heads form
-the M side of the dots ([16, C] x [C, T], then [16, T] x [T, L]). Triton
+one side of the dots ([16, C] x [C, T], then [16, T] x [T, L]; with
+AttentionTuning.swap_pv the second is [L, T] x [T, 16], which Triton runs as
+wgmma). Triton
 blocks must be powers of two and C = 576 is not, so the kernel reads the
 latent as two column views, [.., :L] and [.., L:], and adds their logits
 (so L and R must each be powers of two on GPU: 512 and 64 are). Numerics and
@@ -220,7 +222,7 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
 
 
 def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int, dot_dtype,
-                prefetch: bool, tiled: bool):
+                tuning: fd.AttentionTuning, tiled: bool):
     """One (request, split) grid step.
 
     Refs: q [R, C] (R = H padded); the latent pages [P, S, C], or (tiled) nope
@@ -257,8 +259,8 @@ def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: 
         return logits_RT * logit_scale, latent_TL
 
     state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
-                            rows, kv_lora_rank, gather, logits_and_values, prefetch)
-    fd.store_partial(state, acc_ref, max_ref, sum_ref)
+                            rows, kv_lora_rank, gather, logits_and_values, tuning)
+    fd.store_partial(state, acc_ref, max_ref, sum_ref, tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "tuning"))
@@ -289,7 +291,7 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
         functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank,
-                          dot_dtype=dtype, prefetch=tuning.prefetch, tiled=tiled),
+                          dot_dtype=dtype, tuning=tuning, tiled=tiled),
         grid=(b, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),

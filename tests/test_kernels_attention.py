@@ -229,6 +229,11 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(prefetch=True, block_tokens=16,
                                                                                num_splits=3)),
         (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(prefetch=True, num_splits=2)),
+        # The values product accumulated transposed ([V, R]), alone and with prefetch and f32 dots.
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(swap_pv=True, num_splits=3)),
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(swap_pv=True, prefetch=True,
+                                                                                block_tokens=16, num_splits=3)),
+        (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(swap_pv=True, num_splits=2)),
     ],
 )
 def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, tuning):
@@ -375,6 +380,11 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16)),
         # 40 heads: three programs of 16 rows per request (AttentionTuning.head_rows).
         ((40,) + MLA_SHAPES[1][1:], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
+        # The values product accumulated transposed ([L, R]), alone and with prefetch, bf16 dots and head blocks.
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(swap_pv=True, num_splits=2)),
+        (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(swap_pv=True, prefetch=True, block_tokens=16)),
+        (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning(swap_pv=True, fp8_dots="bfloat16")),
+        ((40,) + MLA_SHAPES[2][1:], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(swap_pv=True, num_splits=3)),
     ],
 )
 def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
@@ -394,6 +404,7 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     ("xla", jnp.float32, AttentionTuning()),
     (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(num_splits=2)),
     (KERNEL_BACKEND, jnp.bfloat16, AttentionTuning(block_tokens=16, prefetch=True)),
+    (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(swap_pv=True)),
 ])
 def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
     """Decode context parallelism's arithmetic: each of 4 devices holds slots [8d, 8d + 8) of every
@@ -501,6 +512,7 @@ def test_attention_tuning_rejects_an_unknown_dot_dtype_and_odd_blocks():
         (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
         # top-k above some lengths: all their tokens
         (MLA_SHAPES[2], 80, jnp.bfloat16, jnp.float32, AttentionTuning(num_splits=2, block_tokens=16, prefetch=True)),
+        (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(swap_pv=True)),
     ],
 )
 def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dtype, tuning):
@@ -591,6 +603,33 @@ def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
 
     assert page_loads(AttentionTuning()) == [0] * 4  # GQA k, v; MLA two column views
     assert page_loads(AttentionTuning(prefetch=True)) == [2] * 8  # each in the prologue and the loop
+
+
+def test_swap_pv_gives_the_values_product_the_value_width_as_rows():
+    """AttentionTuning(swap_pv=True) at GPU shapes: the values product reaches
+    Triton as [V, T] x [T, R] (V = 128 for GQA, 512 for MLA: rows enough for
+    wgmma) instead of [R, T] x [T, V]; the logits products are unchanged."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+
+    def dots(tuning):
+        gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        [kernel] = triton_kernels_for_cuda(gqa, spec((4, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
+                                           spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
+                                           spec((4,), jnp.int32))
+        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        [latent] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
+                                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+        return [(a, b) for a, b, _ in ttir_dots(kernel.ttir)], [(a, b) for a, b, _ in ttir_dots(latent.ttir)]
+
+    gqa, mla = dots(AttentionTuning())
+    assert gqa == [((16, 128), (128, 64)), ((16, 64), (64, 128))], gqa
+    assert mla == [((16, 512), (512, 64)), ((16, 64), (64, 64)), ((16, 64), (64, 512))], mla
+    gqa, mla = dots(AttentionTuning(swap_pv=True))
+    assert gqa == [((16, 128), (128, 64)), ((128, 64), (64, 16))], gqa
+    assert mla == [((16, 512), (512, 64)), ((16, 64), (64, 64)), ((512, 64), (64, 16))], mla
 
 
 def test_attention_kernels_keep_small_dots_off_the_mma():

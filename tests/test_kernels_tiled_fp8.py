@@ -129,6 +129,7 @@ TILED_KERNEL_CASES = [
     (TILED_SHAPES[1], jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16)),
     # float16 dots fall back to bf16 for tiled pages (f16 lacks the scales' exponent range).
     (TILED_SHAPES[1], jnp.bfloat16, AttentionTuning(fp8_dots="float16", num_splits=2)),
+    (TILED_SHAPES[0], jnp.bfloat16, AttentionTuning(swap_pv=True, num_splits=3)),
 ]
 
 
