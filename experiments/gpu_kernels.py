@@ -773,7 +773,12 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # the sweep as "fp8_dots=bfloat16 target_programs=264", so that each run
 # measures the change again. swap_pv (new on 2026-12-01, never timed) runs
 # the values product as wgmma: sm_90a loop instructions per 64-token block
-# GQA 578 against 692, MLA 997 against 1136 (AttentionTuning.swap_pv).
+# GQA 578 against 692, MLA 997 against 1136 (AttentionTuning.swap_pv). MLA
+# runs one program per SM, so at 8 warps each scheduler has 2 warps to hide
+# latency with (issue slots 29% busy in run 3's profile); at 16 warps it
+# compiles to 82 registers (97 with swap_pv), no spills, 850 (771) loop
+# instructions per thread: 1.5x (1.4x) the warp instructions per block for
+# twice the warps.
 BEFORE_RUN_3 = AttentionTuning(fp8_dots="bfloat16", target_programs=264)
 ATTENTION_SWEEP = {
     "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), BEFORE_RUN_3, AttentionTuning(target_programs=264),
@@ -784,7 +789,8 @@ ATTENTION_SWEEP = {
             # 264 programs into 256 two-block ones (18.9 us); share 2 asks for two blocks at any
             # context, but at ctx=4k that plan is unmeasured.
             AttentionTuning(partial_share=2)),
-    "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), BEFORE_RUN_3, AttentionTuning(prefetch=True),
+    "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(num_warps=16),
+            AttentionTuning(num_warps=16, swap_pv=True), BEFORE_RUN_3, AttentionTuning(prefetch=True),
             AttentionTuning(block_tokens=32, target_programs=256), AttentionTuning(target_programs=264),
             AttentionTuning(fp8_dots="bfloat16")),
 }

@@ -56,11 +56,13 @@ SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpS
 # swap_ab (its stalls without the weights' shared-memory round trip) replaced
 # gather_x with block_n=64, whose run-3 profile was the slowest at M=64 (30 us).
 # Attention: swap_pv (the values product as wgmma; 12-16% fewer loop
-# instructions, not fewer shared-memory loads) replaced GQA prefetch and MLA
-# block_tokens=32, which run 3 profiled and runs 3-4 timed slower than the defaults.
+# instructions, not fewer shared-memory loads) and MLA at 16 warps (twice the
+# warps per scheduler) replaced GQA prefetch, MLA block_tokens=32 (both timed
+# slower than the defaults in runs 3-4) and MLA prefetch (as fast), all three
+# profiled in run 3.
 INT4_PROFILED = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(swap_ab=True))
 GQA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True))
-MLA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(prefetch=True))
+MLA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(num_warps=16))
 
 
 class Call(NamedTuple):

@@ -113,6 +113,11 @@ def cases(cfg: Config) -> list[Case]:
             out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={cfg.dsa_top_k}", sparse,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
                              spec((batch, n), jnp.int32), spec((batch, cfg.dsa_top_k), jnp.int32), spec((batch,), jnp.int32))))
+    # MLA at 16 warps: one program per SM either way, with 4 warps per scheduler instead of 2.
+    for name, tuning in (("fp8 f16-dots 16-warps", AttentionTuning(num_warps=16)),
+                         ("fp8 f16-dots swap-pv 16-warps", AttentionTuning(num_warps=16, swap_pv=True))):
+        for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+            out.append(_mla_case(cfg, f"MLA {name}", jnp.float8_e4m3fn, tuning, batch, context))
     # MLA's 64-token pages cut into 32-token blocks (AttentionTuning.block_tokens, fd.cut_pages).
     for name, dots in (("fp8 block-32", "bfloat16"), ("fp8 f16-dots block-32", "float16")):
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
@@ -353,12 +358,14 @@ def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
 
 
 def unique_kernels(case_list: list[Case]):
-    """(case, kernel) for each distinct Triton kernel, skipping a shape that only changes the grid."""
-    seen: set[str] = set()
+    """(case, kernel) for each distinct Triton kernel and launch (warps, stages), skipping a
+    shape that only changes the grid."""
+    seen: set[tuple[str, int, int]] = set()
     for case in case_list:
         for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
-            if kernel.ttir not in seen:
-                seen.add(kernel.ttir)
+            key = (kernel.ttir, kernel.num_warps, kernel.num_stages)
+            if key not in seen:
+                seen.add(key)
                 yield case, kernel
 
 
