@@ -5,7 +5,10 @@
 # 2. experiments/gpu_ptx.py: registers, spills and loops as this jaxlib compiles them
 #    (only where the jaxlib compiles Triton from Python, which jax 0.11.2 on the
 #    lent H200 does not: not a default step, STEPS="tests ptx ..." asks for it),
-# 3. experiments/torch_int4_peer.py: PyTorch's W4A16 kernel (tinygemm) against cuBLAS bf16,
+# 3. experiments/torch_int4_peer.py: PyTorch's W4A16 kernel (tinygemm) against cuBLAS bf16
+#    (measured in run 3, experiments/results/torch_int4_peer_h200_2026-11-30_run3.md; a
+#    yardstick that our kernels do not change, so no longer a default step: its 60 s go
+#    to the benchmark's sweep; STEPS="tests peer profile bench" runs it),
 # 4. experiments/gpu_profile.py: Nsight Compute's stall reasons, occupancy, DRAM throughput,
 # 5. experiments/gpu_kernels.py at serving shapes, in the time the steps before it left.
 # Uses the machine's python3 and JAX as they are (no install: the lent H200
@@ -18,7 +21,7 @@
 # A shorter check (a second run in one lease) picks its steps and benchmark:
 #   WORST_S=280 STEPS="tests bench" TESTS=tests/test_kernels_int4.py BENCH_ARGS="--parts int4,mla --batches 64" \
 #   bash experiments/gpu_check.sh
-STEPS="${STEPS:-tests peer profile bench}"
+STEPS="${STEPS:-tests profile bench}"
 BENCH_ARGS="${BENCH_ARGS:-}"
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 set -uo pipefail
