@@ -751,48 +751,33 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 
 
 # The sweep: launch choices at a few serving shapes (FP8 attention, the
-# product's format): the defaults first, then the defaults before run 3, then
-# other choices; the budget may cut the tail (runs 2-4: experiments/results/gpu_kernels_h200_*).
-# Occupancy from sm_90a compiles that run XLA's TTIR passes first
-# (results/sm90_compile*.md): GQA fp8 fits 5 programs per SM at 4 warps (96
-# registers; 4 with float16 dots, 126), 2 with prefetch (215 registers at 4
-# warps, 128 at 8); MLA 1 (204 registers at 8 warps; 4 warps spill). At B=64
-# ctx=32k the targets below give one wave on the 132 SMs: GQA 10 splits (640
-# programs), 8 with float16 dots, 4 with prefetch; MLA 2.
-# float16 dots drop the scalar fp8 -> bf16 conversions (results/sm90_sass.md).
-# GQA block_tokens=128 measured 370 us against 428 at B=64 in run 2, before
-# every block was masked (now the default, 365 us); with float16 dots its
-# loop issues 0.15 warp instructions per KV byte, against 0.19 at the defaults.
-# MLA block_tokens=32 cuts the 64-token pages (fd.cut_pages; run 2's MLA rows
-# with block_tokens 16 and 32 still ran 64-token blocks, since a block held
-# whole pages): 100 registers, 2 programs per SM (target 256: one wave at
-# B=64), for 0.47 warp instructions per KV byte against 0.31 (1088 per 32
-# tokens at 8 warps, against 1415 per 64), 0.37 with float16 dots.
-# Run 3 (H200, 2026-11-30) set the defaults: float16 dots, and 512 GQA / 128
-# MLA programs. The defaults before it (bfloat16 dots, 264 programs) stay in
-# the sweep as "fp8_dots=bfloat16 target_programs=264", so that each run
-# measures the change again. swap_pv (new on 2026-12-01, never timed) runs
-# the values product as wgmma: sm_90a loop instructions per 64-token block
-# GQA 578 against 692, MLA 997 against 1136 (AttentionTuning.swap_pv). MLA
-# runs one program per SM, so at 8 warps each scheduler has 2 warps to hide
-# latency with (issue slots 29% busy in run 3's profile); at 16 warps it
+# product's format): the defaults first, then the untimed candidates, then
+# the rest; the budget may cut the tail. Run 3 (H200, 2026-11-30) set the
+# defaults (float16 dots; 512 GQA and 128 MLA programs); the defaults before
+# it (bfloat16 dots, 264 programs) stay as BEFORE_RUN_3, so that each run
+# measures that change again. Choices that runs 3-4 timed slower than the
+# defaults at B=64 ctx=32k are no longer swept (results/gpu_kernels_h200_2026-11-30_run4.md):
+# GQA prefetch (313 us, 376 at 8 warps, against 262), 640 programs with
+# bfloat16 dots (284), partial_share=8 (262; 23.6 against 21.5 us at B=1),
+# 264 programs (340; 18.9 at B=1); MLA block_tokens=32 (1543 against 1245),
+# 264 programs (1490), bfloat16 dots (1362).
+# Untimed (sm_90a compiles, results/sm90_compile.md and sm90_sass.md):
+# swap_pv runs the values product as wgmma: loop instructions per 64-token
+# block GQA 578 against 692, MLA 997 against 1136 (AttentionTuning.swap_pv).
+# MLA runs one program per SM, so at 8 warps each scheduler has 2 warps to
+# hide latency with (issue slots 29% busy in run 3's profile); at 16 warps it
 # compiles to 82 registers (97 with swap_pv), no spills, 850 (771) loop
 # instructions per thread: 1.5x (1.4x) the warp instructions per block for
-# twice the warps.
+# twice the warps. GQA partial_share=2 asks for two blocks per program at any
+# context: at B=1 ctx=32k that is 256 programs of two blocks, the plan that
+# 264 programs gave (18.9 us); GQA block_tokens=128 (281 us at B=64, 18.8
+# at B=1) halves the programs the same way at B=1.
 BEFORE_RUN_3 = AttentionTuning(fp8_dots="bfloat16", target_programs=264)
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), BEFORE_RUN_3, AttentionTuning(target_programs=264),
-            AttentionTuning(fp8_dots="bfloat16", target_programs=640),
-            AttentionTuning(block_tokens=128), AttentionTuning(prefetch=True, target_programs=256),
-            AttentionTuning(prefetch=True, num_warps=8, target_programs=256), AttentionTuning(partial_share=8),
-            # At B=1 ctx=32k the default splits into 512 one-block programs (21.5 us in run 4),
-            # 264 programs into 256 two-block ones (18.9 us); share 2 asks for two blocks at any
-            # context, but at ctx=4k that plan is unmeasured.
-            AttentionTuning(partial_share=2)),
+    "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(partial_share=2),
+            AttentionTuning(swap_pv=True, partial_share=2), AttentionTuning(block_tokens=128), BEFORE_RUN_3),
     "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(num_warps=16),
-            AttentionTuning(num_warps=16, swap_pv=True), BEFORE_RUN_3, AttentionTuning(prefetch=True),
-            AttentionTuning(block_tokens=32, target_programs=256), AttentionTuning(target_programs=264),
-            AttentionTuning(fp8_dots="bfloat16")),
+            AttentionTuning(num_warps=16, swap_pv=True), AttentionTuning(prefetch=True), BEFORE_RUN_3),
 }
 # INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
 # so the 224 programs are one wave at 1.7 per SM; block_n=64 (44-49
