@@ -780,29 +780,24 @@ ATTENTION_SWEEP = {
             AttentionTuning(num_warps=16, swap_pv=True), AttentionTuning(prefetch=True), BEFORE_RUN_3),
 }
 # INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
-# so the 224 programs are one wave at 1.7 per SM; block_n=64 (44-49
-# registers, 4-5 per SM) at target 528 runs 448 programs. At M=64 the
-# defaults' 148 KiB of shared memory allow 1 per SM (2 waves, 4 warps per
-# SM); one wave: num_stages=2 (98 KiB, 2 per SM), target_programs=132 (112
-# programs), block_n=64 with 2 stages (81 KiB, 2 per SM); run 3 made 2 stages
-# the default (the 148 KiB above is num_stages=3's). gather_x drops the x
-# permute kernel (1.6 us of run 2's 15.5 at M=1) for more loop instructions:
-# 598 against 533 at M=1, 1748 against 1114 at M=64 (1087 at 8 warps, 155
-# registers). block_k=128 halves the x tile, which is most of the shared
-# memory at M=64: 121 registers and 74 KiB, 3 programs per SM (12 warps,
-# against 4), for 626 loop instructions per 128 K against 1114 per 256 (+12%
-# per weight byte); at M=1, 48 registers and 5 per SM, 323 per 128 K against
-# 533 per 256 (+21%). Its target 396 fills the 3 per SM, but at M=64 each
-# program's f32 partial is 32 KB, so more splits also mean more partial
-# traffic (224 programs already write 7.3 MB, beside 8.3 MB of weights).
-# The MoE sweep runs the first MOE_SWEEP_SIZE choices.
-# Run 3 set num_stages=2 (it was 3, still in the sweep). swap_ab (new on
+# so the 224 programs are one wave at 1.7 per SM. At M=64, 2 stages (the
+# default since run 3) take 98 KiB of shared memory, 2 programs per SM.
+# gather_x drops the x permute kernel (1.6 us of run 4's 10.5 at M=1) for
+# more loop instructions: 598 against 533 at M=1, 1748 against 1114 at M=64.
+# block_k=128 halves the x tile, which is most of the shared memory at M=64:
+# 121 registers and 74 KiB, 3 programs per SM, for 626 loop instructions per
+# 128 K against 1114 per 256 (+12% per weight byte). swap_ab (new on
 # 2026-12-01, never timed) keeps the dequantized weights out of shared memory
 # at 64-row tiles (StreamTuning.swap_ab): second, so that the budget reaches
-# it at M=64.
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(swap_ab=True), Int4Tuning(num_stages=3), Int4Tuning(gather_x=True),
-              Int4Tuning(block_k=128), Int4Tuning(target_programs=132), Int4Tuning(gather_x=True, num_warps=8),
-              Int4Tuning(block_k=128, target_programs=3 * 132), Int4Tuning(block_n=64, target_programs=4 * 132))
+# it at M=64. The MoE sweep runs the first MOE_SWEEP_SIZE choices.
+# Run 3 (then at 3 stages) timed these at M=1 / M=64 (us): 3 stages 11.6 /
+# 19.7, 2 stages 10.6 / 16.5, gather_x 10.3 / 21.4, block_k=128 14.4 / 17.0,
+# target_programs=132 11.7 / 17.0; MoE T=64: 187 default, 194 gather_x, 375
+# block_k=128. No longer swept: gather_x at 8 warps (10.4 / 33.5),
+# block_k=128 at 396 programs (the same plan and times as block_k=128),
+# block_n=64 at 528 programs (12.8 / 24.5), block_n=64 at 2 stages (12.5 / 17.4).
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(swap_ab=True), Int4Tuning(gather_x=True), Int4Tuning(num_stages=3),
+              Int4Tuning(block_k=128), Int4Tuning(target_programs=132))
 MOE_SWEEP_SIZE = 4
 
 def tuning_label(tuning) -> str:
