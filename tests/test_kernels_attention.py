@@ -579,23 +579,30 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
 
 
+def _fp8_serving_kernels(tuning: AttentionTuning):
+    """The Triton kernels of GQA (12 query heads per KV head, D = 128) and MLA
+    (Kimi's 8 heads per GPU at TP8, latent 512 + 64) over FP8 pages, bf16 queries."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+    gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
+                            backend="pallas", tuning=tuning)
+    [kernel] = triton_kernels_for_cuda(gqa, spec((4, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
+                                       spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
+                                       spec((4,), jnp.int32))
+    mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
+                            backend="pallas", tuning=tuning)
+    [latent] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
+                                       spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+    return kernel, latent
+
+
 def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
     """AttentionTuning(prefetch=True) at GPU shapes: every page load is masked
     (the prologue's and the loop's), so a prefetch past a split's last block
     reads nothing; without prefetch the two loads are unmasked."""
-    spec = jax.ShapeDtypeStruct
-    fp8 = jnp.float8_e4m3fn
 
     def page_loads(tuning):
-        gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
-                                backend="pallas", tuning=tuning)
-        [kernel] = triton_kernels_for_cuda(gqa, spec((4, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
-                                           spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
-                                           spec((4,), jnp.int32))
-        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
-                                backend="pallas", tuning=tuning)
-        [latent] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
-                                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
+        kernel, latent = _fp8_serving_kernels(tuning)
         # tt.load %ptr[, %mask, %other] : tensor<...x!tt.ptr<f8E4M3FN>>
         return [re.search(r"tt\.load ([^:]*):", line).group(1).count(",")
                 for line in kernel.ttir.splitlines() + latent.ttir.splitlines()
@@ -609,20 +616,9 @@ def test_swap_pv_gives_the_values_product_the_value_width_as_rows():
     """AttentionTuning(swap_pv=True) at GPU shapes: the values product reaches
     Triton as [V, T] x [T, R] (V = 128 for GQA, 512 for MLA: rows enough for
     wgmma) instead of [R, T] x [T, V]; the logits products are unchanged."""
-    spec = jax.ShapeDtypeStruct
-    fp8 = jnp.float8_e4m3fn
 
     def dots(tuning):
-        gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1,
-                                backend="pallas", tuning=tuning)
-        [kernel] = triton_kernels_for_cuda(gqa, spec((4, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
-                                           spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
-                                           spec((4,), jnp.int32))
-        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1,
-                                backend="pallas", tuning=tuning)
-        [latent] = triton_kernels_for_cuda(mla, spec((4, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
-                                           spec((4, 32), jnp.int32), spec((4,), jnp.int32))
-        return [(a, b) for a, b, _ in ttir_dots(kernel.ttir)], [(a, b) for a, b, _ in ttir_dots(latent.ttir)]
+        return tuple([(a, b) for a, b, _ in ttir_dots(k.ttir)] for k in _fp8_serving_kernels(tuning))
 
     gqa, mla = dots(AttentionTuning())
     assert gqa == [((16, 128), (128, 64)), ((16, 64), (64, 128))], gqa
