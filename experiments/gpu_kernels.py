@@ -792,10 +792,10 @@ ATTENTION_SWEEP = {
 # it at M=64. The MoE sweep runs the first MOE_SWEEP_SIZE choices.
 # Run 3 (then at 3 stages) timed these at M=1 / M=64 (us): 3 stages 11.6 /
 # 19.7, 2 stages 10.6 / 16.5, gather_x 10.3 / 21.4, block_k=128 14.4 / 17.0,
-# target_programs=132 11.7 / 17.0; MoE T=64: 187 default, 194 gather_x, 375
-# block_k=128. No longer swept: gather_x at 8 warps (10.4 / 33.5),
-# block_k=128 at 396 programs (the same plan and times as block_k=128),
-# block_n=64 at 528 programs (12.8 / 24.5), block_n=64 at 2 stages (12.5 / 17.4).
+# target_programs=132 11.7 / 17.0, block_n=64 at 2 stages 12.5 / 17.4; MoE
+# T=64: 187 default, 194 gather_x, 375 block_k=128. No longer swept: gather_x
+# at 8 warps (10.4 / 33.5), block_k=128 at 396 programs (the same plan and
+# times as block_k=128), block_n=64 at 528 programs (12.8 / 24.5).
 INT4_SWEEP = (Int4Tuning(), Int4Tuning(swap_ab=True), Int4Tuning(gather_x=True), Int4Tuning(num_stages=3),
               Int4Tuning(block_k=128), Int4Tuning(target_programs=132))
 MOE_SWEEP_SIZE = 4
