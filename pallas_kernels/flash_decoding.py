@@ -4,7 +4,8 @@ A decode step has one query token per request, so a grid over (request, head)
 alone leaves most GPU SMs idle at small batch. Flash-decoding also splits each
 request's pages into `num_splits` chunks processed by separate grid steps. Each
 step runs an online softmax over its chunk and writes a partial
-(acc, max, sum); `combine_partials` merges the partials exactly afterwards.
+(acc, max, sum); `combine_partials` (XLA) or `combine_splits` (the same merge
+as one Pallas kernel, AttentionTuning.combine) merges them afterwards.
 
 Everything here is used inside Triton-lowered kernel bodies, so it sticks to
 what the Pallas Triton lowering supports: power-of-two block shapes, 2-D dots,
@@ -13,6 +14,7 @@ elementwise math and reductions.
 
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -72,6 +74,13 @@ class AttentionTuning:
       mma.sync's operand fragments (GQA 64 against 164, MLA 158 against
       286); registers 121 against 100 and 190 against 194 (GQA keeps 4
       programs per SM, MLA 1). Not yet timed: off until a GPU sweep says.
+    combine: how the split partials are merged: "xla" (combine_partials,
+      XLA's reductions) or "pallas" (combine_splits, one kernel that reads
+      each partial once and writes the scaled output in its final dtype).
+      At B=1 ctx=32k on the H200 (run 4's log) the GQA call was 8.6 us of
+      attention kernel and 12.9 us of small XLA kernels, three of them the
+      merge's reductions (5.6 us): the partials of 512 one-block splits are
+      half the bytes of the pages they summarize. Not yet timed.
     head_rows: MLA: the most query heads one program holds, a power of two
       >= 16. More heads run in blocks of this many, each its own program
       that reads the pages again. 16 holds Kimi's 8 heads per GPU at TP8;
@@ -89,6 +98,7 @@ class AttentionTuning:
     prefetch: bool = False
     swap_pv: bool = False
     target_programs: int | None = None
+    combine: str = "xla"
     head_rows: int = 16
 
     def __post_init__(self):
@@ -98,6 +108,8 @@ class AttentionTuning:
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.fp8_dots not in ("bfloat16", "float16"):
             raise ValueError(f"fp8_dots must be 'bfloat16' or 'float16', got {self.fp8_dots!r}")
+        if self.combine not in ("xla", "pallas"):
+            raise ValueError(f"combine must be 'xla' or 'pallas', got {self.combine!r}")
 
 
 def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> plgpu.CompilerParams:
@@ -438,6 +450,93 @@ def combine_partials(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array) -
     acc_RV = jnp.sum(acc_XRV * weight_XR[..., None], axis=0)
     lse_R = jnp.where(sum_R > 0, max_R + jnp.log(jnp.where(sum_R > 0, sum_R, 1.0)), -jnp.inf)
     return acc_RV / jnp.where(sum_R > 0, sum_R, 1.0)[..., None], lse_R
+
+
+# Partial values one combine program holds per step (32 per thread at 4 warps);
+# the programs its column blocks aim for (about 2 per SM of an H200), in
+# blocks of at least 16 columns (64 bytes: two whole 32-byte memory sectors).
+_COMBINE_TILE = 4096
+_COMBINE_PROGRAMS = 256
+_COMBINE_MIN_COLUMNS = 16
+
+
+def combine_splits(acc_XRV: jax.Array, max_XR: jax.Array, sum_XR: jax.Array, *, rows: int, scale_S: jax.Array,
+                   out_dtype, with_lse: bool, interpret: bool) -> tuple[jax.Array, jax.Array | None]:
+    """combine_partials as one Pallas kernel, for the first `rows` rows, times a scale.
+
+    acc [..., X, R, V], max and sum [..., X, R] as the attention kernels write
+    them (lead axes first); scale_S [S]: lead entry i (flattened) takes scale
+    i % S, so S is 1 (per tensor) or the last lead axis (GQA: per KV head).
+    Returns (out [..., rows, V] in out_dtype, log-sum-exp [..., rows] or None).
+
+    One program per (lead entry, row, block of V columns). It reads the row's
+    X maxima and sums once, then the acc columns in chunks of splits, each
+    weighted by exp(max_x - max): every partial is read once, and the output
+    is written scaled and in its final dtype, so nothing follows the kernel.
+    X need not be a power of two: loads are masked to the X splits.
+    """
+    *lead, splits, padded_rows, v = acc_XRV.shape
+    num_lead = math.prod(lead)
+    v_block = v
+    while v_block > _COMBINE_MIN_COLUMNS and num_lead * rows * (v // v_block) < _COMBINE_PROGRAMS:
+        v_block //= 2
+    x_block = min(pl.next_power_of_2(splits), max(1, _COMBINE_TILE // v_block))
+    grid = (num_lead, rows, v // v_block)
+    out_specs = [pl.BlockSpec((None, None, v_block), lambda i, r, c: (i, r, c))]
+    out_shape = [jax.ShapeDtypeStruct((num_lead, rows, v), out_dtype)]
+    if with_lse:  # every column block of a row writes the same value
+        out_specs.append(pl.BlockSpec((None, None, 1), lambda i, r, c: (i, r, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((num_lead, rows, 1), jnp.float32))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, r, c: (0,) * x.ndim)
+    partials = (acc_XRV.reshape(num_lead, splits, padded_rows, v),
+                *(x.reshape(num_lead, splits, padded_rows) for x in (max_XR, sum_XR)))
+    outs = pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits, x_block=x_block, v_block=v_block),
+        grid=grid,
+        in_specs=[*(whole(x) for x in partials), pl.BlockSpec((1,), lambda i, r, c: (i % scale_S.shape[0],))],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="combine_splits",
+    )(*partials, scale_S.astype(jnp.float32))
+    out = outs[0].reshape(*lead, rows, v)
+    return out, (outs[1].reshape(*lead, rows) if with_lse else None)
+
+
+def _combine_kernel(acc_ref, max_ref, sum_ref, scale_ref, out_ref, *lse_ref, splits: int, x_block: int,
+                    v_block: int):
+    """One (lead entry, row, column block) of combine_splits.
+
+    Refs: acc [lead entries, X, R, V], max and sum [lead entries, X, R]
+    whole; scale [1]; out [v_block]; lse [1] when asked for.
+    """
+    lead, row = pl.program_id(0), pl.program_id(1)
+    columns_V = pl.program_id(2) * v_block + jnp.arange(v_block)
+
+    def load_row(ref, x_X, other):
+        return plgpu.load(ref.at[lead, x_X, row], mask=x_X < splits, other=jnp.full(x_X.shape, other, jnp.float32))
+
+    # A split past the partials weighs 0: its max is finfo.min, like an empty split's.
+    max_all = jnp.max(load_row(max_ref, jnp.arange(pl.next_power_of_2(splits)), jnp.finfo(jnp.float32).min))
+
+    def add_chunk(chunk, carry):
+        acc_V, sum_ = carry
+        x_X = chunk * x_block + jnp.arange(x_block)
+        weight_X = jnp.exp(load_row(max_ref, x_X, jnp.finfo(jnp.float32).min) - max_all)
+        mask_XV = jnp.broadcast_to((x_X < splits)[:, None], (x_block, v_block))
+        acc_XV = plgpu.load(acc_ref.at[lead, x_X[:, None], row, columns_V[None, :]], mask=mask_XV,
+                            other=jnp.zeros((x_block, v_block), jnp.float32))
+        return (acc_V + jnp.sum(acc_XV * weight_X[:, None], axis=0),
+                sum_ + jnp.sum(load_row(sum_ref, x_X, 0.0) * weight_X))
+
+    chunks = -(-splits // x_block)
+    acc_V, sum_ = lax.fori_loop(0, chunks, add_chunk, (jnp.zeros((v_block,), jnp.float32), jnp.float32(0)))
+    # An empty row (sum 0) gets output 0 and log-sum-exp -inf, as in combine_partials.
+    out_ref[...] = (acc_V * (scale_ref[0] / jnp.where(sum_ > 0, sum_, 1.0))).astype(out_ref.dtype)
+    if lse_ref:
+        lse = jnp.where(sum_ > 0, max_all + jnp.log(jnp.where(sum_ > 0, sum_, 1.0)), -jnp.inf)
+        lse_ref[0][...] = jnp.full((1,), lse, jnp.float32)
 
 
 def merge_over_axis(out_RV: jax.Array, lse_R: jax.Array, axis_name: str) -> jax.Array:

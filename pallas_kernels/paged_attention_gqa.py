@@ -198,5 +198,9 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         interpret=interpret,
         name="paged_attention_gqa",
     )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)
+    if tuning.combine == "pallas":
+        out_BKGD, _ = fd.combine_splits(*partials, rows=g, scale_S=v_scale_K, out_dtype=q_BHD.dtype,
+                                        with_lse=False, interpret=interpret)
+        return out_BKGD.reshape(b, h, d)
     out_BKGD = fd.combine_partials(*partials)[0][:, :, :g] * v_scale_K[None, :, None, None]
     return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)

@@ -121,7 +121,8 @@ def paged_attention_mla(
     else:
         fd.check_kernel_page_size(latent_pages_PSC.shape[1])
         out_BHL, lse_BH = _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                                  kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning)
+                                  kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning,
+                                  return_lse=return_lse)
     return (out_BHL, lse_BH) if return_lse else out_BHL.astype(q_BHC.dtype)
 
 
@@ -263,9 +264,11 @@ def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: 
     fd.store_partial(state, acc_ref, max_ref, sum_ref, tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "tuning", "return_lse"))
 def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
-            kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning):
+            kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning, return_lse: bool):
+    """-> (out [B, H, L], log-sum-exp [B, H]); out in float32 with return_lse, else
+    in q's dtype or float32 (the caller casts), and the log-sum-exp may be None."""
     b, h, c = q_BHC.shape
     blocks = -(-h // tuning.head_rows)
     if blocks > 1:  # each block of head_rows heads is a request of its own over the same pages
@@ -273,8 +276,8 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         q_XRC = jnp.pad(q_BHC, ((0, 0), (0, padded - h), (0, 0))).reshape(b * blocks, tuning.head_rows, c)
         out, lse = _kernel(q_XRC, latent_pages_PSC, jnp.repeat(page_table_BN, blocks, axis=0),
                            jnp.repeat(lengths_B, blocks), scale, softmax_scale, kv_lora_rank=kv_lora_rank,
-                           interpret=interpret, tuning=tuning)
-        return out.reshape(b, padded, -1)[:, :h], lse.reshape(b, padded)[:, :h]
+                           interpret=interpret, tuning=tuning, return_lse=return_lse)
+        return out.reshape(b, padded, -1)[:, :h], (lse.reshape(b, padded)[:, :h] if return_lse else None)
     tiled = isinstance(latent_pages_PSC, TiledLatentPages)
     pools = tuple(latent_pages_PSC) if tiled else (latent_pages_PSC,)
     page_table_BN, *pools = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, *pools)
@@ -306,5 +309,9 @@ def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_sc
         interpret=interpret,
         name="paged_attention_mla",
     )(q_BRC, *pools, slots_BXN, lengths_B, logit_scale)
+    if tuning.combine == "pallas":
+        return fd.combine_splits(*partials, rows=h, scale_S=scale.reshape(1),
+                                 out_dtype=jnp.float32 if return_lse else q_BHC.dtype, with_lse=return_lse,
+                                 interpret=interpret)
     out_BRL, lse_BR = fd.combine_partials(*partials)
     return out_BRL[:, :h] * scale, lse_BR[:, :h]

@@ -32,6 +32,7 @@ Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-8, e4m3 2^-4):
 """
 
 import functools
+import math
 import os
 import re
 
@@ -42,7 +43,7 @@ import pytest
 from conftest import KERNEL_BACKEND, dots_below_the_mma_minimum, ttir_dots
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
-from pallas_kernels.backend import resolve_backend, triton_kernels_for_cuda
+from pallas_kernels.backend import lower_for_cuda, resolve_backend, triton_kernels_for_cuda
 from pallas_kernels.flash_decoding import AttentionTuning, merge_over_axis
 
 # Unit roundoff, half the spacing at 1: bf16 keeps 8 significant bits, so 2^-8. It read 2^-9
@@ -234,6 +235,10 @@ def test_gqa_reference_matches_float64(shape, kv_dtype):
         (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, False, AttentionTuning(swap_pv=True, prefetch=True,
                                                                                 block_tokens=16, num_splits=3)),
         (GQA_SHAPES[2], jnp.float32, jnp.float32, False, AttentionTuning(swap_pv=True, num_splits=2)),
+        # The splits merged by the Pallas kernel (fd.combine_splits), with per-head and per-tensor scales.
+        (GQA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, True, AttentionTuning(combine="pallas", num_splits=5)),
+        (GQA_SHAPES[1], jnp.float8_e4m3fn, jnp.float32, True, AttentionTuning(combine="pallas", num_splits=3)),
+        (GQA_SHAPES[2], jnp.bfloat16, jnp.bfloat16, False, AttentionTuning(combine="pallas", swap_pv=True)),
     ],
 )
 def test_gqa_kernel_matches_reference(shape, kv_dtype, q_dtype, per_head, tuning):
@@ -385,6 +390,9 @@ def test_mla_reference_matches_float64(shape):
         (MLA_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(swap_pv=True, prefetch=True, block_tokens=16)),
         (MLA_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning(swap_pv=True, fp8_dots="bfloat16")),
         ((40,) + MLA_SHAPES[2][1:], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(swap_pv=True, num_splits=3)),
+        # The splits merged by the Pallas kernel (fd.combine_splits), also per block of 16 heads.
+        (MLA_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(combine="pallas", num_splits=3)),
+        ((40,) + MLA_SHAPES[2][1:], jnp.bfloat16, jnp.float32, AttentionTuning(combine="pallas", num_splits=2)),
     ],
 )
 def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
@@ -405,6 +413,7 @@ def test_mla_kernel_matches_reference(shape, kv_dtype, q_dtype, tuning):
     (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(num_splits=2)),
     (KERNEL_BACKEND, jnp.bfloat16, AttentionTuning(block_tokens=16, prefetch=True)),
     (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(swap_pv=True)),
+    (KERNEL_BACKEND, jnp.float8_e4m3fn, AttentionTuning(combine="pallas", num_splits=3)),
 ])
 def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
     """Decode context parallelism's arithmetic: each of 4 devices holds slots [8d, 8d + 8) of every
@@ -447,6 +456,68 @@ def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
         jnp.stack(outs), jnp.stack(lses))
     for d in range(devices):
         _check_close(merged[d], expected, tol, seed, f"merged slot shares (device {d})")
+
+
+@pytest.mark.parametrize("lead, splits, value_dim, rows, scales, out_dtype, with_lse", [
+    ((2, 3), 5, 32, 12, 3, jnp.bfloat16, False),  # GQA-like: per-KV-head scales, 12 of 16 rows
+    ((1,), 37, 64, 8, 1, jnp.float32, True),  # odd split count, one chunk
+    ((3,), 1, 16, 16, 1, jnp.float32, True),  # one split: out = acc / sum
+    ((1,), 300, 16, 5, 1, jnp.bfloat16, True),  # 300 splits in two chunks of 256 (masked past 300)
+    ((2,), 6, 512, 8, 1, jnp.bfloat16, False),  # Kimi's value width: 512 in column blocks
+])
+def test_combine_kernel_merges_the_splits_as_float64(lead, splits, value_dim, rows, scales, out_dtype, with_lse):
+    """fd.combine_splits (the Pallas merge) and fd.combine_partials (XLA's) against the merge in
+    float64, on partials as the kernels write them: each split's max, its sum >= 1 (the max
+    token contributes exp(0)), |acc| <= sum * max|v|; about a third of the splits empty (max
+    finfo.min, sum and acc 0), and row 0 empty in every split.
+
+    Bound: the merge is out = scale * sum_x w_x a_x / sum_x w_x s_x with w_x = exp(m_x - max).
+    In f32 each w_x errs by <= 2 u (exp within 1 ulp, the difference exact or rounded once),
+    each product by u, each sum of X terms by (X - 1) u relative to its sum of magnitudes, and
+    the division and scaling by 2 u: |err| <= 2 (X + 4) u scale sum_x w_x |a_x| / sum_x w_x s_x
+    (u = 2^-24), plus one rounding to the output dtype. The log-sum-exp, max + log(sum),
+    errs by <= (X + 4) u + u |lse|; an empty row must give exactly 0 and -inf."""
+    from pallas_kernels import flash_decoding as fd
+
+    seed = _seed()
+    rng = _rng(seed)
+    shape = (*lead, splits, 16)
+    empty = rng.random(shape) < 0.3
+    empty[..., 0] = True
+    max_XR = np.where(empty, np.finfo(np.float32).min, rng.standard_normal(shape) * 4).astype(np.float32)
+    sum_XR = np.where(empty, 0.0, rng.uniform(1.0, 64.0, shape)).astype(np.float32)
+    acc_XRV = (rng.uniform(-1, 1, (*shape, value_dim)) * sum_XR[..., None] * 3).astype(np.float32)
+    scale_S = rng.uniform(0.5, 2.0, (scales,)).astype(np.float32)
+    partials = tuple(jnp.asarray(x) for x in (acc_XRV, max_XR, sum_XR))
+    out, lse = fd.combine_splits(*partials, rows=rows, scale_S=jnp.asarray(scale_S), out_dtype=out_dtype,
+                                 with_lse=with_lse, interpret=resolve_backend(KERNEL_BACKEND) == "interpret")
+    assert out.shape == (*lead, rows, value_dim) and out.dtype == out_dtype
+    assert (lse is not None) == with_lse
+
+    m, s, a = (x.astype(np.float64) for x in (max_XR[..., :rows], sum_XR[..., :rows], acc_XRV[..., :rows, :]))
+    top = m.max(axis=-2)  # [..., R]: finfo.min for an empty row
+    w = np.where(empty[..., :rows], 0.0, np.exp(m - top[..., None, :]))
+    safe = np.where((w * s).sum(axis=-2) > 0, (w * s).sum(axis=-2), 1.0)[..., None]
+    scale = scale_S[np.arange(math.prod(lead)) % scales].reshape(*lead, 1, 1).astype(np.float64)
+    expected = scale * (w[..., None] * a).sum(axis=-3) / safe
+    u = 2.0**-24
+    bound = 2 * (splits + 4) * u * scale * (w[..., None] * np.abs(a)).sum(axis=-3) / safe
+    rounding = U_BF16 if out_dtype == jnp.bfloat16 else u
+    got = _as_np(out)
+    assert np.all(np.isfinite(got)), f"unwritten or non-finite output, seed={seed}"
+    err = np.abs(got - expected)
+    assert np.all(err <= bound + rounding * np.abs(expected)), f"combine_splits: {err.max():.3g}, seed={seed}"
+    assert np.all(got[..., 0, :] == 0), f"an empty row must give zeros, seed={seed}"
+    ref_out, ref_lse = fd.combine_partials(*partials)
+    ref_out = _as_np(ref_out)[..., :rows, :] * scale
+    assert np.all(np.abs(ref_out - expected) <= bound + u * np.abs(expected)), f"combine_partials, seed={seed}"
+    if with_lse:
+        lse_expected = np.where(empty[..., :rows].all(axis=-2), -np.inf, top + np.log(safe[..., 0]))
+        for got in (_as_np(lse), _as_np(ref_lse)[..., :rows]):
+            assert np.array_equal(np.isneginf(got), np.isneginf(lse_expected)), f"seed={seed}"
+            finite = np.isfinite(lse_expected)
+            lse_bound = (splits + 4) * u + u * np.abs(lse_expected[finite])
+            assert np.all(np.abs(got[finite] - lse_expected[finite]) <= lse_bound), f"lse, seed={seed}"
 
 
 def test_kernels_clamp_lengths_to_the_table():
@@ -513,6 +584,7 @@ def test_attention_tuning_rejects_an_unknown_dot_dtype_and_odd_blocks():
         # top-k above some lengths: all their tokens
         (MLA_SHAPES[2], 80, jnp.bfloat16, jnp.float32, AttentionTuning(num_splits=2, block_tokens=16, prefetch=True)),
         (MLA_SHAPES[1], 16, jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(swap_pv=True)),
+        (MLA_SHAPES[2], 40, jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(combine="pallas", num_splits=2)),
     ],
 )
 def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dtype, tuning):
@@ -577,6 +649,32 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     [kernel] = triton_kernels_for_cuda(sparse, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
                                        spec((4, 64), jnp.int32), spec((4, 2048), jnp.int32), spec((4,), jnp.int32))
     assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
+
+
+def test_pallas_combine_leaves_no_reduction_after_the_kernels():
+    """AttentionTuning(combine="pallas") at B=1 ctx=32k, FP8 pages (GLM-4.6's GQA and Kimi's MLA per
+    GPU, hundreds of splits): the attention kernel and the merge kernel, nothing reduced by XLA
+    after them (the "xla" merge lowers to reductions over the splits), and the merge's grid one
+    program per (request and KV head, real head row, column block)."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+    gqa_specs = (spec((1, 12, 128), jnp.bfloat16), spec((1, 2048, 16, 128), fp8), spec((1, 2048, 16, 128), fp8),
+                 spec((1, 2048), jnp.int32), spec((1,), jnp.int32))
+    mla_specs = (spec((1, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8), spec((1, 512), jnp.int32),
+                 spec((1,), jnp.int32))
+    for combine, expected_reductions in (("xla", True), ("pallas", False)):
+        tuning = AttentionTuning(combine=combine)
+        gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=0.5, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=0.5, softmax_scale=0.1,
+                                backend="pallas", tuning=tuning)
+        for fn, specs, grid in ((gqa, gqa_specs, (1, 12, 8)), (mla, mla_specs, (1, 8, 32))):
+            assert ("stablehlo.reduce" in lower_for_cuda(fn, *specs)) == expected_reductions, (combine, fn)
+            kernels = triton_kernels_for_cuda(fn, *specs)
+            if combine == "pallas":
+                assert [k.name for k in kernels] == [kernels[0].name, "combine_splits"], kernels
+                assert kernels[1].grid == grid and "tt.store" in kernels[1].ttir
+                assert kernels[0].grid[-1] * kernels[0].grid[-2] >= 128  # splits to merge (one request)
 
 
 def _fp8_serving_kernels(tuning: AttentionTuning):
