@@ -98,13 +98,7 @@ def cases(cfg: Config) -> list[Case]:
                  for name, dtype, tuning in variants if name in ("bf16", "fp8 f16-dots", "fp8 f16-dots prefetch")]
     for name, dtype, tuning in variants:
         for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
-            n = context // cfg.gqa_page
-            pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)
-            gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas",
-                                    tuning=tuning)
-            out.append(Case(f"GQA {name}", f"B={batch} ctx={context}", gqa,
-                            (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
-                             spec((batch, n), jnp.int32), spec((batch,), jnp.int32))))
+            out.append(_gqa_case(cfg, f"GQA {name}", dtype, tuning, batch, context))
             out.append(_mla_case(cfg, f"MLA {name}", dtype, tuning, batch, context))
             n = context // cfg.mla_page
             width = cfg.mla_rank + cfg.mla_rope
@@ -113,6 +107,11 @@ def cases(cfg: Config) -> list[Case]:
             out.append(Case(f"MLA sparse {name}", f"B={batch} ctx={context} top-k={cfg.dsa_top_k}", sparse,
                             (spec((batch, cfg.mla_heads, width), jnp.bfloat16), spec((batch * n, cfg.mla_page, width), dtype),
                              spec((batch, n), jnp.int32), spec((batch, cfg.dsa_top_k), jnp.int32), spec((batch,), jnp.int32))))
+    # The split partials merged by one Pallas kernel (AttentionTuning.combine): B=1 has hundreds of splits.
+    combine = AttentionTuning(combine="pallas")
+    for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+        out.append(_gqa_case(cfg, "GQA fp8 f16-dots pallas-combine", jnp.float8_e4m3fn, combine, batch, context))
+        out.append(_mla_case(cfg, "MLA fp8 f16-dots pallas-combine", jnp.float8_e4m3fn, combine, batch, context))
     # MLA at 16 warps: one program per SM either way, with 4 warps per scheduler instead of 2.
     for name, tuning in (("fp8 f16-dots 16-warps", AttentionTuning(num_warps=16)),
                          ("fp8 f16-dots swap-pv 16-warps", AttentionTuning(num_warps=16, swap_pv=True))):
@@ -178,6 +177,17 @@ def _fp8_block_cases(ms, k: int, n: int, experts: int, moe_tokens, x_dtype, tuni
                  (spec((t, k), x_dtype), spec((experts, k, n), jnp.float8_e4m3fn), spec((experts, *scales), jnp.float32),
                   spec((experts,), jnp.int32))) for t in moe_tokens]
     return out
+
+
+def _gqa_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
+    spec = jax.ShapeDtypeStruct
+    n = context // cfg.gqa_page
+    pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)
+    gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas",
+                            tuning=tuning)
+    return Case(kernel, f"B={batch} ctx={context}", gqa,
+                (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
+                 spec((batch, n), jnp.int32), spec((batch,), jnp.int32)))
 
 
 def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
@@ -359,14 +369,15 @@ def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
 
 def unique_kernels(case_list: list[Case]):
     """(case, kernel) for each distinct Triton kernel and launch (warps, stages), skipping a
-    shape that only changes the grid."""
+    shape that only changes the grid. A case's kernels after its first (e.g. the split
+    merge, combine_splits) are labelled with their own names."""
     seen: set[tuple[str, int, int]] = set()
     for case in case_list:
-        for kernel in triton_kernels_for_cuda(case.fn, *case.specs):
+        for index, kernel in enumerate(triton_kernels_for_cuda(case.fn, *case.specs)):
             key = (kernel.ttir, kernel.num_warps, kernel.num_stages)
             if key not in seen:
                 seen.add(key)
-                yield case, kernel
+                yield (dataclasses.replace(case, kernel=f"{case.kernel}: {kernel.name}") if index else case), kernel
 
 
 def sass_table(case_list: list[Case]) -> list[str]:
