@@ -771,13 +771,18 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # twice the warps. GQA partial_share=2 asks for two blocks per program at any
 # context: at B=1 ctx=32k that is 256 programs of two blocks, the plan that
 # 264 programs gave (18.9 us); GQA block_tokens=128 (281 us at B=64, 18.8
-# at B=1) halves the programs the same way at B=1.
+# at B=1) halves the programs the same way at B=1. combine="pallas" merges
+# the split partials in one kernel instead of XLA's reductions: at B=1 run 4
+# logged 12.9 us of small XLA kernels beside GQA's 8.6 us kernel (5.6 us of
+# them the merge's reductions) and 8.2 beside MLA's 26.0.
 BEFORE_RUN_3 = AttentionTuning(fp8_dots="bfloat16", target_programs=264)
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(partial_share=2),
-            AttentionTuning(swap_pv=True, partial_share=2), AttentionTuning(block_tokens=128), BEFORE_RUN_3),
-    "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(num_warps=16),
-            AttentionTuning(num_warps=16, swap_pv=True), AttentionTuning(prefetch=True), BEFORE_RUN_3),
+    "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(combine="pallas"),
+            AttentionTuning(partial_share=2), AttentionTuning(swap_pv=True, partial_share=2),
+            AttentionTuning(block_tokens=128), BEFORE_RUN_3),
+    "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(combine="pallas"),
+            AttentionTuning(num_warps=16), AttentionTuning(num_warps=16, swap_pv=True),
+            AttentionTuning(prefetch=True), BEFORE_RUN_3),
 }
 # INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
 # so the 224 programs are one wave at 1.7 per SM. At M=64, 2 stages (the
