@@ -624,6 +624,7 @@ def test_sparse_mla_attends_only_the_chosen_tokens(shape, top_k, kv_dtype, q_dty
     _check_close(got, _as_np(ref), tol, seed, "sparse mla kernel vs reference")
 
 
+@pytest.mark.triton_ir
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32])
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
@@ -651,6 +652,7 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
 
 
+@pytest.mark.triton_ir
 def test_pallas_combine_leaves_no_reduction_after_the_kernels():
     """AttentionTuning(combine="pallas") at B=1 ctx=32k, FP8 pages (GLM-4.6's GQA and Kimi's MLA per
     GPU, hundreds of splits): the attention kernel and the merge kernel, nothing reduced by XLA
@@ -694,6 +696,7 @@ def _fp8_serving_kernels(tuning: AttentionTuning):
     return kernel, latent
 
 
+@pytest.mark.triton_ir
 def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
     """AttentionTuning(prefetch=True) at GPU shapes: every page load is masked
     (the prologue's and the loop's), so a prefetch past a split's last block
@@ -710,6 +713,7 @@ def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
     assert page_loads(AttentionTuning(prefetch=True)) == [2] * 8  # each in the prologue and the loop
 
 
+@pytest.mark.triton_ir
 def test_swap_pv_gives_the_values_product_the_value_width_as_rows():
     """AttentionTuning(swap_pv=True) at GPU shapes: the values product reaches
     Triton as [V, T] x [T, R] (V = 128 for GQA, 512 for MLA: rows enough for
@@ -726,6 +730,7 @@ def test_swap_pv_gives_the_values_product_the_value_width_as_rows():
     assert mla == [((16, 512), (512, 64)), ((16, 64), (64, 64)), ((512, 64), (64, 16))], mla
 
 
+@pytest.mark.triton_ir
 def test_attention_kernels_keep_small_dots_off_the_mma():
     """A tiny model's MLA (latent 32 + RoPE 8, as tiny-kimi) with a bf16 query
     over FP8 pages: its RoPE logits contract 8, so in the Triton IR they take
@@ -742,6 +747,7 @@ def test_attention_kernels_keep_small_dots_off_the_mma():
         assert any(t == "f32" for _, _, t in dots) == (rope < 16), dots
 
 
+@pytest.mark.triton_ir
 def test_triton_kernels_for_cuda_names_a_function_without_kernels():
     with pytest.raises(RuntimeError, match="no __gpu"):
         triton_kernels_for_cuda(jnp.sin, jax.ShapeDtypeStruct((4,), jnp.float32))
@@ -886,6 +892,7 @@ def test_block_tokens_must_be_a_power_of_two_of_at_least_16():
             AttentionTuning(block_tokens=bad)
 
 
+@pytest.mark.triton_ir
 def test_mla_blocks_smaller_than_a_page_lower_to_smaller_tiles():
     """At Kimi's 64-token pages, block_tokens=32 reaches the GPU kernel as
     32-token latent loads over a table twice as long (not silently ignored)."""

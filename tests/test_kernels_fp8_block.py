@@ -202,6 +202,7 @@ def test_moe_fp8_block_kernel_matches_float64(case, tuning, x_dtype):
     _check_bound(got, expected, bound, seed, "kernel vs float64")
 
 
+@pytest.mark.triton_ir
 def test_fp8_block_kernels_lower_to_triton_at_gpu_shapes():
     """Pallas -> Triton IR for CUDA (on CPU), read back and verified by jaxlib's Triton dialect:
     Kimi K2's expert matmul 7168 x 2048, dense and over 48 experts, and GLM-4.5's down-projection

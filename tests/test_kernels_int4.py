@@ -198,6 +198,7 @@ def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtyp
     assert rel < 1e-2, f"relative error {rel:.3g}, seed={seed}"
 
 
+@pytest.mark.triton_ir
 def test_int4_kernels_keep_small_dots_off_the_mma():
     """In the Triton IR the GPU compiles: at serving shapes every dot is bf16
     and >= 16 wide; where K has no power-of-two block >= 128 (GLM-4.5's
@@ -324,6 +325,7 @@ def test_moe_schedule_skips_empty_experts():
     assert np.all(np.asarray(owner.assigned_T)), f"seed={seed}"
 
 
+@pytest.mark.triton_ir
 @pytest.mark.parametrize("m", [1, 64, 256])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton_at_gpu_shapes(m, x_dtype):
@@ -355,6 +357,7 @@ def _primitives_outside_kernels(jaxpr) -> set[str]:
     return names
 
 
+@pytest.mark.triton_ir
 def test_gather_x_calls_lower_to_triton_as_one_kernel():
     """Int4Tuning(gather_x=True) at the Kimi K2 expert shape, M = 1: x reaches
     the kernel as it is (no transpose, no pad), and with one split the kernel's

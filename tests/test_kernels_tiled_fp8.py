@@ -203,6 +203,7 @@ def test_tiled_pages_are_checked():
         paged_attention_mla(**{**args, "kv_lora_rank": 48}, backend="xla")
 
 
+@pytest.mark.triton_ir
 def test_tiled_kernels_lower_to_triton_at_gpu_shapes():
     """Kimi K2 per GPU (8 heads, 512 + 64) over FlashMLA's layout, dense and DSA-sparse: the
     in-register tile dequantization must lower to Triton IR for CUDA (CPU-checkable)."""
