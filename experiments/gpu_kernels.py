@@ -762,25 +762,32 @@ def markdown(rows: list[Row], copy_bw: float, goals: list[str], device: str, on_
 # 264 programs (340; 18.9 at B=1); MLA block_tokens=32 (1543 against 1245),
 # 264 programs (1490), bfloat16 dots (1362).
 # Untimed (sm_90a compiles, results/sm90_compile.md and sm90_sass.md):
-# swap_pv runs the values product as wgmma: loop instructions per 64-token
-# block GQA 578 against 692, MLA 997 against 1136 (AttentionTuning.swap_pv).
+# the masks of tokens past the length now sit in a branch only a request's
+# last block takes (AttentionTuning.branch_masks, the default since
+# 2026-12-01): a block of valid tokens issues GQA 422 instructions per thread
+# against 679 with every block masked, MLA 694 against 1147. The unbranched
+# masks come second, so that each run measures that change. swap_pv runs the
+# values product as wgmma: with every block masked it cut GQA to 578 and MLA
+# to 997; with the branch, a valid block issues 436 and 703.
 # MLA runs one program per SM, so at 8 warps each scheduler has 2 warps to
 # hide latency with (issue slots 29% busy in run 3's profile); at 16 warps it
-# compiles to 82 registers (97 with swap_pv), no spills, 850 (771) loop
-# instructions per thread: 1.5x (1.4x) the warp instructions per block for
-# twice the warps. GQA partial_share=2 asks for two blocks per program at any
+# compiles to 98 registers (103 with swap_pv), no spills, and a valid block
+# issues 603 (606) instructions per thread against 694 (703) at 8 warps: 1.7x
+# the warp instructions per block for twice the warps. GQA partial_share=2 asks for two blocks per program at any
 # context: at B=1 ctx=32k that is 256 programs of two blocks, the plan that
 # 264 programs gave (18.9 us); GQA block_tokens=128 (281 us at B=64, 18.8
 # at B=1) halves the programs the same way at B=1. combine="pallas" merges
 # the split partials in one kernel instead of XLA's reductions: at B=1 run 4
 # logged 12.9 us of small XLA kernels beside GQA's 8.6 us kernel (5.6 us of
 # them the merge's reductions) and 8.2 beside MLA's 26.0.
-BEFORE_RUN_3 = AttentionTuning(fp8_dots="bfloat16", target_programs=264)
+BEFORE_RUN_3 = AttentionTuning(fp8_dots="bfloat16", target_programs=264, branch_masks=False)
 ATTENTION_SWEEP = {
-    "GQA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(combine="pallas"),
+    "GQA": (AttentionTuning(), AttentionTuning(branch_masks=False), AttentionTuning(swap_pv=True),
+            AttentionTuning(combine="pallas"),
             AttentionTuning(partial_share=2), AttentionTuning(swap_pv=True, partial_share=2),
             AttentionTuning(block_tokens=128), BEFORE_RUN_3),
-    "MLA": (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(combine="pallas"),
+    "MLA": (AttentionTuning(), AttentionTuning(branch_masks=False), AttentionTuning(swap_pv=True),
+            AttentionTuning(combine="pallas"),
             AttentionTuning(num_warps=16), AttentionTuning(num_warps=16, swap_pv=True),
             AttentionTuning(prefetch=True), BEFORE_RUN_3),
 }

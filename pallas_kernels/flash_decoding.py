@@ -68,12 +68,13 @@ class AttentionTuning:
       acc^T [V, R] += values^T [V, T] p^T [T, R], so that its M side is the
       value width (GQA 128, MLA 512) rather than R query rows (16). Triton
       then runs it as Hopper's warpgroup wgmma (M >= 64) instead of mma.sync.
-      sm_90a SASS at B=64 (experiments/results/sm90_sass.md): GQA fp8 with
-      float16 dots 578 instructions per loop iteration against 692, MLA fp8
-      997 against 1136, mostly the register moves (IMAD.MOV) that feed
-      mma.sync's operand fragments (GQA 64 against 164, MLA 158 against
-      286); registers 121 against 100 and 190 against 194 (GQA keeps 4
-      programs per SM, MLA 1). Not yet timed: off until a GPU sweep says.
+      sm_90a SASS at B=64 (experiments/results/sm90_sass.md), FP8 with
+      float16 dots: with every block masked (branch_masks=False), GQA 578
+      instructions per loop iteration against 679, MLA 997 against 1147,
+      mostly the register moves (IMAD.MOV) that fed the zeroed values to
+      mma.sync's operand fragments. With the masks in a branch, a block of
+      valid tokens issues GQA 436 against 422 and MLA 703 against 694: the
+      saving is gone. Not yet timed: off until a GPU sweep says.
     combine: how the split partials are merged: "xla" (combine_partials,
       XLA's reductions) or "pallas" (combine_splits, one kernel that reads
       each partial once and writes the scaled output in its final dtype).
@@ -81,11 +82,20 @@ class AttentionTuning:
       attention kernel and 12.9 us of small XLA kernels, three of them the
       merge's reductions (5.6 us): the partials of 512 one-block splits are
       half the bytes of the pages they summarize. Not yet timed.
+    branch_masks: the masks of tokens past the length (-inf logits, zeroed
+      stale values) sit in a branch that only a block holding such tokens
+      takes (True), or are applied to every block (False: what the H200
+      runs 1-4 timed). In sm_90a SASS at B=64 (results/sm90_sass.md, "fast path")
+      a block of valid tokens then issues GQA 422 instructions per thread
+      against 679 unbranched, MLA 694 against 1147, with float16 dots;
+      registers 124 against 96 (GQA: 4 programs per SM instead of 5, the 4
+      its 512-program target assumes) and 169 against 128 (MLA: 1 either
+      way, bound by shared memory). Not yet timed.
     head_rows: MLA: the most query heads one program holds, a power of two
       >= 16. More heads run in blocks of this many, each its own program
       that reads the pages again. 16 holds Kimi's 8 heads per GPU at TP8;
       one program of 64 heads (decode context parallelism at 8 ways runs
-      them all) compiles for sm_90a to 255 registers with 1644 B of spills
+      them all) compiles for sm_90a to 255 registers with 1204 B of spills
       and 180 KiB of shared memory (experiments/results/sm90_compile.md).
     """
 
@@ -99,6 +109,7 @@ class AttentionTuning:
     swap_pv: bool = False
     target_programs: int | None = None
     combine: str = "xla"
+    branch_masks: bool = True
     head_rows: int = 16
 
     def __post_init__(self):
@@ -293,25 +304,40 @@ def empty_partial(rows: int, value_dim: int, swap_pv: bool) -> SoftmaxPartial:
 
 
 def online_softmax_step(
-    state: SoftmaxPartial, logits_RT: jax.Array, valid_T: jax.Array, values_TV: jax.Array, zero_invalid: bool,
-    swap_pv: bool,
+    state: SoftmaxPartial, logits_RT: jax.Array, values_TV: jax.Array, valid_T: jax.Array,
+    partial: jax.Array | None, zero_values: bool, swap_pv: bool,
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
     Invalid tokens (past the request's length) get probability exactly 0.
     Their values must be finite, since 0 * NaN would poison acc: loaded as
-    zeros (gather_pages with a mask), or zeroed here (zero_invalid) when a
+    zeros (gather_pages with a mask), or zeroed here (zero_values) when a
     stale slot was loaded as it is. values_TV is in the dot operand dtype; the
     probabilities are rounded to it for the tensor-core dot (as
     FlashAttention does) but summed in f32. swap_pv: state.acc is [V, R]
     (AttentionTuning.swap_pv).
+
+    partial: a scalar, true when the block holds any invalid token. Only
+    then are the masks applied, in a branch: a block of valid tokens (all
+    but a request's last) skips them. None: masks every block, unbranched
+    (AttentionTuning.branch_masks=False). In sm_90a SASS the masks are
+    mostly the zeroing, a select and a byte permute per register of values
+    (its two halves belong to different tokens): 64 + 64 per thread per block
+    in the GQA kernel, 128 + 128 in MLA's.
     """
-    logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+    def mask(logits_RT, values_TV):
+        logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+        if zero_values:
+            values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
+        return logits_RT, values_TV
+
+    if partial is None:
+        logits_RT, values_TV = mask(logits_RT, values_TV)
+    else:
+        logits_RT, values_TV = lax.cond(partial, mask, lambda *tiles: tiles, logits_RT, values_TV)
     max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
     rescale_R = jnp.exp(state.max_R - max_R)
     p_RT = jnp.exp(logits_RT - max_R[:, None])
-    if zero_invalid:
-        values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
     rounded_RT = p_RT.astype(values_TV.dtype)
     if swap_pv:
         acc = state.acc * rescale_R[None, :] + mma.dot_tt(values_TV, rounded_RT)
@@ -332,10 +358,13 @@ def attend_split(
     logits_and_values(tiles) turns them into (logits [R, T] f32, values [T, V]).
     The loop stops at the request's last page, so blocks past the length cost
     no HBM traffic.
-    Every block is masked: one loop with the mask measured faster on the H200
-    than an unmasked loop over full blocks plus a masked tail loop (FP8 GQA
-    B=64 ctx=32k 357 vs 420 us, MLA 1657 vs 1957 us;
-    experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md).
+    One loop runs every block; the masks sit in a branch inside it, which
+    only a block holding tokens past the length takes (online_softmax_step's
+    partial). An unmasked loop over full blocks plus a masked tail loop
+    measured slower on the H200 than one loop masking every block (FP8 GQA
+    B=64 ctx=32k 420 vs 357 us, MLA 1957 vs 1657 us;
+    experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md); the
+    branch keeps one loop and one copy of the body. Not yet timed.
 
     tuning.prefetch (AttentionTuning.prefetch): Triton's pipeliner, given the
     page-table indirection, keeps one buffer per block and issues the next
@@ -360,15 +389,18 @@ def attend_split(
         block = jnp.clip(block, 0, plan.blocks_per_split - 1)
         return slots_ref[pl.ds(block * plan.pages_per_block, plan.pages_per_block)]
 
+    def first_token(block):
+        return (first_slot + block * plan.pages_per_block) * page_size
+
     def valid_tokens(block):
-        first_token = (first_slot + block * plan.pages_per_block) * page_size
-        return first_token + jnp.arange(block_tokens) < length
+        return first_token(block) + jnp.arange(block_tokens) < length
 
     def fold(block, tiles, state):
         logits_RT, values_TV = logits_and_values(tiles)
         # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
-        return online_softmax_step(state, logits_RT, valid_tokens(block), values_TV,
-                                   zero_invalid=not tuning.prefetch, swap_pv=tuning.swap_pv)
+        return online_softmax_step(state, logits_RT, values_TV, valid_tokens(block),
+                                   partial=first_token(block) + block_tokens > length if tuning.branch_masks else None,
+                                   zero_values=not tuning.prefetch, swap_pv=tuning.swap_pv)
 
     empty = empty_partial(rows, value_dim, tuning.swap_pv)
     if not tuning.prefetch:

@@ -543,6 +543,31 @@ def test_kernels_clamp_lengths_to_the_table():
                  F32_TOL * _mla_max_abs_v(args), seed, "mla")
 
 
+@pytest.mark.parametrize("tuning", [AttentionTuning(block_tokens=16, num_splits=2),
+                                    AttentionTuning(block_tokens=16, swap_pv=True),
+                                    AttentionTuning(block_tokens=16, branch_masks=False)])
+def test_blocks_ending_one_token_either_side_of_the_length(tuning):
+    """Only a block holding tokens past the length is masked (attend_split's
+    partial branch); a block of valid tokens skips the masks. Lengths one short
+    of, at and one past a block's end (16 tokens, two 8-slot pages), with NaN
+    in every slot past them: a block with a single invalid token taken as
+    full leaks its NaN into the output."""
+    seed = _seed()
+    rng = _rng(seed)
+    lengths = (15, 16, 17, 31, 47, 1)
+    args, cache = _gqa_inputs(rng, batch=len(lengths), kv_heads=1, group=4, head_dim=16, page_size=8,
+                              num_slots=8, lengths=lengths, kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32,
+                              per_head=False)
+    _check_close(paged_attention_gqa(**args, backend=KERNEL_BACKEND, tuning=tuning), _gqa_expected(args, cache),
+                 F32_TOL * _max_abs_v(args), seed, "gqa")
+    args, cache = _mla_inputs(rng, heads=4, width=48, rank=32, page_size=8, num_slots=8, lengths=lengths,
+                              kv_dtype=jnp.float8_e4m3fn, q_dtype=jnp.float32)
+    expected = _mla_float64(_as_np(args["q_BHC"]), _as_np(args["latent_pages_PSC"]), cache, 32,
+                            float(args["scale"]), args["softmax_scale"])
+    _check_close(paged_attention_mla(**args, backend=KERNEL_BACKEND, tuning=tuning), expected,
+                 F32_TOL * _mla_max_abs_v(args), seed, "mla")
+
+
 def test_float16_dots_scale_queries_of_any_magnitude():
     """fp8_dots="float16" holds q in f16 (max 65504): rows of q as large as 1e6
     and as small as 1e-25 and 1e-36 must give the reference's output, GQA and
@@ -713,6 +738,35 @@ def test_prefetch_kernels_lower_to_triton_with_masked_page_loads():
     assert page_loads(AttentionTuning(prefetch=True)) == [2] * 8  # each in the prologue and the loop
 
 
+def _tensor_selects_by_branch(ttir: str) -> tuple[int, int]:
+    """(tensor arith.selects inside some scf.if, those outside any) in a kernel's TTIR."""
+    inside = outside = 0
+    regions: list[bool] = []  # per open region: is it an scf.if's (then or else)?
+    for line in ttir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("}"):
+            regions.pop()
+        if stripped.endswith("{"):
+            regions.append("scf.if" in stripped or stripped.startswith("} else"))
+        if "arith.select" in stripped and "tensor<" in stripped:
+            inside, outside = (inside + 1, outside) if any(regions) else (inside, outside + 1)
+    return inside, outside
+
+
+@pytest.mark.triton_ir
+def test_masks_lower_into_a_branch_only_the_last_block_takes():
+    """At GPU shapes every tensor select (the logits' -inf mask, the values'
+    zeroing of stale slots) sits inside an scf.if: a block of valid tokens
+    branches past them (online_softmax_step's partial); outside any, with
+    AttentionTuning(branch_masks=False)."""
+    for tuning in (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(prefetch=True),
+                   AttentionTuning(branch_masks=False)):
+        for kernel in _fp8_serving_kernels(tuning):
+            masks = 1 if tuning.prefetch else 2  # prefetch loads stale slots as zeros: only the logits are masked
+            expected = (masks, 0) if tuning.branch_masks else (0, masks)
+            assert _tensor_selects_by_branch(kernel.ttir) == expected, (tuning, kernel.name)
+
+
 @pytest.mark.triton_ir
 def test_swap_pv_gives_the_values_product_the_value_width_as_rows():
     """AttentionTuning(swap_pv=True) at GPU shapes: the values product reaches
@@ -783,7 +837,9 @@ def test_sweep_program_targets_give_one_wave_at_batch_64():
     at B=64 ctx=32k they must give exactly the splits its comment claims, so
     that the programs fill the 132 SMs in one wave at the occupancy sm_90a
     compiles allow for every choice swept (GQA fp8 with float16 dots 4 per
-    SM, with or without swap_pv; MLA 1, at 8 or 16 warps)."""
+    SM, with or without swap_pv; MLA 1, at 8 or 16 warps). GQA with every
+    block masked (branch_masks=False) now compiles to 96 registers, 5 per
+    SM; it is swept to time the branch against, at the defaults' plan."""
     from experiments.gpu_kernels import ATTENTION_SWEEP, BEFORE_RUN_3
     from pallas_kernels.flash_decoding import plan_splits
     from pallas_kernels.paged_attention_gqa import TARGET_PROGRAMS as GQA_PROGRAMS
