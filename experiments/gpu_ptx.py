@@ -30,7 +30,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gpu_kernels import GPU  # noqa: E402
-from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptx_target, ptx_warps, ptxas_usage  # noqa: E402
+from experiments.sass_loop import SASS_KINDS, LoopMix, ptx_target, ptx_warps, ptxas_usage  # noqa: E402
 from experiments.sm90_compile import Case, Compiled, cases  # noqa: E402
 
 # The serving-shape kernels whose offline numbers the notes lean on.
@@ -101,13 +101,13 @@ def assemble(kernel: KernelPtx, tmp: str) -> tuple[Compiled, LoopMix | None, str
         if not cuobjdump.is_file():
             return usage, None, str(ptxas)
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-        return usage, LoopMix.of(inner_loop(sass)), str(ptxas)
+        return usage, LoopMix.of(sass), str(ptxas)
     raise RuntimeError("no ptxas assembled the PTX: " + ("; ".join(errors) or "none found"))
 
 
 def table_row(case: Case, usage: Compiled, mix: LoopMix | None) -> str:
     blocks, limiter = usage.blocks_per_sm()
-    loop = ("no loop" if not mix.instructions else f"{mix.instructions} | " + " | ".join(
+    loop = ("no loop" if not mix.instructions else f"{mix.instructions} | {mix.fast_path} | " + " | ".join(
         str(mix.kinds[k]) for k in SASS_KINDS)) if mix else "no cuobjdump"
     return (f"| {case.kernel} | {case.shape} | {usage.num_warps} | {usage.num_stages} | {usage.registers} | "
             f"{usage.spill_bytes} | {usage.smem / 1024:.1f} | {blocks} ({limiter}) | {loop} |")
@@ -123,9 +123,9 @@ def main() -> None:
     lines = [f"# Pallas kernels as compiled on {jax.devices()[0].device_kind}, {stamp}", "",
              f"jax {jax.__version__}: the PTX of jaxlib's Triton compile, through ptxas -v and cuobjdump. "
              "Compare with experiments/results/sm90_compile.md and sm90_sass.md (same shapes, offline).", "",
-             "| kernel | shape | warps | stages | regs | spill B | smem KiB | blocks/SM | loop instrs | "
+             "| kernel | shape | warps | stages | regs | spill B | smem KiB | blocks/SM | loop instrs | fast path | "
              + " | ".join(SASS_KINDS) + " |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|" + "---:|" * len(SASS_KINDS)]
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|" + "---:|" * len(SASS_KINDS)]
     from jax._src.pallas.triton import pallas_call_registration as registration
     if not hasattr(registration, "triton"):
         # jax 0.11.2 on the H200 (2026-11-30): the lowering hands Triton IR to

@@ -21,33 +21,55 @@ SASS_KINDS = {
 }
 
 
+def _loop_listing(sass: str) -> list[tuple[int, str, int | None]]:
+    """(address, opcode with modifiers, branch target or None) of the longest
+    address span closed by a backward branch."""
+    listing = []
+    for m in map(_SASS_LINE.match, sass.splitlines()):
+        if m:
+            target = re.search(r"0x([0-9a-f]+)", m.group(4)) if m.group(2) == "BRA" else None
+            listing.append((int(m.group(1), 16), m.group(2) + m.group(3), target and int(target.group(1), 16)))
+    best: list[tuple[int, str, int | None]] = []
+    for address, _, target in listing:
+        if target is not None and target < address:
+            best = max(best, [x for x in listing if target <= x[0] <= address], key=len)
+    return best
+
+
 def inner_loop(sass: str) -> list[str]:
     """Opcodes (with modifiers) of the longest address span closed by a backward branch."""
-    listing = [(int(m.group(1), 16), m.group(2) + m.group(3), m.group(4))
-               for m in map(_SASS_LINE.match, sass.splitlines()) if m]
-    best: list[str] = []
-    for address, opcode, operands in listing:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode.startswith("BRA") else None
-        if target and int(target.group(1), 16) < address:
-            body = [op for a, op, _ in listing if int(target.group(1), 16) <= a <= address]
-            best = max(best, body, key=len)
-    return best
+    return [opcode for _, opcode, _ in _loop_listing(sass)]
+
+
+def loop_fast_path(sass: str) -> list[str]:
+    """inner_loop without the longest span that a forward branch inside the
+    loop jumps over: what an iteration issues when that branch is taken (in
+    the paged attention kernels, a block of valid tokens skipping the masks
+    that only a request's last block needs). Only that one span: smaller
+    branches on the same predicate may go the other way."""
+    body = _loop_listing(sass)
+    spans = [(target - address, address, target) for address, _, target in body
+             if target is not None and address < target <= body[-1][0]]
+    _, start, end = max(spans, default=(0, 0, 0))
+    return [opcode for address, opcode, _ in body if not start < address < end]
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopMix:
     instructions: int  # per thread per iteration
-    kinds: dict[str, int]  # SASS_KINDS -> count
+    fast_path: int  # of those, issued when every forward branch in the loop is taken (loop_fast_path)
+    kinds: dict[str, int]  # SASS_KINDS -> count, over the whole loop
     conversions: dict[str, int]  # each conversion opcode, with its modifiers -> count
 
     @classmethod
-    def of(cls, body: list[str]) -> "LoopMix":
+    def of(cls, sass: str) -> "LoopMix":
+        body = inner_loop(sass)
         kinds = {kind: sum(op.startswith(prefixes) for op in body) for kind, prefixes in SASS_KINDS.items()}
         conversions: dict[str, int] = {}
         for op in body:
             if op.startswith(SASS_KINDS["convert"]):
                 conversions[op] = conversions.get(op, 0) + 1
-        return cls(len(body), kinds, conversions)
+        return cls(len(body), len(loop_fast_path(sass)), kinds, conversions)
 
 
 def ptxas_usage(report: str) -> tuple[int, int]:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.gpu_kernels import DCP, GPU, Config, tuning_label  # noqa: E402  (shapes of the benchmark)
-from experiments.sass_loop import SASS_KINDS, LoopMix, inner_loop, ptxas_usage  # noqa: E402
+from experiments.sass_loop import SASS_KINDS, LoopMix, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, paged_attention_gqa,
     paged_attention_mla, sparse_paged_attention_mla)
@@ -112,6 +112,12 @@ def cases(cfg: Config) -> list[Case]:
     for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
         out.append(_gqa_case(cfg, "GQA fp8 f16-dots pallas-combine", jnp.float8_e4m3fn, combine, batch, context))
         out.append(_mla_case(cfg, "MLA fp8 f16-dots pallas-combine", jnp.float8_e4m3fn, combine, batch, context))
+    # The masks applied to every block, unbranched, as runs 1-4 timed (AttentionTuning.branch_masks=False).
+    for name, tuning in (("fp8 f16-dots every-block-masks", AttentionTuning(branch_masks=False)),
+                         ("fp8 f16-dots swap-pv every-block-masks", AttentionTuning(branch_masks=False, swap_pv=True))):
+        for batch, context in ((1, max(cfg.contexts)), (max(cfg.batches), min(cfg.contexts))):
+            out.append(_gqa_case(cfg, f"GQA {name}", jnp.float8_e4m3fn, tuning, batch, context))
+            out.append(_mla_case(cfg, f"MLA {name}", jnp.float8_e4m3fn, tuning, batch, context))
     # MLA at 16 warps: one program per SM either way, with 4 warps per scheduler instead of 2.
     for name, tuning in (("fp8 f16-dots 16-warps", AttentionTuning(num_warps=16)),
                          ("fp8 f16-dots swap-pv 16-warps", AttentionTuning(num_warps=16, swap_pv=True))):
@@ -342,15 +348,15 @@ def loop_mix(kernel: TritonKernelIR) -> LoopMix:
         cubin.write_bytes(compiled.asm["cubin"])
         cuobjdump = Path(get_ptxas(ARCH).path).with_name("cuobjdump")
         sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return LoopMix.of(inner_loop(sass))
+    return LoopMix.of(sass)
 
 
 def sass_row(case: Case, mix: LoopMix) -> str:
     if not mix.instructions:  # e.g. one block per program: the compiler dropped the loop
-        return f"| {case.kernel} | {case.shape} | no loop |" + " |" * len(SASS_KINDS) + " |"
+        return f"| {case.kernel} | {case.shape} | no loop | |" + " |" * len(SASS_KINDS) + " |"
     kinds = " | ".join(str(mix.kinds[k]) for k in SASS_KINDS)
     conversions = ", ".join(f"{n} {op}" for op, n in sorted(mix.conversions.items(), key=lambda item: -item[1]))
-    return f"| {case.kernel} | {case.shape} | {mix.instructions} | {kinds} | {conversions} |"
+    return f"| {case.kernel} | {case.shape} | {mix.instructions} | {mix.fast_path} | {kinds} | {conversions} |"
 
 
 def row(case: Case, kernel: TritonKernelIR, c: Compiled) -> str:
@@ -381,8 +387,8 @@ def unique_kernels(case_list: list[Case]):
 
 
 def sass_table(case_list: list[Case]) -> list[str]:
-    lines = ["| kernel | shape | loop instrs | " + " | ".join(SASS_KINDS) + " | conversions |",
-             "|---|---|---:|" + "---:|" * len(SASS_KINDS) + "---|"]
+    lines = ["| kernel | shape | loop instrs | fast path | " + " | ".join(SASS_KINDS) + " | conversions |",
+             "|---|---|---:|---:|" + "---:|" * len(SASS_KINDS) + "---|"]
     for case, kernel in unique_kernels(case_list):
         lines.append(sass_row(case, loop_mix(kernel)))
         print(lines[-1], flush=True)
@@ -425,7 +431,10 @@ def main() -> None:
     case_list = test_cases() if cli.test_shapes else cases(GPU)
     if cli.sass:
         lines += ["Inner loop of each kernel's SASS (the longest span closed by a backward branch), at the kernel's "
-                  "own warps and stages: instructions per thread per iteration, and how many are tensor-core MMAs (warp-level mma.sync, or Hopper's warpgroup wgmma, which reads its B operand from shared memory), "
+                  "own warps and stages: instructions per thread per iteration; the fast path, what an iteration "
+                  "issues when the forward branch inside the loop that skips the most code is taken (in the paged "
+                  "attention kernels, a block of valid tokens skipping the masks only a request's last block needs); and, over the whole loop, "
+                  "how many are tensor-core MMAs (warp-level mma.sync, or Hopper's warpgroup wgmma, which reads its B operand from shared memory), "
                   "type conversions (scalar F2F/I2F and packed F2FP), byte permutes and register spills "
                   "(LDL/STL). A static count: it says what each iteration issues, not how long it takes.", ""]
         lines += sass_table(case_list)

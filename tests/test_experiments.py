@@ -214,16 +214,23 @@ def test_tuning_sweep_runs_and_names_the_fastest(monkeypatch):
 
 def test_sass_inner_loop_and_its_instruction_mix():
     """experiments/sm90_compile.py --sass: the loop is the span a backward branch
-    closes (not the straight-line code around it), predicated opcodes count."""
+    closes (not the straight-line code around it), predicated opcodes count, and
+    the fast path leaves out the longest span a forward branch inside the loop
+    jumps over."""
     sys.path.insert(0, ROOT)
-    from experiments.sass_loop import LoopMix, inner_loop
+    from experiments.sass_loop import LoopMix, inner_loop, loop_fast_path
 
     listing = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   LDGSTS.E.BYPASS.128 [R15], desc[UR10][R4.64] ;
         /*0020*/                   F2FP.F16.E4M3.UNPACK_B R2, R3 ;
         /*0030*/                   F2F.BF16.F16 R4, R2 ;
+        /*0034*/               @P2 BRA 0x40 ;
+        /*0036*/                   SEL R4, R4, RZ, !P3 ;
+        /*0038*/                   PRMT R4, R4, 0x5410, R5 ;
         /*0040*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0044*/              @!P2 BRA 0x48 ;
+        /*0046*/                   MOV R9, R8 ;
         /*0050*/              @!P0 STL [R1], R9 ;
         /*0054*/                   STS.128 [R3], R8 ;
         /*0056*/                   FENCE.VIEW.ASYNC.S ;
@@ -233,11 +240,14 @@ def test_sass_inner_loop_and_its_instruction_mix():
         /*0080*/                   EXIT ;
     """
     body = inner_loop(listing)
-    assert body == ["F2FP.F16.E4M3.UNPACK_B", "F2F.BF16.F16", "HMMA.16816.F32.BF16", "STL", "STS.128",
-                    "FENCE.VIEW.ASYNC.S", "HGMMA.64x128x16.F32.BF16", "BRA"]
-    mix = LoopMix.of(body)
-    assert mix.instructions == 8 and mix.kinds == {"mma.sync": 1, "wgmma": 1, "convert": 2, "permute": 0,
-                                                   "shared store": 1, "sync": 1, "spill": 1}
+    assert body == ["F2FP.F16.E4M3.UNPACK_B", "F2F.BF16.F16", "BRA", "SEL", "PRMT", "HMMA.16816.F32.BF16", "BRA",
+                    "MOV", "STL", "STS.128", "FENCE.VIEW.ASYNC.S", "HGMMA.64x128x16.F32.BF16", "BRA"]
+    # Only the longest forward span is skipped: the MOV runs when the SEL and PRMT do not.
+    assert loop_fast_path(listing) == [op for op in body if op not in ("SEL", "PRMT")]
+    mix = LoopMix.of(listing)
+    assert mix.instructions == 13 and mix.fast_path == 11
+    assert mix.kinds == {"mma.sync": 1, "wgmma": 1, "convert": 2, "permute": 1, "shared store": 1, "sync": 1,
+                         "spill": 1}
     assert mix.conversions == {"F2FP.F16.E4M3.UNPACK_B": 1, "F2F.BF16.F16": 1}
 
 
@@ -259,10 +269,10 @@ ptxas info    : Used 96 registers, used 1 barriers, 38912 bytes smem, 400 bytes 
     assert ptx_target(ptx) == "sm_90a" and ptx_warps(ptx) == 4
     case = gpu_ptx.cases(gpu_ptx.GPU)[0]
     usage = gpu_ptx.Compiled(4, 2, 96, 20, 38 * 1024, 0.0)
-    mix = LoopMix(792, {"mma.sync": 32, "wgmma": 0, "convert": 196, "permute": 64, "shared store": 8, "sync": 2,
+    mix = LoopMix(792, 700, {"mma.sync": 32, "wgmma": 0, "convert": 196, "permute": 64, "shared store": 8, "sync": 2,
                         "spill": 0}, {})
     row = gpu_ptx.table_row(case, usage, mix)
-    assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 32 | 0 | 196 | 64 | 8 | 2 | 0 |"
+    assert row == f"| {case.kernel} | {case.shape} | 4 | 2 | 96 | 20 | 38.0 | 5 (regs) | 792 | 700 | 32 | 0 | 196 | 64 | 8 | 2 | 0 |"
 
 
 def test_gpu_profile_cases_launch_the_kernels_ncu_is_told_to_profile(tmp_path):
