@@ -89,7 +89,7 @@ class AttentionTuning:
       a block of valid tokens then issues GQA 422 instructions per thread
       against 679 unbranched, MLA 694 against 1147, with float16 dots;
       registers 124 against 96 (GQA: 4 programs per SM instead of 5, the 4
-      its 512-program target assumes) and 169 against 128 (MLA: 1 either
+      its 512-program target assumes) and 174 against 128 (MLA: 1 either
       way, bound by shared memory). Not yet timed.
     head_rows: MLA: the most query heads one program holds, a power of two
       >= 16. More heads run in blocks of this many, each its own program
