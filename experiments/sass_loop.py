@@ -57,7 +57,7 @@ def loop_fast_path(sass: str) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class LoopMix:
     instructions: int  # per thread per iteration
-    fast_path: int  # of those, issued when every forward branch in the loop is taken (loop_fast_path)
+    fast_path: int  # of those, issued when the longest forward branch in the loop is taken (loop_fast_path)
     kinds: dict[str, int]  # SASS_KINDS -> count, over the whole loop
     conversions: dict[str, int]  # each conversion opcode, with its modifiers -> count
 
