@@ -791,24 +791,26 @@ ATTENTION_SWEEP = {
             AttentionTuning(num_warps=16), AttentionTuning(num_warps=16, swap_pv=True),
             AttentionTuning(prefetch=True), BEFORE_RUN_3),
 }
-# INT4 at M=1: the defaults take 69 registers at 8 warps, 3 programs per SM,
-# so the 224 programs are one wave at 1.7 per SM. At M=64, 2 stages (the
-# default since run 3) take 98 KiB of shared memory, 2 programs per SM.
-# gather_x drops the x permute kernel (1.6 us of run 4's 10.5 at M=1) for
-# more loop instructions: 598 against 533 at M=1, 1748 against 1114 at M=64.
-# block_k=128 halves the x tile, which is most of the shared memory at M=64:
-# 121 registers and 74 KiB, 3 programs per SM, for 626 loop instructions per
-# 128 K against 1114 per 256 (+12% per weight byte). swap_ab (new on
-# 2026-12-01, never timed) keeps the dequantized weights out of shared memory
-# at 64-row tiles (StreamTuning.swap_ab): second, so that the budget reaches
-# it at M=64. The MoE sweep runs the first MOE_SWEEP_SIZE choices.
-# Run 3 (then at 3 stages) timed these at M=1 / M=64 (us): 3 stages 11.6 /
-# 19.7, 2 stages 10.6 / 16.5, gather_x 10.3 / 21.4, block_k=128 14.4 / 17.0,
-# target_programs=132 11.7 / 17.0, block_n=64 at 2 stages 12.5 / 17.4; MoE
-# T=64: 187 default, 194 gather_x, 375 block_k=128. No longer swept: gather_x
-# at 8 warps (10.4 / 33.5), block_k=128 at 396 programs (the same plan and
-# times as block_k=128), block_n=64 at 528 programs (12.8 / 24.5).
-INT4_SWEEP = (Int4Tuning(), Int4Tuning(swap_ab=True), Int4Tuning(gather_x=True), Int4Tuning(num_stages=3),
+# INT4 since 2026-12-01 contracts K in pair order (int4_matmul's docstring)
+# with swap_ab on: never timed. The 8-plane kernel it replaced ran run 4's
+# 10.5 us at M=1 and run 3's 16.5 at M=64, the yardstick across runs; in one
+# run, swap_ab=False (pair order, x w) is its interleaved comparison. sm_90a
+# compiles (experiments/results/sm90_compile.md, sm90_sass.md): at M=1 the
+# default takes 92 registers at 8 warps, 2 programs per SM, so the 224
+# programs are one wave at 1.7 per SM, and 489 loop instructions per step
+# (519 with 8 planes); at M=64, 143 registers and 82 KiB, 2 per SM, 984
+# (1111). gather_x drops the x permute kernel (1.6 us of run 4's 10.5 at M=1)
+# for more loop instructions: 552 against 489 at M=1, 1611 against 984 at
+# M=64. block_k=128 halves the x tile: 41 KiB at M=64, 4 programs per SM,
+# for 284 / 524 instructions per 128 K at M=1 / 64 (+16% / +6% per weight
+# byte). The MoE sweep runs the first MOE_SWEEP_SIZE choices.
+# Run 3 (8 planes, then at 3 stages) timed these at M=1 / M=64 (us): 3 stages
+# 11.6 / 19.7, 2 stages 10.6 / 16.5, gather_x 10.3 / 21.4, block_k=128 14.4 /
+# 17.0, target_programs=132 11.7 / 17.0, block_n=64 at 2 stages 12.5 / 17.4;
+# MoE T=64: 187 default, 194 gather_x, 375 block_k=128. No longer swept:
+# gather_x at 8 warps (10.4 / 33.5), block_k=128 at 396 programs (the same
+# plan and times as block_k=128), block_n=64 at 528 programs (12.8 / 24.5).
+INT4_SWEEP = (Int4Tuning(), Int4Tuning(swap_ab=False), Int4Tuning(gather_x=True), Int4Tuning(num_stages=3),
               Int4Tuning(block_k=128), Int4Tuning(target_programs=132))
 MOE_SWEEP_SIZE = 4
 

@@ -53,14 +53,15 @@ from pallas_kernels import AttentionTuning, Int4Tuning, int4_matmul  # noqa: E40
 KERNEL_REGEX = "regex:^(int4_matmul|paged_attention)"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 # The defaults, and beside each the sweep's leading candidate for its goal. INT4:
-# swap_ab (its stalls without the weights' shared-memory round trip) replaced
-# gather_x with block_n=64, whose run-3 profile was the slowest at M=64 (30 us).
+# swap_ab=False (the pair-order kernel in x's orientation: its stalls with the
+# weights' shared-memory round trip at M=64) replaced gather_x with
+# block_n=64, whose run-3 profile was the slowest at M=64 (30 us).
 # Attention: swap_pv (the values product as wgmma; 12-16% fewer loop
 # instructions, not fewer shared-memory loads) and MLA at 16 warps (twice the
 # warps per scheduler) replaced GQA prefetch, MLA block_tokens=32 (both timed
 # slower than the defaults in runs 3-4) and MLA prefetch (as fast), all three
 # profiled in run 3.
-INT4_PROFILED = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(swap_ab=True))
+INT4_PROFILED = (Int4Tuning(), Int4Tuning(block_k=128), Int4Tuning(swap_ab=False))
 GQA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True))
 MLA_PROFILED = (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(num_warps=16))
 

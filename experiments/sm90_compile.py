@@ -151,13 +151,13 @@ def cases(cfg: Config) -> list[Case]:
             out.append(Case("INT4 matmul", f"M={m} g={group}", functools.partial(int4_matmul, group_size=group, backend="pallas"),
                             (spec((m, k), jnp.bfloat16), *weights)))
     for name, tuning in (("gather-x", Int4Tuning(gather_x=True)), ("block_k=128", Int4Tuning(block_k=128)),
-                         ("swap-ab", Int4Tuning(swap_ab=True))):
+                         ("x-orientation", Int4Tuning(swap_ab=False))):
         for m in (min(cfg.matmul_ms), max(cfg.matmul_ms)):
             out.append(Case(f"INT4 matmul {name}", f"M={m} g=32",
                             functools.partial(int4_matmul, group_size=32, backend="pallas", tuning=tuning),
                             (spec((m, k), jnp.bfloat16), spec((k // 8, n), jnp.int32), spec((k // 32, n), jnp.bfloat16))))
     e, g = cfg.experts, cfg.group_size
-    for name, tuning in (("", Int4Tuning()), (" swap-ab", Int4Tuning(swap_ab=True))):
+    for name, tuning in (("", Int4Tuning()), (" x-orientation", Int4Tuning(swap_ab=False))):
         moe = functools.partial(moe_int4_matmul, group_size=g, backend="pallas", tuning=tuning)
         for tokens in cfg.moe_tokens:
             out.append(Case("MoE INT4" + name, f"T={tokens} E={e} g={g}", moe,

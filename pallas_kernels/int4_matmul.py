@@ -11,19 +11,25 @@ Packed layout (fixed; other code depends on it):
   [N, K/group]); see from_compressed_tensors / to_compressed_tensors.
   Expert-batched weights add a leading axis: [E, K/8, N] and [E, K/g, N].
 
-Kernel strategy (Triton-style, no in-kernel interleave): x is permuted once
-outside the kernel into 8 stride-8 planes, x_planes[j, m, i] = x[m, 8i + j]
-(cheap: x is tiny next to the weights). Nibble plane j of a packed block,
-((packed >> 4j) & 15) - 8, is then a dense [BK/8, BN] matrix matching
-x_planes[j], and the block product is the sum of 8 dots [BM, BK/8] x
-[BK/8, BN]. Each packed row i lies in one group, i // (group_size/8), so one
-scale row serves all 8 of its planes; a block's scale rows are loaded once
-each, repeated per packed row in registers (_scale_row_loader), and applied
-before the bf16 tensor-core dot. The products accumulate in float32.
-Planes j and j + 4 are dequantized together, as the two bf16 halves of one
-int32 built by a shift and a mask (_dequantize_planes): no int -> float
-conversion instructions. (With Int4Tuning.gather_x the kernel reads the
-planes of x itself instead of taking them permuted.)
+Kernel strategy (Triton-style, no in-kernel interleave): a dot may contract
+K in any order, as long as x is permuted the same way. Nibbles j and j + 4 of a
+word sit 16 bits apart, so one shift and one mask put both into the two bf16
+halves of an int32 (_dequantize_pairs: no int -> float conversion), and the
+kernel contracts K in that pair order: for j in 0..3, the [2Q, N] matrix
+w_j[2i + h, n] = weight[8i + j + 4h, n] pairs with x permuted once outside
+the kernel, x_pairs[j, m, 2i + h] = x[m, 8i + j + 4h] (cheap: x is tiny next
+to the weights). The block product is the sum of 4 dots [BM, BK/4] x
+[BK/4, BN]. Two k that are neighbours in this order are the two halves of one
+register, which is how the MMA wants its operand (consecutive k in a
+register): the dequantized int32 is the MMA's operand with no byte permutes
+(sm_90a, M=64: 1111 instructions per step with 8 stride-8 planes, whose
+neighbouring k came from two words, 982 in pair order;
+experiments/results/sm90_sass.md). Each packed row i lies in one group,
+i // (group_size/8), so one scale serves both halves; a block's scale rows
+are loaded once each, repeated per packed row in registers
+(_scale_row_loader), and applied before the bf16 tensor-core dot. The
+products accumulate in float32. (With Int4Tuning.gather_x the kernel reads
+the permuted columns of x itself instead of taking them permuted.)
 
 Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
 than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
@@ -57,8 +63,9 @@ from pallas_kernels.weight_stream import (
 
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
-# Each nibble plane's dot contracts block_k / 8 packed rows; Triton's MMA needs 16.
-MIN_BLOCK_K = PACK * mma.MIN_DOT_ROWS
+# Each pair-order dot contracts block_k / 4; Triton's MMA needs 16.
+PAIR_DOTS = PACK // 2
+MIN_BLOCK_K = PAIR_DOTS * mma.MIN_DOT_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,20 +73,31 @@ class Int4Tuning(StreamTuning):
     """The launch choices of weight_stream.StreamTuning, for the INT4 kernels.
     Measured: experiments/gpu_kernels.py --sweep.
 
-    block_k >= 128, so that each nibble plane's dot contracts Triton's minimum
-    of 16 packed rows.
+    block_k >= 64, so that each pair-order dot contracts Triton's minimum of 16.
     target_programs: sm_90a compiles at 3 stages fit 3 programs per SM at
       M=1 and 1 at M=64, 2 at M=64 with 2 stages, 5 and 3 at block_k=128
-      (experiments/results/sm90_compile.md).
-    gather_x: the kernel reads each nibble plane's columns of x itself, with a
-      gather masked to the tile's rows, instead of x permuted into planes by
-      an XLA op beforehand. No permute and no row padding, so a call that
-      also needs no split-K (target_programs <= N / block_n) is one kernel,
-      which writes x's dtype directly. The gather costs loads that are not
-      vectorized (x's plane columns are 8 elements apart). Not yet timed.
+      (experiments/results/sm90_compile.md; before the pair order).
+    swap_ab: on by default for INT4. In pair order the dequantized int32s are
+      the wgmma's register operand as they stand. sm_90a compiles
+      (experiments/results/sm90_sass.md, 2026-12-01) issue no more
+      instructions per step than the 8-plane kernel's default did at any
+      shape compiled, and fewer at most: M=1 489 against 519, M=32 951
+      against 1030, M=64 984 against 1111, MoE T=64 514 against 515, T=2048
+      984 against 1100; no shared-memory stores of weights. (Pair order
+      without swap_ab: M=1 591, its mma.sync operands taking 101 register
+      moves.) Registers at M=1: 92, 2 programs per SM, which still runs the
+      224 programs of the Kimi K2 expert shape in one wave. Not yet timed on
+      a GPU; the sweep times swap_ab=False beside it.
+    gather_x: the kernel reads x's pair-order columns itself, with a gather
+      masked to the tile's rows, instead of x permuted by an XLA op
+      beforehand. No permute and no row padding, so a call that also needs
+      no split-K (target_programs <= N / block_n) is one kernel, which writes
+      x's dtype directly. The gather costs loads that are not vectorized
+      (neighbouring columns are 4 elements apart). Not yet timed.
     """
 
     gather_x: bool = False
+    swap_ab: bool = True
     MIN_BLOCK_K: ClassVar[int] = MIN_BLOCK_K
 
 
@@ -177,8 +195,9 @@ def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int
         if tuning.gather_x:  # the kernel masks its reads to each tile's rows instead of padding
             x_in = x_MK
         else:
-            # x_planes[j, m, i] = x[m, 8i + j]: plane j pairs with nibble j.
-            x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, PACK).transpose(2, 0, 1)
+            # x_pairs[j, m, 2i + h] = x[m, 8i + j + 4h] (module docstring)
+            x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, 2, PAIR_DOTS).transpose(3, 0, 1, 2).reshape(
+                PAIR_DOTS, rows_read, 2 * q)
         operands = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
         return stream_tiles(x_in, operands, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
                             make_step=functools.partial(_int4_step, group_size=group_size), interpret=interpret,
@@ -193,50 +212,53 @@ _BF16_128 = 0x4300
 _NIBBLE_BIAS = 136
 
 
-def _dequantize_planes(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Nibble planes j and j + 4 of a packed block, dequantized to dtype.
+def _dequantize_pairs(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype) -> jax.Array:
+    """Nibbles j and j + 4 of a packed block, dequantized in pair order:
+    [2Q, N], row 2i + h holding nibble j + 4h of packed row i.
 
-    Nibbles j and j + 4 of a word sit 16 bits apart, so one shift and mask
-    puts both into the two bf16 halves of an int32: [16 bits: 128 + n_{j+4} |
-    16 bits: 128 + n_j] as bf16 bit patterns, with no int -> float conversion.
-    With bf16 x and scales the rest is bf16 math that the GPU runs two values
-    per instruction: (biased - 136) is exact, and * scale rounds once, as the
-    float32 product (exact: 4 x 8 significant bits) rounded to bf16 does; the
-    sm_90a inner loop dropped from 871 to 560 instructions per thread at M=1
-    (experiments/results/sm90_sass.md). Other dtypes take float32 math.
+    After the shift and mask an int32 is [16 bits: 128 + n_{j+4} | 16 bits:
+    128 + n_j] as bf16 bit patterns. With bf16 x and scales the rest is bf16
+    math that the GPU runs two values per instruction: (biased - 136) is
+    exact, and * scale rounds once, as the float32 product (exact: 4 x 8
+    significant bits) rounded to bf16 does. Other dtypes take float32 math.
+    The join, transpose and reshape into pair order move no data in the
+    compiled kernel (no layout conversion in the TTGIR): each int32 already
+    holds an MMA operand register.
     """
     pair_QN = ((packed_QN >> (4 * j)) & 0x000F000F) | (_BF16_128 << 16 | _BF16_128)
-    bf16_math = dtype == jnp.bfloat16 and scale_QN.dtype == jnp.bfloat16
-    planes = []
-    for half_QN in (pair_QN, pair_QN >> 16):
-        biased_QN = jax.lax.bitcast_convert_type(half_QN.astype(jnp.int16), jnp.bfloat16)
-        if bf16_math:
-            planes.append((biased_QN - jnp.bfloat16(_NIBBLE_BIAS)) * scale_QN)
-        else:
-            value_QN = biased_QN.astype(jnp.float32) - _NIBBLE_BIAS
-            planes.append((value_QN * scale_QN.astype(jnp.float32)).astype(dtype))
-    return planes[0], planes[1]
+    halves = [jax.lax.bitcast_convert_type(half_QN.astype(jnp.int16), jnp.bfloat16)
+              for half_QN in (pair_QN, pair_QN >> 16)]
+    biased_QN2 = jnp.stack(halves, axis=-1)
+    scale_QN1 = scale_QN[:, :, None]
+    if dtype == jnp.bfloat16 and scale_QN.dtype == jnp.bfloat16:
+        w_QN2 = (biased_QN2 - jnp.bfloat16(_NIBBLE_BIAS)) * scale_QN1
+    else:
+        w_QN2 = ((biased_QN2.astype(jnp.float32) - _NIBBLE_BIAS) * scale_QN1.astype(jnp.float32)).astype(dtype)
+    q, n = packed_QN.shape
+    return w_QN2.transpose(0, 2, 1).reshape(2 * q, n)
 
 
-def _x_plane_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Tiling) -> Callable:
-    """load(plane, first_row) -> x [BM, BK/8] at columns 8 * (first_row + i) + plane.
+def _x_pair_loader(x_ref, start: jax.Array, rows: jax.Array, tiling: Tiling) -> Callable:
+    """load(j, first_row) -> x [BM, BK/4] at the pair-order columns of j:
+    column 2i + h is x's column 8 * (first_row + i) + j + 4h.
 
-    x_ref is x_planes [8, M, K/8] (permuted by XLA) or, with gather_x, x
+    x_ref is x_pairs [4, M, K/4] (permuted by XLA) or, with gather_x, x
     [M, K] itself: then the tile's rows past `rows` (and past M) read as
     zeros and are not read at all.
     """
     packed_rows = tiling.block_k // PACK
     if not tiling.tuning.gather_x:
-        return lambda plane, first_row: x_ref[plane, pl.ds(start, tiling.block_m), pl.ds(first_row, packed_rows)]
+        return lambda j, first_row: x_ref[j, pl.ds(start, tiling.block_m), pl.ds(2 * first_row, 2 * packed_rows)]
     tile_row_M = jnp.arange(tiling.block_m)
     valid_M = (tile_row_M < rows) & (start + tile_row_M < x_ref.shape[0])
     row_M = jnp.minimum(start + tile_row_M, x_ref.shape[0] - 1)  # in bounds even where masked
-    shape = (tiling.block_m, packed_rows)
-    mask_MQ = jnp.broadcast_to(valid_M[:, None], shape)
+    shape = (tiling.block_m, 2 * packed_rows)
+    mask_MP = jnp.broadcast_to(valid_M[:, None], shape)
+    pair_P = jnp.arange(2 * packed_rows)
 
-    def load(plane, first_row):
-        column_Q = (first_row + jnp.arange(packed_rows)) * PACK + plane
-        return plgpu.load(x_ref.at[row_M[:, None], column_Q[None, :]], mask=mask_MQ,
+    def load(j, first_row):
+        column_P = (first_row + pair_P // 2) * PACK + j + (pair_P % 2) * PAIR_DOTS
+        return plgpu.load(x_ref.at[row_M[:, None], column_P[None, :]], mask=mask_MP,
                           other=jnp.zeros(shape, x_ref.dtype))
 
     return load
@@ -267,11 +289,11 @@ def _int4_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: j
                group_size: int) -> Callable:
     """step(k_block, acc) for one program (weight_stream.StepFactory).
 
-    Refs: x_planes [8, M, K/8] (or x [M, K] with gather_x); packed
+    Refs: x_pairs [4, M, K/4] (or x [M, K] with gather_x); packed
     [E, K/8, BN]; scales [E, K/g, BN].
     """
     packed_ref, scales_ref = operand_refs
-    load_x_plane = _x_plane_loader(x_ref, start, rows, tiling)
+    load_x = _x_pair_loader(x_ref, start, rows, tiling)
     packed_rows = tiling.block_k // PACK
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
 
@@ -279,9 +301,9 @@ def _int4_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: j
         first_row = block * packed_rows
         packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
         scale_QN = load_scales(first_row)
-        for j in range(PACK // 2):
-            for plane, w_QN in zip((j, j + 4), _dequantize_planes(packed_QN, j, scale_QN, x_ref.dtype)):
-                acc += tile_product(load_x_plane(plane, first_row), w_QN, tiling)
+        for j in range(PAIR_DOTS):
+            w_PN = _dequantize_pairs(packed_QN, j, scale_QN, x_ref.dtype)
+            acc += tile_product(load_x(j, first_row), w_PN, tiling)
         return acc
 
     return step

@@ -50,15 +50,11 @@ class StreamTuning:
     num_stages: weight blocks in flight.
     target_programs: split-K grows until the grid has about this many programs
       (2 per SM of an H100/H200's 132).
-    swap_ab: accumulate the transposed product (module docstring). sm_90a
-      compiles at K=7168 N=2048 (experiments/results/sm90_sass.md): the INT4
-      kernel's inner loop at M=64 loses its 64 shared-memory stores and 23 of
-      its 25 barriers and fences per step, for 32 smaller wgmmas instead of 16
-      (1097 instructions against 1111; 195 registers against 167, 2 programs
-      per SM either way); at M=1 it trades 32 mma.sync for 16 wgmma, 600
-      instructions against 519. The FP8-block kernel gets nothing from it:
-      its weights reach the MMA's register layout through 128 byte permutes
-      per step at M=64 (581 instructions against 284). Not yet timed on a GPU.
+    swap_ab: accumulate the transposed product (module docstring). The INT4
+      kernel's default (Int4Tuning, where the sm_90a counts are); the
+      FP8-block kernel gets nothing from it: its weights reach the MMA's
+      register layout through 128 byte permutes per step at M=64 (581
+      instructions against 284). Not yet timed on a GPU.
     """
 
     block_n: int = 128
@@ -136,9 +132,10 @@ def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int, tun
 
     A K with no power-of-two divisor >= tuning.block_k gets a smaller block:
     the tiny test models' 32 and 64, and one device's share of a split
-    weight, e.g. GLM-4.5's 1536 / 8 = 192 at TP8 (block 64). Where its dots
-    contract < 16 they run in float32 (mma._mma_operands): slower math, but
-    no copy of the weights to pad K, which per call would cost more."""
+    weight, e.g. GLM-4.5's 1536 / 8 = 192 at TP8 (block 64: the INT4
+    kernel's pair-order dots then contract 16, the MMA's minimum). Where its
+    dots contract < 16 they run in float32 (mma._mma_operands): slower math,
+    but no copy of the weights to pad K, which per call would cost more."""
     cap_k, cap_n = caps or (tuning.block_k, tuning.block_n)
     block_k = mma.pow2_divisor(k, min(tuning.block_k, cap_k))
     block_n = mma.pow2_divisor(n, min(tuning.block_n, cap_n))

@@ -143,19 +143,21 @@ def _check(got, ref, magnitude, rel_bound, seed, what):
 
 # (M, K, N, group_size); M spans decode (1) to prefill (256).
 DENSE_SHAPES = [(1, 256, 64, 32), (7, 512, 96, 128), (64, 256, 32, 32), (256, 128, 16, 128)]
-# K with no power-of-two divisor >= 128 (the tiny models' K; GLM-4.5's 192 at TP8 alike).
-SMALL_K_SHAPES = [(3, 96, 32, 32), (2, 48, 16, 48)]
+# K with no power-of-two divisor >= 64 (the tiny models' K), and GLM-4.5's
+# down_proj share at TP8, 1536 / 8 = 192, whose block of 64 is the least that
+# keeps the MMA.
+SMALL_K_SHAPES = [(3, 96, 32, 32), (2, 48, 16, 48), (5, 192, 48, 32)]
 
 
 # Small blocks and a high program target: more split-K partials and column blocks.
-# (block_k 128 is the least: each nibble plane's dot then contracts Triton's minimum of 16.)
-SMALL_TILES = Int4Tuning(block_n=16, block_k=128, num_stages=2, target_programs=4096)
+# (block_k 64 is the least: each pair-order dot then contracts Triton's minimum of 16.)
+SMALL_TILES = Int4Tuning(block_n=16, block_k=64, num_stages=2, target_programs=4096)
 # x read by the kernel's masked gather (no padding rows to fall back on); with
 # one program per column block there is no split-K, and the kernel writes x's dtype.
 GATHER_X = Int4Tuning(gather_x=True)
 GATHER_X_UNSPLIT = Int4Tuning(gather_x=True, block_n=16, target_programs=1)
-# The transposed product (w^T x^T), the dequantized weights as the MMA's first operand.
-SWAP_AB = Int4Tuning(swap_ab=True)
+# The product in x's orientation (x w), not the default's transposed one (w^T x^T).
+PLAIN = Int4Tuning(swap_ab=False)
 
 
 # Scales are bf16 (what checkpoints store; the kernel's bf16 dequant math) or
@@ -166,14 +168,15 @@ SWAP_AB = Int4Tuning(swap_ab=True)
                             (DENSE_SHAPES[1], Int4Tuning(), jnp.float32), (DENSE_SHAPES[1], GATHER_X, jnp.bfloat16),
                             (DENSE_SHAPES[0], GATHER_X_UNSPLIT, jnp.bfloat16),
                             (DENSE_SHAPES[2], dataclasses.replace(SMALL_TILES, gather_x=True), jnp.bfloat16),
-                            (DENSE_SHAPES[2], SWAP_AB, jnp.bfloat16), (DENSE_SHAPES[0], SWAP_AB, jnp.bfloat16),
-                            (SMALL_K_SHAPES[0], SWAP_AB, jnp.bfloat16),
-                            (DENSE_SHAPES[1], dataclasses.replace(SWAP_AB, gather_x=True), jnp.bfloat16),
+                            (DENSE_SHAPES[2], PLAIN, jnp.bfloat16), (DENSE_SHAPES[0], PLAIN, jnp.bfloat16),
+                            (SMALL_K_SHAPES[0], PLAIN, jnp.bfloat16), (SMALL_K_SHAPES[2], PLAIN, jnp.bfloat16),
+                            (DENSE_SHAPES[1], dataclasses.replace(PLAIN, gather_x=True), jnp.bfloat16),
                             # 6 packed rows per group: the per-row scale gather, not the broadcast.
                             ((5, 384, 32, 48), Int4Tuning(), jnp.bfloat16),
-                            # K with no power-of-two block >= 128: a smaller block, whose dots
+                            # K with no power-of-two block >= 64: a smaller block, whose dots
                             # contract < 16 and run in float32.
-                            (SMALL_K_SHAPES[0], Int4Tuning(), jnp.bfloat16), (SMALL_K_SHAPES[1], GATHER_X, jnp.bfloat16)])
+                            (SMALL_K_SHAPES[0], Int4Tuning(), jnp.bfloat16), (SMALL_K_SHAPES[1], GATHER_X, jnp.bfloat16),
+                            (SMALL_K_SHAPES[2], Int4Tuning(), jnp.bfloat16)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
     seed = _seed()
@@ -201,15 +204,15 @@ def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtyp
 @pytest.mark.triton_ir
 def test_int4_kernels_keep_small_dots_off_the_mma():
     """In the Triton IR the GPU compiles: at serving shapes every dot is bf16
-    and >= 16 wide; where K has no power-of-two block >= 128 (GLM-4.5's
-    down projection share at TP8, 1536 / 8 = 192, and the tiny models' 32)
-    the dots contract < 16 and take float32 operands instead, which the H200
-    computed correctly where bf16 returned twice the product. Both orientations
-    of the product (Int4Tuning.swap_ab)."""
+    and >= 16 wide, including GLM-4.5's down projection share at TP8 (1536 /
+    8 = 192, in blocks of 64); where K has no power-of-two block >= 64 (the
+    tiny models' 32) the dots contract < 16 and take float32 operands instead,
+    which the H200 computed correctly where bf16 returned twice the product.
+    Both orientations of the product (Int4Tuning.swap_ab)."""
     spec = jax.ShapeDtypeStruct
     for (m, k, n, g), experts, tuning in itertools.product(
             ((1, 7168, 2048, 32), (64, 7168, 2048, 128), (1, 192, 5120, 32), (5, 32, 64, 16)), (0, 4),
-            (Int4Tuning(), SWAP_AB)):
+            (Int4Tuning(), PLAIN)):
         if experts:
             op = functools.partial(moe_int4_matmul, group_size=g, backend="pallas", tuning=tuning)
             args = (spec((m, k), jnp.bfloat16), spec((experts, k // 8, n), jnp.int32),
@@ -220,7 +223,7 @@ def test_int4_kernels_keep_small_dots_off_the_mma():
         [kernel] = [kern for kern in triton_kernels_for_cuda(op, *args) if kern.name == "int4_matmul"]
         dots = ttir_dots(kernel.ttir)
         assert dots and not dots_below_the_mma_minimum(kernel.ttir), (m, k, experts, dots[:2])
-        assert {t for _, _, t in dots} == ({"f32"} if k % 128 else {"bf16"}), (m, k, experts, dots[:2])
+        assert {t for _, _, t in dots} == ({"f32"} if k % 64 else {"bf16"}), (m, k, experts, dots[:2])
 
 
 def test_int4_matmul_rejects_bad_inputs():
@@ -242,9 +245,9 @@ def test_int4_matmul_rejects_bad_inputs():
     with pytest.raises(ValueError, match="group_sizes_E"):
         moe_int4_matmul(x, packed[None], scales[None], jnp.array([1, 1], jnp.int32), group_size=32, backend="xla")
     # Launch choices below Triton's MMA minimum (16 per dimension) are refused
-    # up front: on the GPU block_k=64 ran and returned twice the product.
-    with pytest.raises(ValueError, match="block_k=64 must be a power of two >= 128"):
-        Int4Tuning(block_k=64)
+    # up front: on the GPU a dot contracting 8 ran and returned twice the product.
+    with pytest.raises(ValueError, match="block_k=32 must be a power of two >= 64"):
+        Int4Tuning(block_k=32)
     with pytest.raises(ValueError, match="block_n=8 must be a power of two >= 16"):
         Int4Tuning(block_n=8)
     with pytest.raises(ValueError, match="block_n=48 must be a power of two"):
@@ -292,7 +295,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize("case, tuning", [(case, Int4Tuning()) for case in MOE_CASES]
-                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], GATHER_X), (MOE_CASES[1], SWAP_AB),
+                         + [(MOE_CASES[1], SMALL_TILES), (MOE_CASES[0], GATHER_X), (MOE_CASES[1], PLAIN),
                             (MOE_CASES[1], dataclasses.replace(SMALL_TILES, gather_x=True))])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_moe_int4_kernel_matches_reference(case, tuning, x_dtype):
@@ -380,8 +383,8 @@ def test_gather_x_calls_lower_to_triton_as_one_kernel():
     [kernel] = triton_kernels_for_cuda(functools.partial(int4_matmul, group_size=g, backend="pallas", tuning=GATHER_X),
                                        *args)
     # tt.load %ptr[, %mask, %other] : tensor<...x!tt.ptr<T>>, as (operands after the pointer, T):
-    # 8 masked x planes (bf16), and unmasked weights (i32) and scales (bf16). (An f32 load
+    # 4 masked x loads in pair order (bf16), and unmasked weights (i32) and scales (bf16). (An f32 load
     # of the output block comes from Pallas lowering `out[...] = v` as a swap; its value is unused.)
     loads = [(re.search(r"tt\.load ([^:]*):", line).group(1).count(","), re.search(r"ptr<(\w+)>", line).group(1))
              for line in kernel.ttir.splitlines() if "tt.load" in line and "tensor<" in line]
-    assert sorted(load for load in loads if load[1] != "f32") == [(0, "bf16"), (0, "i32")] + [(2, "bf16")] * 8, loads
+    assert sorted(load for load in loads if load[1] != "f32") == [(0, "bf16"), (0, "i32")] + [(2, "bf16")] * 4, loads
