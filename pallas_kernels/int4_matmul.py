@@ -22,14 +22,14 @@ to the weights). The block product is the sum of 4 dots [BM, BK/4] x
 [BK/4, BN]. Two k that are neighbours in this order are the two halves of one
 register, which is how the MMA wants its operand (consecutive k in a
 register): the dequantized int32 is the MMA's operand with no byte permutes
-(sm_90a, M=64: 1111 instructions per step with 8 stride-8 planes, whose
-neighbouring k came from two words, 982 in pair order;
+(sm_90a, M=64, x w: 1111 instructions per step with 8 stride-8 planes,
+whose neighbouring k came from two words; 982 in pair order;
 experiments/results/sm90_sass.md). Each packed row i lies in one group,
 i // (group_size/8), so one scale serves both halves; a block's scale rows
 are loaded once each, repeated per packed row in registers
 (_scale_row_loader), and applied before the bf16 tensor-core dot. The
 products accumulate in float32. (With Int4Tuning.gather_x the kernel reads
-the permuted columns of x itself instead of taking them permuted.)
+x's columns in pair order itself, instead of taking x permuted.)
 
 Why Triton-backed Pallas: the weight is streamed once as int32 (4x fewer bytes
 than bf16), unpacked with shifts/masks in registers, and fed to MMA; the MoE
