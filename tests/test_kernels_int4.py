@@ -176,6 +176,7 @@ PLAIN = Int4Tuning(swap_ab=False)
                             # K with no power-of-two block >= 64: a smaller block, whose dots
                             # contract < 16 and run in float32.
                             (SMALL_K_SHAPES[0], Int4Tuning(), jnp.bfloat16), (SMALL_K_SHAPES[1], GATHER_X, jnp.bfloat16),
+                            # K = 192 in blocks of 64: bf16 dots contracting 16.
                             (SMALL_K_SHAPES[2], Int4Tuning(), jnp.bfloat16)])
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
 def test_int4_matmul_kernel_matches_reference(shape, tuning, scale_dtype, x_dtype):
