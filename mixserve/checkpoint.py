@@ -10,6 +10,8 @@ On-disk formats of a linear weight ("unit"), told apart by which tensors exist:
   int4       `weight_packed` (int32 [out, in/8]) + `weight_scale` [out, in/group] + `weight_shape`
 Routed experts and the other linear layers each get one format (a WeightPlan); if a checkpoint
 mixes formats inside one of these, that part is dequantized to the model dtype on load.
+Any other part beside these (zero points, group indices, a bias the config does not declare) and a
+quantization_config that declares another scheme are refused before any tensor is read.
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ from tqdm import tqdm
 from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors, load_tensor
 from models.config import ModelConfig
 from models.transformer import Transformer
-from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+from models.weights import BF16, FP8_BLOCK, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
 
 QUANT_PARTS = {"weight_scale_inv": "fp8_block", "weight_packed": "int4", "weight_scale": "int4", "weight_shape": "int4"}
 # Tensors that real checkpoints carry but the text model does not use.
 SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
 LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed", "scales_GN": "weight_scale"}
+# The parts each on-disk format of a linear weight consists of; any other part of a known unit is refused.
+STORED_PARTS = {"dense": {"weight"}, "fp8_block": {"weight", "weight_scale_inv"},
+                "int4": {"weight_packed", "weight_scale", "weight_shape"}}
+# Parts that quantization schemes mixserve does not implement add to a unit: named in the error.
+UNSUPPORTED_PARTS = {
+    "weight_zero_point": "zero points of asymmetric quantization (mixserve's INT4 is symmetric)",
+    "weight_g_idx": "group indices of activation reordering (actorder 'group'; re-quantize with actorder 'weight')",
+    "input_scale": "static activation scales (mixserve does not quantize activations)",
+}
 
 
 def read_config(directory: str) -> tuple[ModelConfig, dict]:
@@ -87,6 +98,7 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
         found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
+    check_quantization_config(quant)
     _check_group_size(found, quant)
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
@@ -111,6 +123,52 @@ def is_quantizable_unit(unit: str) -> bool:
     """Linear layers a WeightPlan covers (not the router, norms, embeddings, lm_head, weights_proj)."""
     leaf = unit.rsplit(".", 1)[-1]
     return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
+
+
+def check_quantization_config(quant: dict) -> None:
+    """Refuse, before any tensor is read, a quantization_config whose tensors would load but mean
+    something else: asymmetric or reordered INT4, other bit widths, activation or KV quantization,
+    sparsity or rotation transforms. Accepted: DeepSeek-style block FP8 (quant_method "fp8", e4m3,
+    128 x 128 blocks, dynamic activations) and compressed-tensors pack-quantized, symmetric 4-bit
+    int weights by group or channel, activations unquantized (W4A16)."""
+    if not quant:
+        return
+    method, problems = quant.get("quant_method"), []
+    if method == "fp8":
+        if quant.get("fmt", "e4m3") != "e4m3":
+            problems.append(f"fmt {quant['fmt']!r} (only e4m3 weights)")
+        if quant.get("activation_scheme", "dynamic") != "dynamic":
+            problems.append(f"activation_scheme {quant['activation_scheme']!r} (activations are not quantized)")
+        if list(quant.get("weight_block_size") or [FP8_BLOCK, FP8_BLOCK]) != [FP8_BLOCK, FP8_BLOCK]:
+            problems.append(f"weight_block_size {quant['weight_block_size']!r} (only {FP8_BLOCK} x {FP8_BLOCK} blocks)")
+    elif method == "compressed-tensors":
+        if quant.get("quantization_status", "compressed") != "compressed":
+            problems.append(f"quantization_status {quant['quantization_status']!r} (only 'compressed' checkpoints)")
+        sparsity = quant.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":  # llm-compressor writes format "dense" for none
+            problems.append(f"sparsity_config {sparsity!r}")
+        problems += [f"{key} {quant[key]!r}" for key in ("kv_cache_scheme", "transform_config") if quant.get(key)]
+        for name, group in (quant.get("config_groups") or {}).items():
+            problems += [f"config_groups.{name}: {p}" for p in _unsupported_group(group, quant.get("format"))]
+    else:
+        problems.append(f"quant_method {method!r} (mixserve reads 'fp8' block checkpoints and 'compressed-tensors' INT4)")
+    if problems:
+        raise CheckpointError("unsupported quantization_config: " + "; ".join(problems))
+
+
+def _unsupported_group(group: dict, default_format) -> list[str]:
+    """What a compressed-tensors config group declares beyond symmetric W4A16 pack-quantized."""
+    weights, problems = group.get("weights") or {}, []
+    if group.get("format", default_format) != "pack-quantized":
+        problems.append(f"format {group.get('format', default_format)!r} (only 'pack-quantized')")
+    expected = {"num_bits": 4, "type": "int", "symmetric": True}
+    problems += [f"weights.{k} {weights.get(k)!r} (expected {v!r})" for k, v in expected.items() if weights.get(k) != v]
+    if weights.get("strategy") not in ("group", "channel"):
+        problems.append(f"weights.strategy {weights.get('strategy')!r} (expected 'group' or 'channel')")
+    if weights.get("actorder") in ("group", "dynamic", True):
+        problems.append(f"weights.actorder {weights['actorder']!r} (group indices; 'weight' or none is supported)")
+    problems += [f"{k} {group[k]!r} (W4A16 only)" for k in ("input_activations", "output_activations") if group.get(k)]
+    return problems
 
 
 def _check_group_size(found: dict, quant: dict) -> None:
@@ -230,9 +288,11 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
 
 def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], leaves: list[_Leaf]) -> None:
     """All missing, unexpected and mis-shaped tensors are reported before any data is read."""
-    missing, wrong = [], []
+    missing, wrong, extra = [], [], []
     for name, unit in units.items():
         stored = on_disk.get(name)
+        if stored is not None:
+            extra += [f"{name}.{part}" for part in sorted(set(stored) - _allowed_parts(unit, stored))]
         if stored is None or (unit.target != "plain" and "weight" not in stored and "weight_packed" not in stored):
             part, i = next(iter(unit.leaves.items()))
             missing.append(f"{name}.{part} (expected shape {_disk_shape(leaves[i])})")
@@ -267,11 +327,21 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                     wrong.append(f"tensor {name}.{part} has logical shape {found}, expected {expected}")
     if missing:
         raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint: " + "; ".join(missing[:8]))
-    unexpected = sorted(f"{unit}.{part}" for unit, parts in on_disk.items() if unit not in units for part in parts)
+    unexpected = extra + sorted(f"{unit}.{part}" for unit, parts in on_disk.items() if unit not in units for part in parts)
     if unexpected:
-        raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in the checkpoint: {unexpected[:8]}")
+        why = sorted({f"{part}: {UNSUPPORTED_PARTS[part]}" for part in (u.rpartition(".")[2] for u in unexpected)
+                      if part in UNSUPPORTED_PARTS})
+        raise CheckpointError(f"{len(unexpected)} unexpected tensor(s) in the checkpoint: {unexpected[:8]}"
+                              + "".join(f"; {w}" for w in why))
     if wrong:
         raise CheckpointError("; ".join(wrong[:8]))
+
+
+def _allowed_parts(unit: _Unit, stored: dict[str, TensorInfo]) -> set[str]:
+    """The parts a unit may have on disk: its leaves; a linear weight's in the format it is stored in."""
+    if unit.target == "plain":
+        return set(unit.leaves)
+    return {p for p in unit.leaves if p != "weight" and p not in QUANT_PARTS} | STORED_PARTS[_stored_kind(stored)]
 
 
 def _logical_shape(stored: dict[str, TensorInfo]) -> tuple[int, ...]:

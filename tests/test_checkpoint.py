@@ -1,5 +1,6 @@
 """Checkpoint formats (FP8 block, INT4 compressed-tensors) and clear errors for bad checkpoints."""
 
+import glob
 import json
 import os
 import shutil
@@ -22,6 +23,13 @@ def bf16_dir(tmp_path_factory):
     model = ref.build("kimi-yarn-groups")
     path = tmp_path_factory.mktemp("bf16")
     ref.save(model, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def int4_dir(bf16_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("int4")
+    quantize_checkpoint(bf16_dir, str(path), plan_for(WeightFormat("int4", 32), "experts"))
     return str(path)
 
 
@@ -69,6 +77,9 @@ def test_quantized_checkpoint_loads_and_tracks_bf16(bf16_dir, tmp_path, fmt, sco
     assert 0 < err < 2 * np.sqrt(n) * r, f"{fmt}: logit error {err:.3f}, weight error r={r:.3f}, n={n}"
 
 
+_UNIT = "model.layers.1.mlp.experts.0.gate_proj"  # an INT4 unit of int4_dir
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -77,7 +88,7 @@ def _copy(src, dst):
 def _rewrite(directory, edit):
     """Apply edit(dict of tensors) to the single-file checkpoint in directory (tensors are copied
     out of the memory map first: the file is rewritten in place)."""
-    path = os.path.join(directory, "model.safetensors")
+    (path,) = glob.glob(os.path.join(directory, "*.safetensors"))
     tensors = {k: np.array(load_tensor(v)) for k, v in index_tensors(directory).items()}
     edit(tensors)
     write_safetensors(path, tensors)
@@ -117,29 +128,16 @@ def test_truncated_file_is_reported(bf16_dir, tmp_path):
         mixserve.load(str(d), progress=False)
 
 
-def test_corrupt_int4_pack_is_named(bf16_dir, tmp_path):
-    q = tmp_path / "q"
-    quantize_checkpoint(bf16_dir, str(q), plan_for(WeightFormat("int4", 32), "experts"))
-    files = list(q.glob("*.safetensors"))
-    assert len(files) == 1
-    name = "model.layers.1.mlp.experts.0.gate_proj"
-
-    def rewrite(edit):
-        tensors = {k: np.array(load_tensor(v)) for k, v in index_tensors(str(q)).items()}
-        edit(tensors)
-        write_safetensors(str(files[0]), tensors)
-
-    rewrite(lambda t: t.pop(f"{name}.weight_scale"))
-    with pytest.raises(CheckpointError, match=f"{name}.weight_scale"):
-        mixserve.load(str(q), progress=False)
-    quantize_checkpoint(bf16_dir, str(q), plan_for(WeightFormat("int4", 32), "experts"))
-    rewrite(lambda t: t.__setitem__(f"{name}.weight_packed", t[f"{name}.weight_packed"][:, :-1]))
-    with pytest.raises(CheckpointError, match=f"{name}.weight_packed"):
-        mixserve.load(str(q), progress=False)
-    quantize_checkpoint(bf16_dir, str(q), plan_for(WeightFormat("int4", 32), "experts"))
-    rewrite(lambda t: t.__setitem__(f"{name}.weight_scale", np.ones((32, 3), np.float32)))
-    with pytest.raises(CheckpointError, match=f"{name}"):
-        mixserve.load(str(q), progress=False)
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: t.pop(f"{_UNIT}.weight_scale"), rf"{_UNIT}\.weight_scale"),
+    (lambda t: t.__setitem__(f"{_UNIT}.weight_packed", t[f"{_UNIT}.weight_packed"][:, :-1]), rf"{_UNIT}\.weight_packed"),
+    (lambda t: t.__setitem__(f"{_UNIT}.weight_scale", np.ones((32, 3), np.float32)), _UNIT),
+], ids=["no-scale", "short-pack", "scale-columns"])
+def test_corrupt_int4_pack_is_named(int4_dir, tmp_path, edit, error):
+    d = _copy(int4_dir, tmp_path / "c")
+    _rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=error):
+        mixserve.load(d, progress=False)
 
 
 def test_quantizer_rejects_group_not_dividing(bf16_dir, tmp_path):
@@ -147,13 +145,86 @@ def test_quantizer_rejects_group_not_dividing(bf16_dir, tmp_path):
         quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("int4", 24), "experts"))
 
 
-def test_int4_weight_shape_must_match_the_pack(bf16_dir, tmp_path):
-    q = tmp_path / "q"
-    quantize_checkpoint(bf16_dir, str(q), plan_for(WeightFormat("int4", 32), "experts"))
-    (path,) = q.glob("*.safetensors")
-    tensors = {k: np.array(load_tensor(v)) for k, v in index_tensors(str(q)).items()}
+def test_int4_weight_shape_must_match_the_pack(int4_dir, tmp_path):
+    d = _copy(int4_dir, tmp_path / "c")
     name = "model.layers.2.mlp.experts.5.down_proj"
-    tensors[f"{name}.weight_shape"] = np.array([64, 64], np.int64)
-    write_safetensors(str(path), tensors)
+    _rewrite(d, lambda t: t.__setitem__(f"{name}.weight_shape", np.array([64, 64], np.int64)))
     with pytest.raises(CheckpointError, match=rf"{name}\.weight_shape says \(64, 64\), weight_packed holds \(64, 32\)"):
-        mixserve.load(str(q), progress=False)
+        mixserve.load(d, progress=False)
+
+
+def _edit_quant_config(directory, edit):
+    path = os.path.join(directory, "config.json")
+    config = json.loads(open(path).read())
+    edit(config["quantization_config"])
+    open(path, "w").write(json.dumps(config))
+
+
+def _weights(quant):
+    return quant["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda q: _weights(q).update(actorder="group"), r"weights\.actorder 'group'"),
+    (lambda q: _weights(q).update(symmetric=False), r"weights\.symmetric False \(expected True\)"),
+    (lambda q: _weights(q).update(num_bits=8), r"weights\.num_bits 8 \(expected 4\)"),
+    (lambda q: _weights(q).update(strategy="tensor"), r"weights\.strategy 'tensor'"),
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int"}),
+     r"input_activations .* \(W4A16 only\)"),
+    (lambda q: q.update(format="int-quantized"), r"format 'int-quantized'"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), r"sparsity_config"),
+    (lambda q: q.update(quant_method="awq"), r"quant_method 'awq'"),
+], ids=["actorder-group", "asymmetric", "8-bit", "per-tensor", "w4a8", "int-quantized", "kv-scheme", "sparse-24", "awq"])
+def test_unsupported_int4_quantization_config_is_refused(int4_dir, tmp_path, edit, error):
+    """Each of these checkpoints' tensors would load, but mean other weights than mixserve computes."""
+    d = _copy(int4_dir, tmp_path / "c")
+    _edit_quant_config(d, edit)
+    with pytest.raises(CheckpointError, match="unsupported quantization_config: .*" + error):
+        mixserve.load(str(d), progress=False)
+
+
+def test_supported_int4_config_variants_load(int4_dir, tmp_path):
+    """actorder 'weight' reorders only during quantization (no tensor records it); llm-compressor
+    writes sparsity_config format 'dense' for no sparsity."""
+    d = _copy(int4_dir, tmp_path / "c")
+    _edit_quant_config(d, lambda q: (_weights(q).update(actorder="weight"), q.update(sparsity_config={"format": "dense"})))
+    assert mixserve.load(str(d), progress=False).plan == plan_for(WeightFormat("int4", 32), "experts")
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda q: q.update(activation_scheme="static"), r"activation_scheme 'static'"),
+    (lambda q: q.update(weight_block_size=[64, 64]), r"weight_block_size \[64, 64\]"),
+    (lambda q: q.update(fmt="e5m2"), r"fmt 'e5m2'"),
+], ids=["static-activations", "64x64-blocks", "e5m2"])
+def test_unsupported_fp8_quantization_config_is_refused(bf16_dir, tmp_path, edit, error):
+    quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("fp8_block"), "all"))
+    _edit_quant_config(str(tmp_path), edit)
+    with pytest.raises(CheckpointError, match="unsupported quantization_config: .*" + error):
+        mixserve.load(str(tmp_path), progress=False)
+
+
+def _add_beside(suffix, part, value):
+    """An edit that adds `part` = value(existing tensor) beside every tensor named '*.{suffix}'."""
+    def edit(tensors):
+        for name in [n for n in tensors if n.endswith("." + suffix)]:
+            tensors[name.rpartition(".")[0] + "." + part] = value(tensors[name])
+    return edit
+
+
+@pytest.mark.parametrize("edit,error", [
+    # zero points beside symmetric INT4 tensors: silently dropped, every weight would shift
+    (_add_beside("weight_scale", "weight_zero_point", lambda s: np.zeros((s.shape[0] // 8, s.shape[1]), np.int32)),
+     r"experts\.0\.down_proj\.weight_zero_point.*asymmetric"),
+    (_add_beside("weight_packed", "weight_g_idx", lambda p: np.arange(p.shape[1] * 8, dtype=np.int32) // 32),
+     r"experts\.0\.down_proj\.weight_g_idx.*actorder"),
+    (_add_beside("layers.0.self_attn.o_proj.weight", "bias", lambda w: np.ones(w.shape[0], np.float32)),
+     r"\['model\.layers\.0\.self_attn\.o_proj\.bias'\]"),
+], ids=["zero-points", "group-indices", "undeclared-bias"])
+def test_extra_parts_of_known_weights_are_refused(int4_dir, tmp_path, edit, error):
+    """A tensor beside a weight the model has (a bias the config does not declare, the zero points or
+    group indices of a scheme mixserve does not implement) is refused by name, not dropped."""
+    d = _copy(int4_dir, tmp_path / "c")
+    _rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\).*" + error):
+        mixserve.load(str(d), progress=False)
