@@ -72,6 +72,13 @@ class Request:
                              time.perf_counter() - self.t_submit)
 
 
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
                   prompt_only: bool = False) -> str | None:
     """Why this request can never be served (None if it can): checked before it is queued.
@@ -88,12 +95,12 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
     for name in ("temperature", "top_p"):
         v = getattr(req, name)
-        if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not math.isfinite(v):
+        if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):
             return f"{name} must be a finite number, got {v!r}"
     if req.temperature < 0 or not 0 < req.top_p <= 1:
         return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
-    if not isinstance(req.seed, (int, np.integer)):
-        return f"seed must be an integer, got {req.seed!r}"
+    if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
+        return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else req.max_new_tokens)
     if total > max_seq_len:
         counted = f"prompt ({len(p)})" if prompt_only else f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total}"

@@ -8,6 +8,7 @@ integrity check on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_DTYPES, TILED, kv_format
+from mixserve.model import Model
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -36,11 +38,30 @@ DEFAULT_PROMPTS = ["The cheapest token is the one", "KV cache pages", "FP8 e4m3 
 
 
 def parse_memory(text: str) -> int:
+    """'4MiB', '1GiB', '512k', '1e6' -> bytes; argparse reports anything else as a usage error."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("b").removesuffix("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    number, scale = (t[:-1], units[t[-1]]) if t and t[-1] in units else (t, 1)
+    try:
+        value = int(float(number) * scale)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 4MiB, 1GiB or a number of bytes)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def counted(least: int):
+    """An argparse type: an integer >= least."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,20 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool storage (SGLang/vLLM names); auto = the model dtype; fp8_ds_mla (MLA models): "
                         "FlashMLA's layout, e4m3 with a scale per token and 128-column tile, RoPE part in BF16")
     p.add_argument("--integrity", default="check", choices=["off", "check", "strict"],
-                   help="KV page-tag check before every decode step: off (no-op), check (abort the bad request), strict (raise)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-memory", default="4MiB", help="KV pool budget, e.g. 4MiB, 1GiB, or bytes")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt")
-    p.add_argument("--max-seq-len", type=int, help="context limit per request, prompt + generated tokens "
+                   help="KV page-tag check in every prefill and decode call: off (no-op), check (abort the bad request), "
+                        "strict (abort it, then raise)")
+    p.add_argument("--page-size", type=counted(1), default=16, help="tokens per KV page")
+    p.add_argument("--kv-memory", type=parse_memory, default="4MiB", help="KV pool budget, e.g. 4MiB, 1GiB, or bytes")
+    p.add_argument("--max-new-tokens", type=counted(1), default=16, help="tokens to generate per prompt")
+    p.add_argument("--max-seq-len", type=counted(1), help="context limit per request, prompt + generated tokens "
                    "(SGLang's --context-length, vLLM's --max-model-len); default and maximum: the model's "
                    "max_position_embeddings. Longer requests are rejected, each with its reason")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
-    p.add_argument("--concurrency", type=int, default=4, help="maximum requests decoded together (the batch)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="most tokens of one request per prefill call")
-    p.add_argument("--prefill-calls-per-step", type=int, default=1,
+    p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
+    p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
+    p.add_argument("--prefill-calls-per-step", type=counted(0), default=1,
                    help="prefill calls per engine step before its decode step (chunked prefill: running requests "
                         "decode between a long prompt's chunks); 0 = no limit, each prompt prefills fully first")
-    p.add_argument("--tensor-parallel", type=int, default=1,
+    p.add_argument("--tensor-parallel", type=counted(1), default=1,
                    help="devices to split the weights and KV heads over (mesh axis 'model'; the KV budget is per "
                         "device). On CPU it simulates them (XLA's host device count)")
     p.add_argument("--expert-parallel", action="store_true",
@@ -134,26 +156,54 @@ def main(argv=None) -> dict:
         prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
     else:  # one engine, or a pair sharing a single device
         prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
+    try:  # a bad model, or a flag the model or engine refuses: a usage error, not a traceback
+        setup = build(args, backend, prefill_mesh, mesh)
+    except (ValueError, OSError) as e:
+        parser.error(str(e))
+    return serve(args, backend, mesh, setup)
+
+
+@dataclasses.dataclass
+class Setup:
+    """What main serves with: the model as loaded, its prefill and decode weight sets (the same
+    object when one set serves both), and the engine with its prefilling and decoding parts."""
+    model: Model
+    prefill_model: Model
+    decode_model: Model
+    engine: Engine | DisaggregatedEngine
+    prefiller: Engine
+    decoder: Engine
+
+
+def build(args, backend: str, prefill_mesh, mesh) -> Setup:
+    """Load the model, convert its weight sets and build the engine, as the flags say."""
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel)
-    random_weights = args.model in TINY_PRESETS
-    budget = parse_memory(args.kv_memory)
-    prefill_model, decode_model = (with_weights(model, args.prefill_weights), with_weights(model, args.decode_weights))
-    common = dict(page_size=args.page_size, kv_memory_bytes=budget, max_batch=args.concurrency, integrity=args.integrity,
-                  attention_backend=backend, max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk,
-                  prefill_calls_per_step=args.prefill_calls_per_step or None, expert_parallel=args.expert_parallel)
-    two_sets = args.disaggregate or args.decode_weights != args.prefill_weights
+    prefill_model = with_weights(model, args.prefill_weights)
+    decode_model = prefill_model if args.decode_weights == args.prefill_weights else with_weights(model, args.decode_weights)
+    common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
+                  integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
+                  prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
+                  expert_parallel=args.expert_parallel)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
             Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, decode_context_parallel=args.decode_context_parallel,
                    **common))
-        prefiller, decoder = engine.prefill, engine.decode
-    else:
-        engine = prefiller = decoder = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
-                                              decode_context_parallel=args.decode_context_parallel,
-                                              decode_model=decode_model if two_sets else None)
+        return Setup(model, prefill_model, decode_model, engine, engine.prefill, engine.decode)
+    engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
+                    decode_context_parallel=args.decode_context_parallel,
+                    decode_model=None if decode_model is prefill_model else decode_model)
+    return Setup(model, prefill_model, decode_model, engine, engine, engine)
+
+
+def serve(args, backend: str, mesh, setup: Setup) -> dict:
+    """Serve the prompts and report (printed, or as JSON)."""
+    model, prefill_model, decode_model = setup.model, setup.prefill_model, setup.decode_model
+    engine, prefiller, decoder = setup.engine, setup.prefiller, setup.decoder
+    tp, budget, random_weights = args.tensor_parallel, args.kv_memory, args.model in TINY_PRESETS
+    two_sets = args.disaggregate or decode_model is not prefill_model
     # (plan, bytes in all, bytes on the fullest device): equal without tensor parallelism
     weight_sets = {"prefill": (str(prefill_model.plan), param_bytes(prefill_model),
                                sharding.bytes_per_device(prefiller.runner.model.params))}
@@ -233,10 +283,15 @@ def main(argv=None) -> dict:
     per_device = f" ({decoder.kv_bytes_per_token_per_device} per device)" if tp > 1 else ""
     print(f"KV bytes per token: {decoder.bytes_per_token}{per_device}; pool: {decoder.capacity_tokens} tokens in "
           f"{budget} bytes{' per device' if tp > 1 else ''}")
-    tiled = f"; {TILED}: {capacity[TILED]} tokens ({capacity[TILED] / bf16:.2f}x)" if TILED in capacity else ""
-    print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens ({fp8 / bf16:.2f}x){tiled}")
+    tiled = f"; {TILED}: {capacity[TILED]} tokens{times(capacity[TILED], bf16)}" if TILED in capacity else ""
+    print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
+
+
+def times(tokens: int, bf16_tokens: int) -> str:
+    """' (2.00x)': tokens against BF16 KV's at the same memory (none where BF16 holds no page)."""
+    return f" ({tokens / bf16_tokens:.2f}x)" if bf16_tokens else " (BF16 KV holds no page at this memory)"
 
 
 if __name__ == "__main__":

@@ -223,9 +223,12 @@ def test_bad_requests_are_rejected_per_request(model):
         # only when those are valid)
         if fine is not None and needle not in ("temperature must be a finite number",):
             assert fine.status == "ok"
-    for value in ("hot", None, float("inf")):
+    for value in ("hot", None, float("inf"), 10**400):  # 10**400: an int beyond float's range
         res = e.generate([good], max_new_tokens=2, temperature=value)[0]
         assert res.status == "rejected" and "temperature" in res.reason
+    for seed in (-1, 2**32, True, 1.0):  # the sampling key holds 32 bits: no two seeds may alias
+        res = e.generate([good], max_new_tokens=2, seed=seed)[0]
+        assert res.status == "rejected" and "seed must be an integer in [0, 2**32)" in res.reason, seed
     assert e.generate([good], max_new_tokens=2, top_p=float("nan"))[0].status == "rejected"
     assert e.generate([[1.5, 2]], max_new_tokens=2)[0].reason == "prompt must be a list of integer token ids"
     mixed = e.generate([[], good, [10**6]], max_new_tokens=3)

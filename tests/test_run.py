@@ -80,3 +80,36 @@ def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
     assert where["handover"]["handovers"] == len(run.DEFAULT_PROMPTS) and where["handover"]["bytes_sent"] > 0
     assert where["prefill_counters"]["decode_tokens"] == 0
     assert pair_tokens == one_tokens
+
+
+def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
+    """Each value is refused by argparse or by the model/engine, and reported as `error: ...`
+    (exit status 2), never as a traceback."""
+    cases = {
+        ("--kv-memory", "abc"): "not a memory size: 'abc'",
+        ("--kv-memory", "-5"): "must be positive",
+        ("--page-size", "0"): "--page-size: must be at least 1, got 0",
+        ("--tensor-parallel", "0"): "--tensor-parallel: must be at least 1",
+        ("--prefill-calls-per-step", "-1"): "must be at least 0, got -1",
+        ("--model", "no-such-model"): "unknown preset 'no-such-model'",
+        ("--model", "tiny-glm4", "--kv-cache-dtype", "fp8_ds_mla"): "fp8_ds_mla is FlashMLA's layout",
+        ("--kv-memory", "1k"): "the KV budget holds no page",
+    }
+    for argv, message in cases.items():
+        try:
+            run.main([*argv, "--max-new-tokens", "1", "--prompt", "a"])
+        except SystemExit as exit_:
+            assert exit_.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        assert message in capsys.readouterr().err, argv
+    assert run.parse_memory("1e6") == 10**6 and run.parse_memory("4MiB") == 4 << 20
+
+
+def test_a_budget_too_small_for_one_bf16_page_still_reports(capsys):
+    """3000 bytes hold one FP8 page of tiny-kimi (120 B/token x 16) and no BF16 page: the
+    capacity comparison says so instead of dividing by zero."""
+    report = run.main(["--kv-memory", "3000", "--max-new-tokens", "2", "--prompt", "a"])
+    text = capsys.readouterr().out
+    assert report["pool_tokens_at_same_memory"]["bfloat16"] == 0 and report["requests"][0]["status"] == "ok"
+    assert "BF16 KV holds no page at this memory" in text
