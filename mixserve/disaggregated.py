@@ -89,18 +89,19 @@ class DisaggregatedEngine(Frontend):
     def _checked(self, ready: list[Request]) -> list[Request]:
         """The seed's check before pages are read, on the prefill side (unless its integrity is
         "off"): a request whose mapping fails may point at another request's KV, so it is aborted
-        with the reason (strict: raised), not handed over."""
+        with the reason, not handed over (strict: then raised; the next step goes on)."""
         p = self.prefill
         if p.integrity == "off" or not ready:
             return ready
-        passed = []
+        passed, failed = [], []
         for req, why in zip(ready, p.integrity_failures(ready)):
             if why is None:
                 passed.append(req)
-            elif p.integrity == "strict":
-                raise RuntimeError(f"KV integrity check failed before hand-over: {why}")
             else:
-                p.abort(req, f"KV integrity check failed before hand-over: {why}")
+                failed.append(f"KV integrity check failed before hand-over: {why}")
+                p.abort(req, failed[-1])
+        if failed and p.integrity == "strict":
+            raise RuntimeError("; ".join(failed))
         return passed
 
     def _hand_over(self) -> None:

@@ -13,8 +13,9 @@ One request's path through the files:
   (models/) reads and writes the pages through PagedKV (mixserve/kv_cache.py), which calls the
   attention kernels (pallas_kernels/) or their XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
-dropped. A request whose pages fail the integrity check is aborted with a reason naming the page
-and the tags; the others go on untouched. A prefill_only engine stops after the first token:
+dropped. A request whose pages fail the integrity check (in any prefill or decode call) is aborted
+with a reason naming the page and the tags; the others go on untouched (integrity "strict" then
+raises the check's error, and the next step goes on). A prefill_only engine stops after the first token:
 mixserve/disaggregated.py hands the request's pages to a decode engine.
 """
 
@@ -193,18 +194,20 @@ class Engine(Frontend):
             if not batch:
                 return
             t0 = time.perf_counter()
-            cached = sum(r.cached for r in batch)
-            tokens, calls = self.runner.prefill(batch, self.pages.table, budget)
+            cached = [r.cached for r in batch]
+            out = self.runner.prefill(batch, self.pages.table, budget)
             now = time.perf_counter()
-            self.counters.prefill_chunks += calls
-            self.counters.prefill_tokens += sum(r.cached for r in batch) - cached
+            self.counters.prefill_chunks += out.calls
             self.counters.prefill_s += now - t0
-            budget = None if budget is None else budget - calls
-            for req, token in zip(batch, tokens):
+            budget = None if budget is None else budget - out.calls
+            for req, token in self._passed(batch, out):
                 if token is not None:
                     req.prefilled = True
                     self.pages.register_prefix(req)  # later admissions can share its full prompt pages
                     req.accept(token, now, self.stop_tokens)
+            self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
+            for error in out.errors:  # strict: raised once the failing requests are aborted
+                error.throw()
 
     def _decode(self, live: list[Request]) -> None:
         if not live:
@@ -212,20 +215,29 @@ class Engine(Frontend):
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.pages.table = self.fault_hook(self.pages.table, self.counters.steps)
-        next_tok, ok = self.runner.decode(live, self.pages.table)
+        out = self.runner.decode(live, self.pages.table)
         now = time.perf_counter()
         self.counters.steps += 1
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
-        why = None
-        for i, (r, row_ok, token) in enumerate(zip(live, ok, next_tok)):
-            if not row_ok:
-                why = why or self.integrity_failures(live)  # the step's check said which rows; this says why
-                self.abort(r, "KV integrity check failed: " + why[i])
-                continue
+        for r, token in self._passed(live, out):
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1
             r.accept(int(token), now, self.stop_tokens)
+        for error in out.errors:  # strict: raised once the failing requests are aborted
+            error.throw()
+
+    def _passed(self, reqs: list[Request], out) -> list[tuple[Request, int | None]]:
+        """Abort the requests whose rows failed the call's integrity check, with the reason; the
+        others, with their tokens."""
+        passed, why = [], None
+        for i, (req, row_ok, token) in enumerate(zip(reqs, out.ok, out.tokens)):
+            if row_ok:
+                passed.append((req, token))
+                continue
+            why = why or self.integrity_failures(reqs)  # the call's check said which rows; this says why
+            self.abort(req, "KV integrity check failed: " + why[i])
+        return passed
 
 
 def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -> None:

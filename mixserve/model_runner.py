@@ -1,11 +1,12 @@
 """Runs the model over the paged KV pools (nano-vllm's ModelRunner): chunked prefill of the
 prefilling requests (a row each, every call one chunk of each, as many calls as the engine's
 budget allows) and the batched decode step over the live requests, with the integrity check
-traced into decode when it is on:
-  off     no check is traced into the step at all
-  check   a batched verify() of the page table before the step touches the pages; a failing row
-          writes and reads nothing this step, and the engine aborts its request with the reason
-  strict  the same check raised as an error through jax.experimental.checkify
+traced into every call (prefill and decode) when it is on:
+  off     no check is traced into the calls at all
+  check   a batched verify() of the page table before the call touches the pages; a failing row
+          writes and reads nothing, and the engine aborts its request with the reason
+  strict  the same, and the check's error (jax.experimental.checkify) is raised once the engine
+          has aborted the failing requests: the pools stay valid and the others go on
 The model reaches the pools only through PagedKV (mixserve/kv_cache.py), which also picks the
 attention kernels (attention_backend).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,14 @@ from mixserve import sharding
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request
+
+
+class Output(NamedTuple):
+    """What a prefill or decode returns, per request (decode: per row, padding rows after)."""
+    tokens: list[int | None] | np.ndarray  # next token (prefill: None while the prompt goes on)
+    ok: list[bool] | np.ndarray  # its integrity check passed (always True with integrity "off")
+    errors: list[checkify.Error]  # strict: the calls' checks, to throw once failing rows are aborted
+    calls: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +76,17 @@ class ModelRunner:
         if cfg.mesh is not None:
             self.pools = jax.device_put(self.pools, self._pool_shardings)
 
-    def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None
-                ) -> tuple[list[int | None], int]:
+    def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None) -> Output:
         """Cache the tokens of reqs not yet in their pages, a chunk of each per call (one row per
         request that still has tokens, rows rounded up to a power of two), at most max_calls calls
         (None: until every prompt is cached). A request whose last chunk ran samples its next token
         from its last position (so prefill's weights choose it, as in disaggregated serving).
-        Returns (the next token of each of reqs, None where its prefill goes on; calls run)."""
+        Returns the next token of each of reqs (None where its prefill goes on), whether each
+        passed the integrity check of every call it was in, and the calls run. A request that
+        failed wrote nothing from that call on (each call checks the same table again)."""
         c = self.cfg
         last_call = [None] * len(reqs)  # (sampled tokens of the call that finished reqs[i], its row)
-        calls = 0
+        checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
@@ -85,21 +96,26 @@ class ModelRunner:
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
-            with jax.set_mesh(c.mesh):  # traced under the mesh: the kernels run per device (models/partitioning.py)
-                self.pools, sampled = self._prefill_fn(
-                    self.model.params, self.pools, table.pages_BN, jnp.asarray(slots), jnp.asarray(start),
-                    jnp.asarray(count), jnp.asarray(chunk), *self._sampling([r for _, r in todo], range(len(todo)), R),
-                    width=self._width(table, start + count))
+            sampled, ok_R = self._run(errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots),
+                                      jnp.asarray(start), jnp.asarray(count), jnp.asarray(chunk),
+                                      *self._sampling([r for _, r in todo], range(len(todo)), R),
+                                      width=self._width(table, start + count))
+            checks.append((ok_R, [i for i, _ in todo]))
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 r.cached += k
                 if r.cached == len(r.tokens):
                     last_call[i] = (sampled, row)  # read once all calls are queued: no sync per chunk
             calls += 1
         host = {id(call[0]): np.asarray(call[0]) for call in last_call if call is not None}
-        return [None if call is None else int(host[id(call[0])][call[1]]) for call in last_call], calls
+        ok = [True] * len(reqs)
+        for ok_R, indices in checks:
+            for i, row_ok in zip(indices, np.asarray(ok_R)):
+                ok[i] &= bool(row_ok)
+        tokens = [None if call is None else int(host[id(call[0])][call[1]]) for call in last_call]
+        return Output(tokens, ok, errors, calls)
 
-    def decode(self, live: list[Request], table: pt.PageTable) -> tuple[np.ndarray, np.ndarray]:
-        """One step for every live request (one token each) -> (next token, integrity ok), row i
+    def decode(self, live: list[Request], table: pt.PageTable) -> Output:
+        """One step for every live request (one token each): next token and integrity ok, row i
         for live[i]. Rows past len(live) are padding: they point at slot 0 with no token."""
         c = self.cfg
         R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
@@ -109,14 +125,21 @@ class ModelRunner:
             slots[i], tokens[i, 0], start[i], count[i] = r.slot, r.tokens[-1], len(r.tokens) - 1, 1
         args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(tokens), *self._sampling(live, range(len(live)), R))
-        width = self._width(table, start + count)
-        with jax.set_mesh(c.mesh):
-            out = self._decode_fn(*args, width=width)
-        if c.integrity == "strict":
-            err, out = out
-            err.throw()
-        self.pools, next_tok, ok = out
-        return np.asarray(next_tok), np.asarray(ok)
+        errors = []
+        next_tok, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
+        return Output(np.asarray(next_tok), np.asarray(ok), errors)
+
+    def _run(self, errors: list, fn, *args, width: int):
+        """Call a jitted step under the mesh (the kernels run per device, models/partitioning.py)
+        and keep its new pools, even when its strict check failed (the old ones were donated).
+        Returns the step's other outputs; appends its checkify error to `errors` (strict)."""
+        with jax.set_mesh(self.cfg.mesh):
+            out = fn(*args, width=width)
+        if self.cfg.integrity == "strict":
+            error, out = out
+            errors.append(error)
+        self.pools, *rest = out
+        return rest
 
     @staticmethod
     def _sampling(reqs: list[Request], rows, batch: int):
@@ -127,7 +150,7 @@ class ModelRunner:
         temp, top_p, key_ints = np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros((batch, 3), np.uint32)
         for r, row in zip(reqs, rows):
             temp[row], top_p[row] = r.temperature, r.top_p
-            key_ints[row] = (r.seed % 2**32, r.index, len(r.out))
+            key_ints[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
         return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
@@ -145,46 +168,53 @@ class ModelRunner:
         nor recompiles)."""
         return pools if self._pool_shardings is None else jax.lax.with_sharding_constraint(pools, self._pool_shardings)
 
+    def _checked_step(self, table: pt.PageTable, slots_R, start_R, count_R) -> tuple[StepInputs, jax.Array]:
+        """The rows' view of the page table, after the integrity check of their slots (traced only
+        when it is on) -> (step inputs, ok per row). A failing row neither writes nor reads: its
+        mapping may point into another request's pages, and the call's KV write would corrupt them."""
+        step = StepInputs(table.pages_BN[slots_R], start_R, count_R)
+        if self.cfg.integrity == "off":
+            return step, jnp.ones(count_R.shape, bool)
+        # The check runs over slots; padding rows repeat slot 0 with no token (max = or).
+        active_B = jnp.zeros(table.pages_BN.shape[0], bool).at[slots_R].max(count_R > 0)
+        with jax.named_scope("kv_integrity_check"):
+            report = pt.verify(table, active_B)
+        if self.cfg.integrity == "strict":
+            pt.checked(report)
+        ok_R = report.ok_B[slots_R]
+        return dataclasses.replace(step, count_B=jnp.where(ok_R, count_R, 0)), ok_R
+
+    def _jit(self, step_fn):
+        step_fn = checkify.checkify(step_fn) if self.cfg.integrity == "strict" else step_fn
+        return jax.jit(step_fn, donate_argnums=1, static_argnames="width")
+
     @functools.cached_property
     def _prefill_fn(self):
         module = self.model.module
 
-        def prefill(params, pools, pages_BN, slots_R, start_R, count_R, tokens_RC, temp, top_p, keys, *, width):
-            kv = self._paged_kv(pools, StepInputs(pages_BN[slots_R], start_R, count_R), width)
+        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, temp, top_p, keys, *, width):
+            step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
+            kv = self._paged_kv(pools, step, width)
             positions_RC = start_R[:, None] + jnp.arange(tokens_RC.shape[1])
-            valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < count_R[:, None]
-            logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=jnp.maximum(count_R - 1, 0),
-                                  valid_BT=valid_RC)
-            return self._placed(kv.new_pools), sample(logits[:, 0], temp, top_p, keys)
+            valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < step.count_B[:, None]
+            logits = module.apply({"params": params}, tokens_RC, positions_RC, kv,
+                                  logits_at=jnp.maximum(step.count_B - 1, 0), valid_BT=valid_RC)
+            return self._placed(kv.new_pools), sample(logits[:, 0], temp, top_p, keys), ok_R
 
-        return jax.jit(prefill, donate_argnums=1, static_argnames="width")
+        return self._jit(prefill)
 
     @functools.cached_property
     def _decode_fn(self):
-        module, integrity = self.decode_model.module, self.cfg.integrity
+        module = self.decode_model.module
 
         def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, temp, top_p, keys, *, width):
-            step = StepInputs(table.pages_BN[slots_R], start_R, count_R)
-            if integrity == "off":  # no check traced at all
-                ok_R = jnp.ones(count_R.shape, bool)
-            else:
-                # The check runs over slots; padding rows repeat slot 0 with no token (max = or).
-                active_B = jnp.zeros(table.pages_BN.shape[0], bool).at[slots_R].max(count_R > 0)
-                with jax.named_scope("kv_integrity_check"):
-                    report = pt.verify(table, active_B)
-                if integrity == "strict":
-                    pt.checked(report)
-                ok_R = report.ok_B[slots_R]
-                # A failing row neither writes nor reads: its mapping may point into another
-                # request's pages, and this step's KV write would corrupt them.
-                step = dataclasses.replace(step, count_B=jnp.where(ok_R, count_R, 0))
+            step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
                                   valid_BT=step.count_B[:, None] > 0)[:, 0]
             return self._placed(kv.new_pools), sample(logits, temp, top_p, keys), ok_R
 
-        step_fn = checkify.checkify(decode) if integrity == "strict" else decode
-        return jax.jit(step_fn, donate_argnums=1, static_argnames="width")
+        return self._jit(decode)
 
     def lowered_decode_text(self, table: pt.PageTable) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""

@@ -56,21 +56,39 @@ class PageManager:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def allocate(self, req: Request, n: int) -> None:
+    def allocate(self, req: Request, n: int) -> bool:
+        """Append n fresh pages to req's slot. False, with nothing allocated, when the page table
+        refuses: the host mirror disagreed with it (after a bookkeeping fault, e.g. a page handed to
+        req behind its back), and is resynced from the table, the authority."""
         self.table, ok = _allocate_jit(self.table, jnp.int32(req.slot), jnp.int32(n))
-        assert bool(ok), "host page accounting disagrees with the page table"
+        if not bool(ok):
+            self.free_pages = int(pt.num_free(self.table))
+            req.pages = int(self.table.num_pages_B[req.slot])
+            return False
         req.pages += n
         self.free_pages -= n
         self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.free_pages)
+        return True
 
-    def share(self, req: Request, pages: list[int]) -> None:
-        """Map another request's live pages (an identical prefix) as req's first pages."""
-        ids = np.zeros(self.max_pages_per_seq, np.int32)
-        ids[: len(pages)] = pages
-        self.table, ok = _share_jit(self.table, jnp.int32(req.slot), jnp.asarray(ids), jnp.int32(len(pages)))
-        assert bool(ok), "prefix index points at a page that is not live"
-        req.pages, req.cached = len(pages), len(pages) * self.page_size
-        self.counters.shared_pages += len(pages)
+    def take(self, req: Request, slot: int, shared: list[int], n: int) -> bool:
+        """Give req the free `slot`, mapping the live pages `shared` (an identical prefix) as its
+        first pages, then n fresh ones. All or nothing: False, with req as it was and the slot
+        emptied, when the table refuses (a fault freed a page the prefix index still names, or the
+        host mirror is off: both are resynced), so the caller can try again later."""
+        before, shared_ok = (req.slot, req.pages, req.cached), True
+        req.slot, req.pages = slot, 0
+        if shared:
+            ids = np.zeros(self.max_pages_per_seq, np.int32)
+            ids[: len(shared)] = shared
+            self.table, ok = _share_jit(self.table, jnp.int32(slot), jnp.asarray(ids), jnp.int32(len(shared)))
+            shared_ok = bool(ok)
+            req.pages, req.cached = len(shared), len(shared) * self.page_size
+        if not shared_ok or not self.allocate(req, n):
+            self.release_slot(slot)  # also prunes the prefix index of pages no longer live
+            req.slot, req.pages, req.cached = before
+            return False
+        self.counters.shared_pages += len(shared)
+        return True
 
     def release(self, req: Request) -> None:
         self.release_slot(req.slot)
@@ -145,10 +163,8 @@ class Scheduler:
                     self.counters.aborts += 1
                     continue
                 break
-            req.slot = free_slots.pop(0)
-            if shared:
-                self.pages.share(req, shared)
-            self.pages.allocate(req, need)
+            if not self.pages.take(req, free_slots.pop(0), shared, need):
+                break  # the bookkeeping was resynced: the next step tries again
             self.waiting.popleft()
             self.running.append(req)
             batch.append(req)
@@ -167,10 +183,8 @@ class Scheduler:
         need = self.pages.pages_for(cached) - len(shared)
         if need > self.pages.free_pages:
             return None
-        req.slot, req.pages = free_slots[0], 0
-        if shared:
-            self.pages.share(req, shared)
-        self.pages.allocate(req, need)
+        if not self.pages.take(req, free_slots[0], shared, need):
+            return None
         req.cached, req.prefilled = cached, True
         self.running.append(req)
         return len(shared)
@@ -185,7 +199,7 @@ class Scheduler:
                 continue
             while self.pages.pages_for(len(req.tokens)) > req.pages:
                 if self.pages.free_pages > 0:
-                    self.pages.allocate(req, 1)
+                    self.pages.allocate(req, 1)  # if refused, the resynced counts decide again
                     continue
                 victim = max((r for r in self.running if r.slot is not None and r.result is None), key=lambda r: r.rid)
                 self.pages.release(victim)

@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import mixserve
 from mixserve import faults
@@ -293,11 +294,78 @@ def test_without_the_check_a_fault_is_silent_wrong_output():
     assert hurt[1].tokens != clean[1].tokens or hurt[2].tokens != clean[2].tokens  # ...but answers changed
 
 
-def test_strict_mode_raises():
+def _drain(e, results: dict) -> list[str]:
+    """Step e until it has no work, collecting results by request id; returns the messages of
+    the integrity errors the steps raised (strict mode), each after which the engine goes on."""
+    raised = []
+    for _ in range(200):  # bounded: an engine that raised and stopped making progress fails here, not hangs
+        if not e.has_work():
+            return raised
+        try:
+            results.update({u.rid: u.result for u in e.step() if u.result is not None})
+        except checkify.JaxRuntimeError as err:
+            raised.append(str(err))
+    raise AssertionError(f"the engine did not finish; it raised {raised[:3]}")
+
+
+def test_strict_mode_raises_then_the_engine_goes_on():
+    """strict raises the check's error once the failing request is aborted; the pools were kept
+    (the step had donated the old ones), so the next steps serve the others as a clean run."""
     model = mixserve.load("tiny-glm4", dtype="float32")
-    hook = _inject_at(1, faults.FaultKind.STALE_TAG, dict(slot=0))
-    with pytest.raises(Exception, match="tag"):
-        engine(model, integrity="strict", fault_hook=hook).generate(prompts(), max_new_tokens=NEW)
+    clean = engine(model, integrity="strict").generate(prompts(), max_new_tokens=NEW)
+    e = engine(model, integrity="strict", fault_hook=_inject_at(1, faults.FaultKind.STALE_TAG, dict(slot=0)))
+    with pytest.raises(checkify.JaxRuntimeError, match="KV integrity check failed: slot 0 .*expected tag"):
+        e.generate(prompts(), max_new_tokens=NEW)
+    results = {}
+    assert _drain(e, results) == []
+    got = [results[rid] for rid in sorted(results)]
+    assert got[0].status == "aborted" and "expected tag" in got[0].reason
+    assert [r.tokens for r in got[1:]] == [r.tokens for r in clean[1:]]
+    assert e.generate(prompts()[1:2], max_new_tokens=NEW)[0].tokens == clean[1].tokens
+
+
+@pytest.mark.parametrize("integrity", ["check", "strict"])
+def test_a_fault_during_chunked_prefill_is_caught_before_the_prompt_writes_on(integrity):
+    """Mid-prefill (8 of X's 16 prompt tokens cached), a bookkeeping bug frees X's second page,
+    still unwritten, and Y, arriving next, is given it. X's next prefill call checks its mapping
+    and aborts X before it writes there; unchecked, X's next chunk overwrote Y's KV and Y finished
+    "ok" with other tokens. L decodes throughout, untouched."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    rng = np.random.default_rng(3)
+    L, X, Y = ([int(t) for t in rng.integers(0, 256, n)] for n in (5, 16, 8))
+
+    def serve(fault):
+        hook = _inject_at(0, faults.FaultKind.USE_AFTER_FREE, dict(slot=1, index=1)) if fault else None
+        e = engine(model, num_pages=32, page_size=8, prefill_chunk=4, min_prefill_tokens=4, prefix_sharing=False,
+                   integrity=integrity, fault_hook=hook)
+        rids, results = [e.submit(L, max_new_tokens=NEW), e.submit(X, max_new_tokens=NEW)], {}
+        for _ in range(2):  # two prefill calls of 4 tokens; L decodes its first step (the fault) in the second
+            results.update({u.rid: u.result for u in e.step() if u.result is not None})
+        rids.append(e.submit(Y, max_new_tokens=NEW))
+        raised = _drain(e, results)
+        return [results[r] for r in rids], raised
+
+    clean, _ = serve(False)
+    (l, x, y), raised = serve(True)
+    assert x.status == "aborted" and x.tokens == [] and x.reason.startswith("KV integrity check failed: page ")
+    assert (l.status, y.status) == ("ok", "ok") and (l.tokens, y.tokens) == (clean[0].tokens, clean[2].tokens)
+    assert len(raised) == (integrity == "strict") and all("KV integrity check failed: slot 1" in m for m in raised)
+
+
+def test_a_page_handed_behind_the_hosts_back_does_not_crash_the_engine():
+    """double_allocation hands slot 0's first page to slot 1 behind the scheduler's back: slot 1's
+    mapping is consistent (it records the new tag) but holds a page more than the host counts.
+    When slot 1 later needs its last page, the table (the authority) refuses the allocation: the
+    host resyncs from it instead of asserting, so only slot 0's request is lost."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps, kw = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], dict(max_seq_len=16, integrity="check")
+    clean = engine(model, **kw).generate(ps, max_new_tokens=11)
+    hook = _inject_at(1, faults.FaultKind.DOUBLE_ALLOCATION, dict(slot=0, other=1))
+    e = engine(model, fault_hook=hook, **kw)
+    hurt = e.generate(ps, max_new_tokens=11)
+    assert hurt[0].status == "aborted" and "expected tag" in hurt[0].reason
+    assert hurt[1].status == "ok" and hurt[1].tokens == clean[1].tokens
+    assert e.pages_in_use == 0  # the handed page was slot 1's at the end, and came back with the rest
 
 
 def test_off_mode_traces_no_check():

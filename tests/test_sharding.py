@@ -43,7 +43,7 @@ def assert_no_weight_gathered(engine, label, prefill=False):
                                                             np.zeros((4, 3), np.uint32))
     with jax.set_mesh(engine.mesh):
         if prefill:
-            step = r._prefill_fn.lower(r.model.params, r.pools, engine.table.pages_BN, z, z, z,
+            step = r._prefill_fn.lower(r.model.params, r.pools, engine.table, z, z, z,
                                        np.zeros((4, 8), np.int32), *sampling, width=4)
         else:
             step = r._decode_fn.lower(r.decode_model.params, r.pools, engine.table, z, z, z, np.zeros((4, 1), np.int32),
