@@ -72,9 +72,11 @@ def is_expert_unit(unit: str) -> bool:
     return ".mlp.experts." in unit
 
 
-def beyond_model_layers(unit: str, cfg: ModelConfig) -> bool:
+def is_mtp_layer(unit: str, cfg: ModelConfig) -> bool:
+    """A multi-token-prediction layer, stored after the decoder layers (num_nextn_predict_layers of
+    them): not part of the forward, so not read. A layer past those is unexpected, not skipped."""
     m = re.match(r"model\.layers\.(\d+)\.", unit)
-    return m is not None and int(m.group(1)) >= cfg.num_layers
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
 
 
 def _stored_kind(parts) -> str:
@@ -93,7 +95,7 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
             units.setdefault(base, set()).add(part)
     found = {"experts": set(), "linear": set()}
     for unit, parts in units.items():
-        if beyond_model_layers(unit, cfg) or not is_quantizable_unit(unit):
+        if is_mtp_layer(unit, cfg) or not is_quantizable_unit(unit):
             continue
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
@@ -264,7 +266,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
 
     on_disk: dict[str, dict[str, TensorInfo]] = {}
     for name, info in infos.items():
-        if SKIPPED.search(name) or beyond_model_layers(name.removeprefix(prefix), cfg):
+        if SKIPPED.search(name) or is_mtp_layer(name.removeprefix(prefix), cfg):
             continue
         unit, part = split_unit(name)
         on_disk.setdefault(unit, {})[part] = info

@@ -58,10 +58,15 @@ class Calibration:
     seq_len: int = 128
     seed: int = 0
 
+    def __post_init__(self):
+        if not 1 <= self.seq_len <= self.tokens:
+            raise ValueError(f"calibration needs 1 <= seq_len <= tokens (at least one sequence), got "
+                             f"seq_len={self.seq_len}, tokens={self.tokens}")
+
     def token_ids(self, vocab_size: int) -> np.ndarray:
         """int32 [tokens // seq_len, seq_len]."""
         rng = np.random.default_rng(self.seed)
-        return rng.integers(0, vocab_size, (max(self.tokens // self.seq_len, 1), self.seq_len), dtype=np.int32)
+        return rng.integers(0, vocab_size, (self.tokens // self.seq_len, self.seq_len), dtype=np.int32)
 
 
 @dataclasses.dataclass

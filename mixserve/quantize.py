@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import is_expert_unit, hf_source, beyond_model_layers, is_quantizable_unit, text_prefix, split_unit, read_config
+from mixserve.checkpoint import is_expert_unit, hf_source, is_mtp_layer, is_quantizable_unit, text_prefix, split_unit, read_config
 from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized,
                            require_unquantized)
 from mixserve.model import Model, load
@@ -154,6 +154,8 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     """Write `src` (BF16 HF checkpoint) quantized into `plan` to `dst`. Returns GPTQ's layer reports
     (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq only)."""
     _check_method(method, plan)
+    if os.path.isdir(dst) and os.path.samefile(src, dst):  # its shards would be rewritten while still read
+        raise CheckpointError(f"the output directory {dst} is the source checkpoint: write the quantized copy elsewhere")
     config, quant = read_config(src)
     if quant:
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
@@ -207,7 +209,7 @@ def _quantized_here(bare_name: str, plan: WeightPlan, config) -> bool:
     """Does the plan quantize this tensor (name without the K2.5 text prefix)?"""
     unit, part = split_unit(bare_name)
     fmt = plan.experts if is_expert_unit(unit) else plan.linear
-    return part == "weight" and is_quantizable_unit(unit) and not beyond_model_layers(unit, config) and fmt.kind != "bf16"
+    return part == "weight" and is_quantizable_unit(unit) and not is_mtp_layer(unit, config) and fmt.kind != "bf16"
 
 
 def _check_group_sizes(infos, prefix: str, plan: WeightPlan, config) -> None:
@@ -234,9 +236,13 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="gptq: seed of the calibration tokens")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    fmt = WeightFormat("int4", args.group_size) if args.format == "int4" else WeightFormat("fp8_block")
-    calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
-    reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method, calibration=calibration)
+    try:  # bad arguments or a checkpoint that cannot be quantized: a usage error, not a traceback
+        fmt = WeightFormat("int4", args.group_size) if args.format == "int4" else WeightFormat("fp8_block")
+        calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
+        reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
+                                      calibration=calibration)
+    except ValueError as e:  # CheckpointError is one
+        p.error(str(e))
     for r in reports:
         fallback = f", RTN for experts {r.rtn_fallback_experts} (no tokens)" if r.rtn_fallback_experts else ""
         print(f"{r.path}: {r.rows} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")

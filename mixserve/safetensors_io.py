@@ -74,7 +74,9 @@ def checkpoint_files(directory: str) -> list[str]:
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no weight_map (tensor name -> shard file)")
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.exists(os.path.join(directory, name))]
         if missing:

@@ -85,6 +85,9 @@ class ModelConfig:
                 raise ValueError(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
             if not 1 <= self.topk_group <= self.n_group:
                 raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            if self.topk_group < self.n_group and self.n_routed_experts // self.n_group < 2:
+                raise ValueError(f"group-limited routing scores each group by its top 2 experts: n_routed_experts="
+                                 f"{self.n_routed_experts} / n_group={self.n_group} leaves fewer than 2 per group")
             if self.num_experts_per_tok > self.topk_group * self.n_routed_experts // self.n_group:
                 raise ValueError("num_experts_per_tok exceeds the experts left after group selection")
         if self.family == "glm4_moe" and self.num_heads % self.num_kv_heads:

@@ -228,3 +228,52 @@ def test_extra_parts_of_known_weights_are_refused(int4_dir, tmp_path, edit, erro
     _rewrite(d, edit)
     with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\).*" + error):
         mixserve.load(str(d), progress=False)
+
+
+def _edit_config(directory, edit):
+    path = os.path.join(directory, "config.json")
+    config = json.loads(open(path).read())
+    edit(config)
+    open(path, "w").write(json.dumps(config))
+
+
+def test_quantizing_into_the_source_directory_is_refused_before_writing(bf16_dir, tmp_path):
+    """Its shards would be rewritten while still read (a bus error, the BF16 weights gone)."""
+    d = _copy(bf16_dir, tmp_path / "c")
+    before = {name: open(os.path.join(d, name), "rb").read() for name in os.listdir(d)}
+    with pytest.raises(CheckpointError, match="is the source checkpoint"):
+        quantize_checkpoint(d, os.path.join(d, "."), plan_for(WeightFormat("int4", 32), "experts"))
+    assert {name: open(os.path.join(d, name), "rb").read() for name in os.listdir(d)} == before
+
+
+def test_layers_past_the_config_are_refused_unless_they_are_mtp_layers(bf16_dir, tmp_path):
+    """A config with one layer fewer than stored used to drop the last layer silently (other
+    logits). Only the num_nextn_predict_layers MTP layers after the decoder are skipped."""
+    d = _copy(bf16_dir, tmp_path / "c")
+    layers = json.loads(open(os.path.join(d, "config.json")).read())["num_hidden_layers"]
+    _edit_config(d, lambda c: c.update(num_hidden_layers=layers - 1, num_nextn_predict_layers=0))
+    with pytest.raises(CheckpointError, match=rf"unexpected tensor\(s\).*model\.layers\.{layers - 1}\."):
+        mixserve.load(d, progress=False)
+    _edit_config(d, lambda c: c.update(num_nextn_predict_layers=1))  # now it is the MTP layer
+    assert mixserve.load(d, progress=False).config.num_layers == layers - 1
+
+
+def test_an_index_without_a_weight_map_and_a_contradictory_router_are_named(bf16_dir, tmp_path):
+    d = _copy(bf16_dir, tmp_path / "c")
+    open(os.path.join(d, "model.safetensors.index.json"), "w").write(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: no weight_map"):
+        mixserve.load(d, progress=False)
+    os.remove(os.path.join(d, "model.safetensors.index.json"))
+    _edit_config(d, lambda c: c.update(n_routed_experts=4))  # n_group 4, topk_group 2: 1 expert per group
+    with pytest.raises(ValueError, match="top 2 experts: n_routed_experts=4 / n_group=4"):
+        mixserve.load(d, progress=False)
+
+
+def test_quantize_cli_reports_bad_arguments_as_usage_errors(bf16_dir, tmp_path, capsys):
+    from mixserve.quantize import main
+    for extra, message in ((["--method", "gptq", "--seq-len", "0"], "1 <= seq_len <= tokens"),
+                           (["--method", "gptq", "--calibration-tokens", "5"], "seq_len=128, tokens=5"),
+                           (["--group-size", "24"], "does not divide")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", bf16_dir, "--out", str(tmp_path / "q"), "--format", "int4", *extra])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, extra
