@@ -587,6 +587,8 @@ def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int) -> 
         raise ValueError(f"page_table_BN must be [B={batch}, N], got {page_table_BN.shape}")
     if not jnp.issubdtype(page_table_BN.dtype, jnp.integer):
         raise ValueError(f"page_table_BN must be integer, got {page_table_BN.dtype}")
+    if page_table_BN.shape[1] == 0:
+        raise ValueError("page_table_BN has no columns: give each request at least one page slot")
     if lengths_B.shape != (batch,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
         raise ValueError(f"lengths_B must be int [B={batch}], got {lengths_B.dtype}{lengths_B.shape}")
 

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.flash_decoding import scaled_query
 from pallas_kernels.weight_stream import (
-    StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, check_group_sizes, column_blocks, dense_rows,
+    StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, checked_group_sizes, column_blocks, dense_rows,
     grouped_rows, pad_to, plan_tiling, reference_dot, reference_ragged_dot, row_factor, stream_tiles, tile_product,
     whole)
 
@@ -128,12 +128,13 @@ def moe_fp8_block_matmul(x_TK: jax.Array, values_EKN: jax.Array, scale_inv_Ekn: 
                          group_sizes_E: jax.Array, *, scale_block: ScaleBlock = DEFAULT_SCALE_BLOCK,
                          backend: str | None = None, tuning: Fp8BlockTuning = Fp8BlockTuning()) -> jax.Array:
     """Grouped over expert-sorted rows, like lax.ragged_dot: row t of y uses the
-    expert whose group contains t; rows past sum(group_sizes_E) are zero."""
+    expert whose group contains t; rows past sum(group_sizes_E) are zero; a negative
+    size counts as 0."""
     backend = resolve_backend(backend)
     if values_EKN.ndim != 3:
         raise ValueError(f"expert weights must be [E, K, N], got {values_EKN.shape}")
     _check_operands(x_TK, values_EKN, scale_inv_Ekn, scale_block)
-    check_group_sizes(group_sizes_E, values_EKN.shape[0])
+    group_sizes_E = checked_group_sizes(group_sizes_E, values_EKN.shape[0])
     if backend == "xla":
         return _moe_reference(x_TK, values_EKN, scale_inv_Ekn, group_sizes_E, scale_block=scale_block)
     return _moe_kernel(x_TK, values_EKN, scale_inv_Ekn, group_sizes_E, scale_block=scale_block,

@@ -17,7 +17,7 @@ import jax
 
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.int4_matmul import Int4Tuning, check_int4_operands, dequantize_int4, int4_runner
-from pallas_kernels.weight_stream import check_group_sizes, grouped_rows, reference_ragged_dot
+from pallas_kernels.weight_stream import checked_group_sizes, grouped_rows, reference_ragged_dot
 
 
 def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array,
@@ -26,13 +26,14 @@ def moe_int4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Arra
     """Row t of y uses the expert whose group contains t; f32 accumulation, x's dtype.
 
     Rows past sum(group_sizes_E) belong to no expert and are zero (as in
-    lax.ragged_dot). tuning: the kernel's launch choices; not the result.
+    lax.ragged_dot); a negative size counts as 0. tuning: the kernel's launch
+    choices; not the result.
     """
     backend = resolve_backend(backend)
     if packed_EQN.ndim != 3:
         raise ValueError(f"packed expert weights must be [E, K/8, N], got {packed_EQN.shape}")
     check_int4_operands(x_TK, packed_EQN, scales_EGN, group_size)
-    check_group_sizes(group_sizes_E, packed_EQN.shape[0])
+    group_sizes_E = checked_group_sizes(group_sizes_E, packed_EQN.shape[0])
     if backend == "xla":
         return _reference(x_TK, packed_EQN, scales_EGN, group_sizes_E, group_size=group_size)
     return _kernel(x_TK, packed_EQN, scales_EGN, group_sizes_E, group_size=group_size,

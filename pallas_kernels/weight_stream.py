@@ -319,9 +319,12 @@ def pad_to(x_MK: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x_MK, ((0, rows - x_MK.shape[0]), (0, 0)))
 
 
-def check_group_sizes(group_sizes_E: jax.Array, num_experts: int) -> None:
+def checked_group_sizes(group_sizes_E: jax.Array, num_experts: int) -> jax.Array:
+    """group_sizes_E after its static checks, with negative sizes (traced: they cannot raise) as 0,
+    so that the kernels and the references (lax.ragged_dot) read the same groups."""
     if group_sizes_E.shape != (num_experts,) or not jnp.issubdtype(group_sizes_E.dtype, jnp.integer):
         raise ValueError(f"group_sizes_E must be int [E={num_experts}], got {group_sizes_E.dtype}{group_sizes_E.shape}")
+    return jnp.maximum(group_sizes_E, 0)
 
 
 def check_activations(x_MK: jax.Array) -> None:

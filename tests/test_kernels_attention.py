@@ -593,6 +593,14 @@ def test_float16_dots_scale_queries_of_any_magnitude():
                  "mla float16 dots vs reference")
 
 
+def test_a_page_table_without_columns_is_refused():
+    q, pages = jnp.ones((2, 4, 16), jnp.float32), jnp.ones((1, 3, 4, 16), jnp.float32)
+    for backend in ("xla", KERNEL_BACKEND):
+        with pytest.raises(ValueError, match="page_table_BN has no columns"):
+            paged_attention_gqa(q, pages, pages, jnp.zeros((2, 0), jnp.int32), jnp.zeros(2, jnp.int32),
+                                k_scale=1.0, v_scale=1.0, softmax_scale=0.25, backend=backend)
+
+
 def test_attention_tuning_rejects_an_unknown_dot_dtype_and_odd_blocks():
     with pytest.raises(ValueError, match="fp8_dots"):
         AttentionTuning(fp8_dots="float8")

@@ -314,6 +314,19 @@ def test_moe_int4_kernel_matches_reference(case, tuning, x_dtype):
     _check(got, expected, magnitude, F32_TOL if x_dtype == jnp.float32 else BF16_TOL, seed, "kernel vs float64")
 
 
+def test_negative_group_sizes_count_as_zero():
+    """Routing counts are never negative, but traced sizes cannot raise: both backends read a
+    negative size as 0 (before, XLA's ragged_dot and the kernel read [2, -3, 4] differently)."""
+    seed = _seed()
+    sizes, k, n, g = (2, 0, 4), 128, 16, 32
+    x, values, scales, poisoned = _moe_case(np.random.default_rng(seed), sizes, k, n, g, jnp.float32)
+    expected, magnitude = _moe_float64(x, values, scales, sizes, g)
+    packed, negative = pack_int4(jnp.asarray(values)), jnp.asarray([2, -3, 4], jnp.int32)
+    for backend, s in (("xla", scales), (KERNEL_BACKEND, poisoned)):
+        got = moe_int4_matmul(x, packed, s, negative, group_size=g, backend=backend)
+        _check(got, expected, magnitude, F32_TOL, seed, f"{backend} with a negative group size")
+
+
 def test_moe_schedule_skips_empty_experts():
     """Only experts with tokens get tiles, so idle experts' weights are never streamed."""
     seed = _seed()
