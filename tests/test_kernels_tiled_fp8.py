@@ -72,6 +72,25 @@ def test_quantizer_is_the_format_bit_for_bit_and_within_the_e4m3_bound(columns, 
                                   np.asarray(back, np.float32), err_msg=f"seed={seed}")
 
 
+def test_non_finite_values_saturate_or_stay_nan_without_coarsening_their_tile():
+    """An inf in a tile once made its scale 1 (frexp(inf)), storing the tile's finite values at
+    the wrong binade; now the scale comes from the finite values, ±inf stores ±448 (e4m3fn has no
+    infinity: the per-tensor pools saturate too) and NaN stays NaN."""
+    seed = _seed()
+    x = (_rng(seed).standard_normal((3, 128)) * 1e-3).astype(np.float32)
+    clean = x.copy()
+    x[0, 5], x[1, 7], x[2, 9] = np.inf, -np.inf, np.nan
+    clean[0, 5] = clean[1, 7] = clean[2, 9] = 0.0
+    stored, scales = quantize_tiles(jnp.asarray(x), 128)
+    clean_stored, clean_scales = quantize_tiles(jnp.asarray(clean), 128)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(clean_scales), err_msg=f"seed={seed}")
+    back, clean_back = (np.asarray(dequantize_tiles(a, b)) for a, b in ((stored, scales), (clean_stored, clean_scales)))
+    s = np.asarray(scales)[:, 0]
+    assert back[0, 5] == 448 * s[0] and back[1, 7] == -448 * s[1] and np.isnan(back[2, 9]), f"seed={seed}"
+    finite = np.isfinite(x)
+    np.testing.assert_array_equal(back[finite], clean_back[finite], err_msg=f"seed={seed}")
+
+
 def test_per_token_tiles_beat_one_scale_on_spread_tokens():
     """What the layout is for: with token magnitudes spread over e^±6, one per-tensor scale
     (calibrated: absmax / 448) leaves the small tokens in e4m3's subnormals, tile scales do not."""
