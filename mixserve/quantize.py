@@ -87,11 +87,12 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
     _check_method(method, plan)
     source = flat_params(model.params)
     require_unquantized(source)
+    abstract = abstract_params(model.config, plan, model.dtype)
+    require_finite_targets(source, abstract)
     gptq: dict = {}
     reports: list[LayerReport] = []
     if method == "gptq":
         gptq, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
-    abstract = abstract_params(model.config, plan, model.dtype)
     leaves = []
     for path, leaf in flat_params(abstract).items():
         if path in gptq:
@@ -105,6 +106,22 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
     return dataclasses.replace(model, params=params, plan=plan), reports
 
 
+def require_finite(name: str, w) -> None:
+    """Refuse a weight with inf or NaN: its scale covers a whole group or block, which the value
+    would spoil (one inf turns its 128 x 128 FP8 block into NaN, its INT4 group likewise)."""
+    bad = int(np.size(w)) - int(jnp.count_nonzero(jnp.isfinite(jnp.asarray(w))))
+    if bad:
+        raise ValueError(f"{name} has {bad} non-finite value(s); quantizing would spread them over its scale "
+                         "group or block: fix the source weights")
+
+
+def require_finite_targets(source: dict, abstract) -> None:
+    """require_finite for every source weight the plan (shown by `abstract`'s leaves) quantizes."""
+    for path, leaf in flat_params(abstract).items():
+        if is_quantized(leaf):
+            require_finite("/".join(path), source[path])
+
+
 def _check_method(method: str, plan: WeightPlan) -> None:
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
@@ -115,6 +132,7 @@ def _check_method(method: str, plan: WeightPlan) -> None:
 def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Int4Weight], list[LayerReport]]:
     """GPTQ of the source checkpoint -> {bare HF unit name: Int4Weight [in, out]}, one per expert."""
     model = load(src, dtype="float32", progress=False)
+    require_finite_targets(flat_params(model.params), abstract_params(model.config, plan, model.dtype))
     weights, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
     units = {}
     for path, q in weights.items():
@@ -173,6 +191,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         bare = unit.removeprefix(prefix)
         fmt = plan.experts if is_expert_unit(bare) else plan.linear
         if _quantized_here(name.removeprefix(prefix), plan, config):
+            require_finite(name, array)
             on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 import hf_reference as ref
 import mixserve
 from mixserve.model import Model
-from mixserve.quantize import plan_for, quantize_checkpoint
+from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import CheckpointError, index_tensors, load_tensor, write_safetensors
 from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, dequantize
 
@@ -244,6 +245,24 @@ def test_quantizing_into_the_source_directory_is_refused_before_writing(bf16_dir
     with pytest.raises(CheckpointError, match="is the source checkpoint"):
         quantize_checkpoint(d, os.path.join(d, "."), plan_for(WeightFormat("int4", 32), "experts"))
     assert {name: open(os.path.join(d, name), "rb").read() for name in os.listdir(d)} == before
+
+
+def test_non_finite_weights_are_refused_before_quantizing(bf16_dir, tmp_path):
+    """One inf used to turn its whole 128 x 128 FP8 block (or INT4 group) into NaN without a word.
+    A weight the plan keeps in BF16 may hold anything: it is copied, not scaled."""
+    d = _copy(bf16_dir, tmp_path / "c")
+    unit, kept = _UNIT + ".weight", "model.layers.0.self_attn.o_proj.weight"
+
+    def poison(t):
+        t[unit][1, 2] = np.inf
+        t[kept][0, 0] = np.nan
+    _rewrite(d, poison)
+    for fmt in (WeightFormat("int4", 32), WeightFormat("fp8_block")):
+        with pytest.raises(ValueError, match=rf"{re.escape(unit)} has 1 non-finite value"):
+            quantize_checkpoint(d, str(tmp_path / fmt.kind), plan_for(fmt, "experts"))
+    model = mixserve.load(d, dtype="float32", progress=False)
+    with pytest.raises(ValueError, match="layers_1/mlp/experts/gate_proj has 1 non-finite"):
+        quantize_model(model, plan_for(WeightFormat("int4", 32), "experts"))
 
 
 def test_layers_past_the_config_are_refused_unless_they_are_mtp_layers(bf16_dir, tmp_path):
