@@ -40,17 +40,25 @@ KIMI_PATTERN = "|".join([
 ])
 
 
+RESERVED_SPECIALS = 256  # Kimi's tiktoken specials (tokenization_kimi.py's num_reserved_special_tokens)
+
+
 class TiktokenTokenizer:
     def __init__(self, model_path: str, config_path: str | None):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
         ranks = load_tiktoken_bpe(model_path)
-        specials: dict[str, int] = {}
+        named: dict[int, str] = {}
         if config_path and os.path.exists(config_path):
             with open(config_path) as f:
                 decoder = json.load(f).get("added_tokens_decoder", {})
-            specials = {entry["content"]: int(i) for i, entry in decoder.items()}
+            named = {int(i): entry["content"] for i, entry in decoder.items()}
+        # Moonshot's rule: the RESERVED_SPECIALS ids after the ranks are all special, named by the
+        # config where it names them, else <|reserved_token_i|>, so every id the model samples decodes.
+        reserved = {i: f"<|reserved_token_{i}|>" for i in range(len(ranks), len(ranks) + RESERVED_SPECIALS)}
+        specials = {name: i for i, name in (reserved | named).items()}
+        self._ranks, self._special_ids = len(ranks), frozenset(specials.values())
         self._enc = tiktoken.Encoding(
             name=os.path.basename(os.path.dirname(model_path)) or "kimi",
             pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
@@ -60,7 +68,8 @@ class TiktokenTokenizer:
         return self._enc.encode(text, allowed_special="all")
 
     def decode(self, ids: list[int]) -> str:
-        return self._enc.decode(ids)
+        # An id past the tokenizer (a model vocab padded beyond it) is dropped, as `tokenizers` does.
+        return self._enc.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
 
 
 def load_tokenizer(directory: str) -> Tokenizer | None:

@@ -105,3 +105,15 @@ def test_tiktoken_special_tokens(kimi_tok):
     ids = kimi_tok.encode("hello<|im_user|>你<|im_end|>")
     assert ids == [ID[b"hello"], 301, ID[b"\xe4\xbd\xa0"], 300]
     assert kimi_tok.decode(ids) == "hello<|im_user|>你<|im_end|>"
+
+
+def test_tiktoken_unnamed_special_ids_decode_as_reserved_tokens(kimi_tok):
+    """Kimi's config names only some of its 256 special ids; an unnamed one the model samples
+    used to raise KeyError in decode. Moonshot's tokenizer names it <|reserved_token_i|>."""
+    first = 256 + len(MERGES)  # the first id after the ranks, unnamed in SPECIALS
+    hello = ID[b"hello"]
+    assert kimi_tok.decode([hello, first]) == f"hello<|reserved_token_{first}|>"
+    assert kimi_tok.encode(f"<|reserved_token_{first}|>") == [first]
+    assert kimi_tok.decode([hello, 300, first + 255]) == f"hello<|im_end|><|reserved_token_{first + 255}|>"
+    # past the tokenizer (a padded model vocab): dropped, as the tokenizers library does
+    assert kimi_tok.decode([hello, first + 256, 10**6]) == "hello"
