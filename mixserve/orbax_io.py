@@ -55,10 +55,13 @@ def save_params(path: str, model: Model) -> None:
             "dtype": jnp.dtype(model.dtype).name}
     with open(os.path.join(path, "model.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    if os.path.isdir(model.source):
-        for name in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(model.source, name)):
-                shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
+    if os.path.isdir(model.source) and os.path.samefile(model.source, path):
+        return  # saved into its own source: its tokenizer files are already the ones to keep
+    for name in TOKENIZER_FILES:  # an earlier save's files must not outlive it (load_tokenizer would read them)
+        if os.path.exists(os.path.join(path, name)):
+            os.remove(os.path.join(path, name))
+        if os.path.isdir(model.source) and os.path.exists(os.path.join(model.source, name)):
+            shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
 
 
 def restore_params(path: str, *, shardings: Any = None, target: Any = None, backend: str = "xla") -> Model:

@@ -2,9 +2,11 @@
 seed, Orbax round trip. Load-time corruption errors live in test_checkpoint.py; pack/unpack of
 the kernel layout in test_kernels_int4.py."""
 
+import base64
 import dataclasses
 import importlib
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -316,3 +318,22 @@ def test_orbax_round_trip_is_bit_exact(bf16_dir, tmp_path):
 def test_orbax_restore_names_a_wrong_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.json"):
         restore_params(str(tmp_path))
+
+
+def test_orbax_save_keeps_only_the_saved_models_tokenizer(tmp_path):
+    """Saving over an earlier save left its tokenizer files, so the restored model came back with
+    another model's tokenizer; re-saving a restored model into its own directory raised
+    SameFileError after the params were written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    (src / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"256": {"content": "<|im_end|>"}}}))
+    out = str(tmp_path / "ckpt")
+    save_params(out, dataclasses.replace(mixserve.load("tiny-kimi", dtype="float32"), source=str(src)))
+    restored = restore_params(out)
+    save_params(out, restored)  # into its own source directory
+    assert restore_params(out).tokenizer.decode([104, 105, 256]) == "hi<|im_end|>"
+    save_params(out, mixserve.load("tiny-glm4", dtype="float32"))  # a model without tokenizer files
+    back = restore_params(out)
+    assert back.config.family == "glm4_moe" and back.tokenizer is None
+    assert sorted(os.listdir(out)) == ["model.json", "params"]
