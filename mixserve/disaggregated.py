@@ -56,6 +56,9 @@ class DisaggregatedEngine(Frontend):
             raise ValueError("build the prefill engine with prefill_only=True and the decode engine without it")
         if prefill.cfg != decode.cfg:
             raise ValueError("prefill and decode must serve the same model (same config); weight formats may differ")
+        if set(prefill.stop_tokens) != set(decode.stop_tokens):  # the first token is judged by the prefill engine's
+            raise ValueError(f"prefill and decode must stop on the same tokens, got {prefill.stop_tokens} and "
+                             f"{decode.stop_tokens}")
         if prefill.page_size != decode.page_size:
             raise ValueError(f"pages move whole: page sizes must match, got {prefill.page_size} and {decode.page_size}")
         super().__init__()

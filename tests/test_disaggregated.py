@@ -247,6 +247,8 @@ def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_it
         DisaggregatedEngine(p(), d(other))
     with pytest.raises(ValueError, match="page sizes"):
         DisaggregatedEngine(p(), d(page_size=8))
+    with pytest.raises(ValueError, match=r"same tokens, got \(2,\) and \(2, 7\)"):  # the first token would stop on (2,) only
+        DisaggregatedEngine(p(stop_tokens=(2,)), d(stop_tokens=(2, 7)))
     # The prefill engine holds only prompts: 3 pages (12 tokens) and a context of 12 suffice for a
     # 12-token prompt with 6 new tokens. The decode engine's context limit of 16 does not.
     dis = DisaggregatedEngine(p(num_pages=3, max_seq_len=12), d(max_seq_len=16))
