@@ -33,7 +33,9 @@ def tp_mesh(tp: int, first: int = 0) -> Mesh:
     """A 1-D mesh ("model",) over tp devices from device `first` on (on CPU, start Python with
     XLA_FLAGS=--xla_force_host_platform_device_count=N for N devices). Disaggregated serving puts
     its prefill engine on one such mesh and its decode engine on the next."""
-    if tp <= 0 or first < 0 or first + tp > jax.device_count():
+    if tp <= 0 or first < 0:
+        raise ValueError(f"tp must be positive and first at least 0, got tp={tp}, first={first}")
+    if first + tp > jax.device_count():
         raise ValueError(f"devices [{first}, {first + tp}): {jax.device_count()} devices available (on CPU, set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={first + tp} before starting Python)")
     return Mesh(jax.devices()[first : first + tp], (MODEL_AXIS,))

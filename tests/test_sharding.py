@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mixserve.quantize import plan_for, quantize_checkpoint
+from mixserve.sharding import tp_mesh
 from models.partitioning import quantized_spec
 from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, split_for_tp
 
@@ -393,3 +394,13 @@ def test_split_for_tp_gives_each_share_whole_scale_blocks_and_the_same_weight(gr
     if placed is not w:
         with pytest.raises(ValueError, match="re-block them first"):
             quantized_spec(names, w, tp)
+
+
+def test_tp_mesh_names_what_is_wrong():
+    """tp=0 used to advise --xla_force_host_platform_device_count=0: one message for three faults."""
+    for tp, first in ((0, 0), (-2, 0), (1, -1)):
+        with pytest.raises(ValueError, match=rf"tp must be positive and first at least 0, got tp={tp}, first={first}"):
+            tp_mesh(tp, first)
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"{n} devices available .*device_count={n + 1} "):
+        tp_mesh(1, first=n)
