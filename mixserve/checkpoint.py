@@ -54,7 +54,11 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
     with open(path) as f:
         raw = json.load(f)
     quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
-    return ModelConfig.from_hf(raw), quant
+    generation_eos = None  # generate() also stops on generation_config.json's eos ids (a chat model's end of turn)
+    if os.path.exists(generation := os.path.join(directory, "generation_config.json")):
+        with open(generation) as f:
+            generation_eos = json.load(f).get("eos_token_id")
+    return ModelConfig.from_hf(raw, generation_eos), quant
 
 
 def text_prefix(infos: dict[str, TensorInfo]) -> str:

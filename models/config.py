@@ -14,6 +14,19 @@ from typing import Any, Literal
 
 Family = Literal["deepseek_v3", "glm4_moe", "glm_moe_dsa"]
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "glm4_moe", "glm_moe_dsa")
+# transformers' defaults (DeepseekV3Config, Glm4MoeConfig, GlmMoeDsaConfig) for keys a config.json
+# may leave out; keys with one default in all three (attention_bias False, ...) are read in place.
+_MOE = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group",
+        "topk_group", "routed_scaling_factor", "first_k_dense_replace")
+HF_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(zip(_MOE, (256, 1, 8, 2048, 8, 4, 2.5, 3)), rms_norm_eps=1e-6, max_position_embeddings=4096,
+                        num_nextn_predict_layers=1, q_lora_rank=1536, bos_token_id=0, eos_token_id=1),
+    "glm4_moe": dict(zip(_MOE, (128, 1, 8, 1408, 1, 1, 1.0, 1)), rms_norm_eps=1e-5, max_position_embeddings=131072,
+                     num_nextn_predict_layers=1),
+    "glm_moe_dsa": dict(zip(_MOE, (256, 1, 8, 2048, 1, 1, 2.5, 3)), rms_norm_eps=1e-5, max_position_embeddings=202752,
+                        q_lora_rank=2048, bos_token_id=0, eos_token_id=1, index_topk=2048, index_head_dim=128,
+                        index_n_heads=32),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,19 +150,24 @@ class ModelConfig:
 
     # ---- HF config.json ----------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Read an HF config dict. K2.5/K2.6 nest the text model under `text_config`."""
+    def from_hf(cls, raw: dict[str, Any], generation_eos: int | list[int] | None = None) -> "ModelConfig":
+        """Read an HF config dict. K2.5/K2.6 nest the text model under `text_config`. A key the dict
+        leaves out takes its transformers config class's default. generation_eos: the
+        generation_config.json's eos_token_id, stop tokens beside the config's (as vLLM adds them)."""
         if "text_config" in raw:  # K2.5/K2.6: a multimodal wrapper; we serve its text model
-            raw = raw["text_config"]
+            outer_ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+            raw = {**outer_ids, **raw["text_config"]}
         model_type = raw.get("model_type")
         if model_type in ("kimi_k2", "kimi_k25"):  # Moonshot's remote-code names for the DeepseekV3 text model
             model_type = "deepseek_v3"
         if model_type not in FAMILIES:
             raise ValueError(f"unsupported model_type {model_type!r}; mixserve reads {FAMILIES}")
-        get = raw.get
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}: mixserve's MLPs and experts use SiLU")
+        defaults = HF_CLASS_DEFAULTS[model_type]
+        get = lambda key, fallback=None: raw.get(key, defaults.get(key, fallback))
         n_layers = raw["num_hidden_layers"]
-        eos = get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids = tuple(dict.fromkeys(_ids(get("eos_token_id")) + _ids(generation_eos)))
         common = dict(
             family=model_type,
             vocab_size=raw["vocab_size"],
@@ -157,21 +175,21 @@ class ModelConfig:
             num_layers=n_layers,
             num_heads=raw["num_attention_heads"],
             intermediate_size=raw["intermediate_size"],
-            rms_norm_eps=get("rms_norm_eps", 1e-6),
-            max_position_embeddings=get("max_position_embeddings", 4096),
+            rms_norm_eps=get("rms_norm_eps"),
+            max_position_embeddings=get("max_position_embeddings"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            rope=_rope_from_hf(raw),
+            rope=_rope_from_hf(raw, get("max_position_embeddings")),
             attention_bias=bool(get("attention_bias", False)),
             n_routed_experts=get("n_routed_experts") or 0,
             n_shared_experts=get("n_shared_experts") or 0,
             num_experts_per_tok=get("num_experts_per_tok") or 1,
-            moe_intermediate_size=get("moe_intermediate_size", 0),
+            moe_intermediate_size=get("moe_intermediate_size"),
             n_group=get("n_group") or 1,
             topk_group=get("topk_group") or 1,
             norm_topk_prob=bool(get("norm_topk_prob", True)),
-            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(get("routed_scaling_factor")),
             first_k_dense_replace=get("first_k_dense_replace") or 0,
-            num_mtp_layers=get("num_nextn_predict_layers", get("num_mtp_layers", 0)) or 0,
+            num_mtp_layers=raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", get("num_nextn_predict_layers", 0))) or 0,
             bos_token_id=get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -203,9 +221,9 @@ class ModelConfig:
             **common,
             **mla,
             rope_interleave=True,  # GlmMoeDsa always applies interleaved RoPE
-            index_topk=raw.get("index_topk", 2048),
-            index_head_dim=raw.get("index_head_dim", 128),
-            index_n_heads=raw.get("index_n_heads", 32),
+            index_topk=get("index_topk"),
+            index_head_dim=get("index_head_dim"),
+            index_n_heads=get("index_n_heads"),
             indexer_types=tuple(get("indexer_types") or _default_indexer_types(raw, n_layers)),
         )
 
@@ -220,7 +238,11 @@ def _default_indexer_types(raw: dict, n_layers: int) -> list[str]:
     return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(n_layers)]
 
 
-def _rope_from_hf(raw: dict) -> RopeConfig:
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+
+
+def _rope_from_hf(raw: dict, max_position_embeddings: int) -> RopeConfig:
     """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`."""
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})
@@ -237,7 +259,7 @@ def _rope_from_hf(raw: dict) -> RopeConfig:
         original_max_position_embeddings=int(
             raw.get("original_max_position_embeddings")
             or params.get("original_max_position_embeddings")
-            or raw.get("max_position_embeddings", 4096)
+            or max_position_embeddings
         ),
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),

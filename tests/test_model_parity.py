@@ -7,6 +7,7 @@ is ~1e-6; 1e-4 leaves room for summation-order differences in attention and the 
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import pytest
 import hf_reference as ref
 import mixserve
 from mixserve.safetensors_io import index_tensors, load_tensor, write_safetensors
+from models.config import ModelConfig
 
 TOL = 1e-4
 
@@ -93,6 +95,51 @@ def test_kimi_k25_wrapper_layout(tmp_path):
     ids = np.random.default_rng(2).integers(0, 160, (1, 7))
     ours = mixserve.load(str(wrapped), dtype="float32", progress=False)
     assert rel_err(ours.logits(ids), ref.reference_logits(model, ids)) < TOL
+    # The wrapper's own eos/bos stand when its text_config names none (they used to be dropped).
+    text_config.pop("eos_token_id", None)
+    text_config.pop("bos_token_id", None)
+    wrapper = {"model_type": "kimi_k25", "eos_token_id": 7, "bos_token_id": 6, "text_config": text_config}
+    assert (ModelConfig.from_hf(wrapper).eos_token_ids, ModelConfig.from_hf(wrapper).bos_token_id) == ((7,), 6)
+
+
+_MLA_SHAPE = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+_REQUIRED = {  # the keys ModelConfig.from_hf cannot do without
+    "DeepseekV3Config": ("deepseek_v3", _MLA_SHAPE),
+    "Glm4MoeConfig": ("glm4_moe", dict(num_key_value_heads=2)),
+    "GlmMoeDsaConfig": ("glm_moe_dsa", _MLA_SHAPE),
+}
+
+
+@pytest.mark.parametrize("class_name", sorted(_REQUIRED))
+def test_config_keys_left_out_take_the_transformers_class_defaults(class_name):
+    """A config.json without n_group, routed_scaling_factor, rms_norm_eps, ... once got mixserve's
+    own fallbacks (1, 1.0, 1e-6): other logits than transformers (0.096 relative) without a word."""
+    import transformers
+
+    model_type, shape = _REQUIRED[class_name]
+    minimal = dict(model_type=model_type, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                   intermediate_size=64, **shape)
+    complete = getattr(transformers, class_name)(**minimal).to_dict()
+    assert ModelConfig.from_hf(minimal) == ModelConfig.from_hf(complete)
+
+
+def test_config_values_mixserve_does_not_compute_are_refused_and_generation_eos_stops(tmp_path, tmp_path_factory):
+    raw = dict(model_type="glm4_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, num_key_value_heads=2, eos_token_id=[3, 4])
+    for act in ("gelu", "gelu_pytorch_tanh", "relu"):  # every MLP and expert is SiLU: another was silently ignored
+        with pytest.raises(ValueError, match=f"unsupported hidden_act '{act}'"):
+            ModelConfig.from_hf({**raw, "hidden_act": act})
+    assert ModelConfig.from_hf({**raw, "hidden_act": "swish"}).eos_token_ids == (3, 4)
+    # generation_config.json's eos ids stop generation too (transformers' generate and vLLM use them).
+    assert ModelConfig.from_hf(raw, generation_eos=[4, 9]).eos_token_ids == (3, 4, 9)
+    # Through the loader: a greedy request stops on the token generation_config.json names.
+    _, _, saved_dir = save_once("glm4-plain", tmp_path_factory)
+    directory = shutil.copytree(saved_dir, tmp_path / "c")
+    prompt = [[5, 9, 2, 7]]
+    free = mixserve.Engine(mixserve.load(str(directory), dtype="float32", progress=False), num_pages=8).generate(prompt, max_new_tokens=4)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[0].tokens[0]]}))
+    stopped = mixserve.Engine(mixserve.load(str(directory), dtype="float32", progress=False), num_pages=8).generate(prompt, max_new_tokens=4)
+    assert len(free[0].tokens) == 4 and stopped[0].tokens == free[0].tokens[:1] and stopped[0].status == "ok"
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (_, c) in ref.CONFIGS.items() if "index_topk" not in c))
