@@ -20,6 +20,7 @@ class Result:
     ttft_s: float | None = None  # time to first token
     token_latencies_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: float | None = None  # submit to finish (None if rejected)
+    seed: int | None = None  # the sampling seed (drawn when none was given): pass it again to reproduce
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ class Request:
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
-                             time.perf_counter() - self.t_submit)
+                             time.perf_counter() - self.t_submit, self.seed)
 
 
 def _finite(v) -> bool:

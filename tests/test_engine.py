@@ -491,6 +491,16 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     greedy = engine(model).generate(ps, max_new_tokens=NEW)
     nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=3)
     assert [r.tokens for r in nucleus] == [r.tokens for r in greedy]  # only the top token survives
+    # Without a seed, copies of one prompt sample independently (best-of-n; a default seed of 0
+    # made them all alike), and each Result names the seed that reproduces it.
+    rids = [e.submit(ps[0], max_new_tokens=NEW, temperature=1.5) for _ in range(4)]
+    done = {}
+    while e.has_work():
+        done.update({u.rid: u.result for u in e.step() if u.result is not None})
+    copies = [done[r] for r in rids]
+    assert len({tuple(r.tokens) for r in copies}) > 1 and len({r.seed for r in copies}) == 4
+    again = e.generate([ps[0]], max_new_tokens=NEW, temperature=1.5, seed=copies[2].seed)[0]
+    assert again.tokens == copies[2].tokens
 
 
 def test_public_api_exports_the_engine():
