@@ -50,6 +50,18 @@ class Output(NamedTuple):
     calls: int = 1
 
 
+class Sampling(NamedTuple):
+    """One step's per-row sampling inputs (a pytree: one argument of the jitted step)."""
+    temperature_B: jax.Array  # float32; 0 = greedy
+    top_p_B: jax.Array  # float32 in (0, 1]
+    top_k_B: jax.Array  # int32; 0 = every token
+    key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
+
+    @classmethod
+    def greedy(cls, batch: int) -> "Sampling":
+        return cls(jnp.zeros(batch), jnp.ones(batch), jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 3), jnp.uint32))
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
     num_pages: int
@@ -98,7 +110,7 @@ class ModelRunner:
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
             sampled, ok_R = self._run(errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots),
                                       jnp.asarray(start), jnp.asarray(count), jnp.asarray(chunk),
-                                      *self._sampling([r for _, r in todo], range(len(todo)), R),
+                                      self._sampling([r for _, r in todo], range(len(todo)), R),
                                       width=self._width(table, start + count))
             if c.integrity != "off":  # else all pass: no host read of ok, which would wait for the call
                 checks.append((ok_R, [i for i, _ in todo]))
@@ -125,7 +137,7 @@ class ModelRunner:
         for i, r in enumerate(live):
             slots[i], tokens[i, 0], start[i], count[i] = r.slot, r.tokens[-1], len(r.tokens) - 1, 1
         args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
-                jnp.asarray(count), jnp.asarray(tokens), *self._sampling(live, range(len(live)), R))
+                jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R))
         errors = []
         next_tok, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
         return Output(np.asarray(next_tok), np.asarray(ok), errors)
@@ -143,16 +155,16 @@ class ModelRunner:
         return rest
 
     @staticmethod
-    def _sampling(reqs: list[Request], rows, batch: int):
-        """Per-row temperature, top-p and the three integers the sampling key is derived from in
-        the step (seed, position of the request in its generate call, token index): the same call
-        gives the same tokens on any engine, and a preempted, recomputed request samples what it
-        would have. reqs[i] goes to row rows[i] of `batch` rows."""
-        temp, top_p, key_ints = np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros((batch, 3), np.uint32)
+    def _sampling(reqs: list[Request], rows, batch: int) -> Sampling:
+        """Per-row temperature, top-p, top-k and the three integers the sampling key is derived
+        from in the step (seed, position of the request in its generate call, token index): the
+        same call gives the same tokens on any engine, and a preempted, recomputed request samples
+        what it would have. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        s = Sampling(*(np.array(a) for a in Sampling.greedy(batch)))  # writable copies
         for r, row in zip(reqs, rows):
-            temp[row], top_p[row] = r.temperature, r.top_p
-            key_ints[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
-        return jnp.asarray(temp), jnp.asarray(top_p), jnp.asarray(key_ints)
+            s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, max(r.top_k, 0)
+            s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
+        return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
         c = self.cfg
@@ -193,14 +205,14 @@ class ModelRunner:
     def _prefill_fn(self):
         module = self.model.module
 
-        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, temp, top_p, keys, *, width):
+        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, *, width):
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
             positions_RC = start_R[:, None] + jnp.arange(tokens_RC.shape[1])
             valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < step.count_B[:, None]
             logits = module.apply({"params": params}, tokens_RC, positions_RC, kv,
                                   logits_at=jnp.maximum(step.count_B - 1, 0), valid_BT=valid_RC)
-            return self._placed(kv.new_pools), sample(logits[:, 0], temp, top_p, keys), ok_R
+            return self._placed(kv.new_pools), sample(logits[:, 0], sampling), ok_R
 
         return self._jit(prefill)
 
@@ -208,12 +220,12 @@ class ModelRunner:
     def _decode_fn(self):
         module = self.decode_model.module
 
-        def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, temp, top_p, keys, *, width):
+        def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, sampling, *, width):
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
                                   valid_BT=step.count_B[:, None] > 0)[:, 0]
-            return self._placed(kv.new_pools), sample(logits, temp, top_p, keys), ok_R
+            return self._placed(kv.new_pools), sample(logits, sampling), ok_R
 
         return self._jit(decode)
 
@@ -221,8 +233,7 @@ class ModelRunner:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
         B = self.cfg.max_batch
         z = jnp.zeros(B, jnp.int32)
-        args = (self.decode_model.params, self.pools, table, z, z, z, jnp.zeros((B, 1), jnp.int32),
-                jnp.zeros(B), jnp.ones(B), jnp.zeros((B, 3), jnp.uint32))
+        args = (self.decode_model.params, self.pools, table, z, z, z, jnp.zeros((B, 1), jnp.int32), Sampling.greedy(B))
         with jax.set_mesh(self.cfg.mesh):
             return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
 
@@ -249,18 +260,21 @@ def _power_of_two_at_least(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length(), cap)
 
 
-def sample(logits_BV, temp_B, top_p_B, key_ints_B3):
-    """Greedy where temperature == 0, else temperature + nucleus (top-p) sampling, per row.
-    key_ints_B3 = (seed, request index, token index) per row, folded into a key here (in the step,
-    so the decode loop makes no per-request host calls)."""
+def sample(logits_BV, s: Sampling):
+    """Greedy where temperature == 0, else temperature, then top-k, then nucleus (top-p) over what
+    top-k kept (vLLM's order), per row. The key is folded here, in the step, so the decode loop
+    makes no per-request host calls."""
     greedy = jnp.argmax(logits_BV, axis=-1)
-    scaled = logits_BV / jnp.maximum(temp_B, 1e-6)[:, None]
+    scaled = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p_B[:, None]  # always keeps the top token
+    rank = jnp.arange(logits_BV.shape[-1])[None, :]
+    in_top_k = (s.top_k_B[:, None] == 0) | (rank < s.top_k_B[:, None])
+    top_k_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(top_k_logits, axis=-1)
+    keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs) < s.top_p_B[:, None])  # always keeps the top token
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(key_ints_B3)
+    keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temp_B > 0, sampled, greedy).astype(jnp.int32)
+    return jnp.where(s.temperature_B > 0, sampled, greedy).astype(jnp.int32)

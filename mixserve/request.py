@@ -41,6 +41,7 @@ class Request:
     top_p: float
     seed: int
     index: int = 0  # position in its generate() call (0 from submit): with the seed, fixes the sampling keys
+    top_k: int = 0  # sample among the k most likely tokens; 0 or -1: all (vLLM's values)
     out: list[int] = dataclasses.field(default_factory=list)
     streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
@@ -98,6 +99,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         v = getattr(req, name)
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):
             return f"{name} must be a finite number, got {v!r}"
+    if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
+        return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
     if req.temperature < 0 or not 0 < req.top_p <= 1:
         return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=counted(1), help="context limit per request, prompt + generated tokens "
                    "(SGLang's --context-length, vLLM's --max-model-len); default and maximum: the model's "
                    "max_position_embeddings. Longer requests are rejected, each with its reason")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample at this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
@@ -212,7 +216,8 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
-    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens)
+    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -224,6 +229,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "random_weights": random_weights,
         "kv_cache_dtype": args.kv_cache_dtype,
         "integrity": args.integrity,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": results[0].seed},
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,

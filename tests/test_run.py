@@ -29,6 +29,18 @@ def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
     assert report["requests"][0]["status"] == "ok"
 
 
+def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys):
+    flags = ["--json", "--max-new-tokens", "4", "--temperature", "1.5", "--top-k", "20", "--integrity", "off"]
+    drawn = run.main(flags)
+    seed = drawn["sampling"]["seed"]
+    again = run.main([*flags, "--seed", str(seed)])
+    greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
+    capsys.readouterr()
+    tokens = lambda report: [r["tokens"] for r in report["requests"]]
+    assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 20, "seed": seed}
+    assert tokens(again) == tokens(drawn) != tokens(greedy)
+
+
 def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",

@@ -24,6 +24,7 @@ import jax, numpy as np, pytest
 import mixserve
 from mixserve import run, sharding
 from mixserve.engine import Engine
+from mixserve.model_runner import Sampling
 from mixserve.quantize import plan_for, quantize_model
 from mixserve.weight_bytes import device_bytes
 from models.weights import WeightFormat
@@ -40,15 +41,14 @@ mesh_for = lambda tp: jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explici
 def assert_no_weight_gathered(engine, label, prefill=False):
     # The step's collectives move activations (and, in prefill, the rows' pages) only: no all-gather
     # yields a split weight or a whole split pool.
-    r, z, sampling = engine.runner, np.zeros(4, np.int32), (np.zeros(4, np.float32), np.ones(4, np.float32),
-                                                            np.zeros((4, 3), np.uint32))
+    r, z, sampling = engine.runner, np.zeros(4, np.int32), Sampling.greedy(4)
     with jax.set_mesh(engine.mesh):
         if prefill:
             step = r._prefill_fn.lower(r.model.params, r.pools, engine.table, z, z, z,
-                                       np.zeros((4, 8), np.int32), *sampling, width=4)
+                                       np.zeros((4, 8), np.int32), sampling, width=4)
         else:
             step = r._decode_fn.lower(r.decode_model.params, r.pools, engine.table, z, z, z, np.zeros((4, 1), np.int32),
-                                      *sampling, width=4)
+                                      sampling, width=4)
         text = step.compile().as_text()
     gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
                 for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
