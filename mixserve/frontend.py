@@ -34,12 +34,16 @@ class Frontend:
         raise NotImplementedError
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None) -> int:
+               top_k: int = 0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
+               ignore_eos: bool = False) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
-        without a seed each request draws its own (vLLM's rule), reported in its Result."""
-        return self._submit(prompt, max_new_tokens, temperature, top_p, top_k, self._seed(seed), index=0).rid
+        without a seed each request draws its own (vLLM's rule), reported in its Result.
+        stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
+        its own stop tokens only (a benchmark's fixed output length), as in vLLM."""
+        return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos).rid
 
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""
@@ -59,15 +63,17 @@ class Frontend:
         return updates
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> list[Result]:
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
+                 ignore_eos: bool = False) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
-        call draws one, reported in each Result."""
+        call draws one, reported in each Result. The options are submit's, for every prompt."""
         if self._unreported:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")
-        seed = self._seed(seed)
-        requests = [self._submit(p, max_new_tokens, temperature, top_p, top_k, seed, index=i) for i, p in enumerate(prompts)]
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()
         return [r.result for r in requests]
@@ -75,9 +81,10 @@ class Frontend:
     def _seed(self, seed):
         return int(self._seeds.integers(2**32)) if seed is None else seed
 
-    def _submit(self, prompt, max_new_tokens, temperature, top_p, top_k, seed, *, index: int) -> Request:
-        req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt,
-                      max_new_tokens, temperature, top_p, seed, index, top_k, t_submit=time.perf_counter())
+    def _submit(self, prompt, index: int, **options) -> Request:
+        """options: Request's per-request fields (max_new_tokens, temperature, ..., ignore_eos)."""
+        req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt, index=index,
+                      t_submit=time.perf_counter(), **options)
         self._next_rid += 1
         reason = self._reject_reason(req)
         if reason:

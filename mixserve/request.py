@@ -42,6 +42,8 @@ class Request:
     seed: int
     index: int = 0  # position in its generate() call (0 from submit): with the seed, fixes the sampling keys
     top_k: int = 0  # sample among the k most likely tokens; 0 or -1: all (vLLM's values)
+    stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
+    ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
     out: list[int] = dataclasses.field(default_factory=list)
     streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
@@ -58,7 +60,7 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.out
 
-    def accept(self, token: int, now: float, stop_tokens: tuple[int, ...]) -> None:
+    def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...]) -> None:
         """Append a generated token; finish with "ok" at a stop token or max_new_tokens."""
         self.out.append(token)
         if len(self.out) == 1:
@@ -66,7 +68,8 @@ class Request:
         else:
             self.latencies.append(now - self.t_last)
         self.t_last = now
-        if token in stop_tokens or len(self.out) >= self.max_new_tokens:
+        stop = token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens)
+        if stop or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
@@ -99,6 +102,12 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         v = getattr(req, name)
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):
             return f"{name} must be a finite number, got {v!r}"
+    ids = req.stop_token_ids
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                     and 0 <= t < vocab_size for t in ids):
+        return f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {ids!r}"
+    if not isinstance(req.ignore_eos, (bool, np.bool_)):
+        return f"ignore_eos must be True or False, got {req.ignore_eos!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
         return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
     if req.temperature < 0 or not 0 < req.top_p <= 1:

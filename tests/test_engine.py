@@ -508,6 +508,22 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     assert again.tokens == copies[2].tokens
 
 
+def test_per_request_stop_tokens_and_ignore_eos():
+    """vLLM's per-request stop_token_ids (beside the engine's) and ignore_eos (the engine's are
+    ignored: how a benchmark fixes the output length)."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    p = prompts(4)[:1]
+    free = engine(model).generate(p, max_new_tokens=NEW)[0].tokens
+    first = free.index(free[1])  # where the second token first appears: 0 or 1, before the end
+    assert engine(model).generate(p, max_new_tokens=NEW, stop_token_ids=[free[1]])[0].tokens == free[: first + 1]
+    eos = engine(model, stop_tokens=(free[0],))
+    assert eos.generate(p, max_new_tokens=NEW)[0].tokens == free[:1]
+    assert eos.generate(p, max_new_tokens=NEW, ignore_eos=True)[0].tokens == free
+    for bad in ({"stop_token_ids": [model.config.vocab_size]}, {"stop_token_ids": 3}, {"ignore_eos": "yes"}):
+        res = eos.generate(p, max_new_tokens=NEW, **bad)[0]
+        assert res.status == "rejected" and next(iter(bad)) in res.reason, bad
+
+
 def _kept_distribution(logits, temperature, top_k, top_p):
     """float64 statement of the sampler: softmax(logits / T) over the top_k tokens, renormalized,
     then the smallest most-likely prefix whose mass reaches top_p, renormalized."""
