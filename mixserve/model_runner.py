@@ -264,7 +264,12 @@ def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then top-k, then nucleus (top-p) over what
     top-k kept (vLLM's order), per row. The key is folded here, in the step, so the decode loop
     makes no per-request host calls."""
-    greedy = jnp.argmax(logits_BV, axis=-1)
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    # A step whose rows are all greedy skips the sort over the vocabulary (lax.cond runs one branch).
+    return jax.lax.cond(jnp.any(s.temperature_B > 0), _sampled, lambda _logits, _s, g: g, logits_BV, s, greedy)
+
+
+def _sampled(logits_BV, s: Sampling, greedy_B):
     scaled = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -277,4 +282,4 @@ def sample(logits_BV, s: Sampling):
     keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(s.temperature_B > 0, sampled, greedy).astype(jnp.int32)
+    return jnp.where(s.temperature_B > 0, sampled.astype(jnp.int32), greedy_B)

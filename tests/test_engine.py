@@ -542,14 +542,17 @@ def test_sampled_frequencies_follow_temperature_top_k_then_top_p(top_k, top_p):
     """20,000 rows of one 6-token distribution, each with its own key: token frequencies are
     within 0.02 of the float64 statement (a binomial standard deviation is at most
     sqrt(0.25 / 20000) = 0.0035, so 0.02 is 5.7 of them), and a dropped token never appears."""
-    n, temperature = 20_000, 1.3
+    n, temperature, greedy_rows = 20_000, 1.3, 100
     logits = np.array([1.0, 2.5, -0.5, 2.0, 0.3, 1.6], np.float32)
-    sampling = Sampling(jnp.full(n, temperature, jnp.float32), jnp.full(n, top_p, jnp.float32),
+    temperatures = jnp.full(n + greedy_rows, temperature, jnp.float32).at[n:].set(0.0)  # mixed in one call
+    n += greedy_rows
+    sampling = Sampling(temperatures, jnp.full(n, top_p, jnp.float32),
                         jnp.full(n, max(top_k, 0), jnp.int32),
                         jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1))
     tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
+    assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
     want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p)
-    got = np.bincount(tokens, minlength=len(logits)) / n
+    got = np.bincount(tokens[: n - greedy_rows], minlength=len(logits)) / (n - greedy_rows)
     assert np.all(got[want == 0] == 0) and np.max(np.abs(got - want)) < 0.02, (got, want)
 
 
