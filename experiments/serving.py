@@ -314,7 +314,7 @@ def main(argv=None) -> None:
     p.add_argument("--long-prompt", type=int, default=384, help="prompt tokens arriving mid-decode, chunked-prefill section")
     args = p.parse_args(argv)
     model = mixserve.load(args.model)
-    budget = 48 << 30  # ~the seed's Kimi K2.6 BF16 pool: 686k tokens x 61 layers x 1152 B
+    budget = 48 << 30  # a round budget 7% above the seed's Kimi K2.6 BF16 pool (686k tokens x 70,272 B = 44.9 GiB)
     lines = [f"# Serving measurements ({datetime.date.today()}, {jax.devices()[0].device_kind}, XLA path)", ""]
     lines += ["## KV tokens in a 48 GiB budget (page size 64)", ""] + capacity_table(budget, 64)
     kimi = PRESETS["kimi-k2.6"]

@@ -86,7 +86,7 @@ NOTES = f"""\
 - Per GPU at TP{TP}: the seed's 88 / 52 are the checkpoint / 8 (704.4 / 8 = 88.1, 421.2 / 8 = 52.6).
   Our replication-aware figure keeps norms, router, MLA q_a_proj / kv_a_proj_with_mqa and the DSA
   indexer whole on every rank (our reading of SGLang's DeepSeek-V3 / GLM-5 models): +2% for FP8
-  (90.1) and +8% for INT4 (56.3, those layers are BF16 there). KV cache and activations come on top.
+  (90.1) and +7% for INT4 (56.3, those layers are BF16 there). KV cache and activations come on top.
 - mixserve TP{TP} / EP{TP}: the main model (no MTP: mixserve does not load it) on the fullest device as
   `mixserve.sharding` places it (`Engine(mesh=tp_mesh({TP}))`, and with `expert_parallel=True`). TP
   splits an expert's hidden width. Where a device's share would cut scale groups (GLM-4.5's 1536 / {TP} = 192
