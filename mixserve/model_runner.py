@@ -58,8 +58,10 @@ class Sampling(NamedTuple):
     key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
 
     @classmethod
-    def greedy(cls, batch: int) -> "Sampling":
-        return cls(jnp.zeros(batch), jnp.ones(batch), jnp.zeros(batch, jnp.int32), jnp.zeros((batch, 3), jnp.uint32))
+    def greedy(cls, batch: int, xp=jnp) -> "Sampling":
+        """Every row greedy, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
+        return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
+                   xp.zeros((batch, 3), xp.uint32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +162,9 @@ class ModelRunner:
         from in the step (seed, position of the request in its generate call, token index): the
         same call gives the same tokens on any engine, and a preempted, recomputed request samples
         what it would have. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
-        s = Sampling(*(np.array(a) for a in Sampling.greedy(batch)))  # writable copies
-        for r, row in zip(reqs, rows):
-            s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, max(r.top_k, 0)
+        s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
+        for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32
+            s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
         return Sampling(*(jnp.asarray(a) for a in s))
 

@@ -280,6 +280,10 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
               f"{h.pages_sent} pages, {h.bytes_sent} bytes, {h.pages_shared} shared by the decode pool, {h.handover_s:.2f} s")
     elif len(weight_sets) == 2:
         print("two weight sets on one device: prefill and decode formats differ (--disaggregate splits them)")
+    if args.temperature > 0:
+        s = report["sampling"]
+        print(f"sampling: temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, seed {s['seed']} "
+              f"(--seed {s['seed']} repeats this run)")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))

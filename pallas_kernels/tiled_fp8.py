@@ -13,7 +13,7 @@ value lands in (224, 448]. Dividing by s is exact, and so is s * stored in float
 and in bfloat16 (an e4m3 value has 4 significant bits, bf16 keeps 8, and the floor on s keeps the products
 normal). A tile's scale follows its finite values: an infinity saturates to
 ±448 s and a NaN stays NaN, as in the per-tensor pools, without coarsening the
-rest of its tile. The only rounding is e4m3's own: |error| <= 2^-4 |x| for values
+rest of its tile (a tile with no nonzero finite value takes s = 1 then). The only rounding is e4m3's own: |error| <= 2^-4 |x| for values
 at or above s * 2^-6 (e4m3's smallest normal), and <= s * 2^-10 below it. The kernels
 therefore dequantize into bf16 tensor-core operands exactly. The cost against a
 free float32 scale is at most one binade of range, which e4m3's relative precision
@@ -52,7 +52,10 @@ def quantize_tiles(x: jax.Array, tile: int) -> tuple[jax.Array, jax.Array]:
     """x [..., C] -> (stored [..., C] e4m3, scales [..., C / tile] f32). NaN stays NaN; ±inf saturates."""
     *lead, columns = x.shape
     tiles = x.astype(jnp.float32).reshape(*lead, columns // tile, tile)
-    scales = power_of_two_scale(jnp.max(jnp.where(jnp.isfinite(tiles), jnp.abs(tiles), 0.0), axis=-1))
+    amax = jnp.max(jnp.where(jnp.isfinite(tiles), jnp.abs(tiles), 0.0), axis=-1)
+    # An inf with no nonzero finite value beside it would saturate to 448 x the floor scale, about 0.
+    amax = jnp.where((amax == 0) & jnp.any(jnp.isinf(tiles), axis=-1), E4M3_MAX, amax)
+    scales = power_of_two_scale(amax)
     # Finite values are already in range (the clamp trims float32 rounding of amax / 448); ±inf saturates.
     stored = jnp.clip(tiles / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return stored.reshape(*lead, columns), scales

@@ -89,6 +89,12 @@ def test_non_finite_values_saturate_or_stay_nan_without_coarsening_their_tile():
     assert back[0, 5] == 448 * s[0] and back[1, 7] == -448 * s[1] and np.isnan(back[2, 9]), f"seed={seed}"
     finite = np.isfinite(x)
     np.testing.assert_array_equal(back[finite], clean_back[finite], err_msg=f"seed={seed}")
+    # No nonzero finite value beside the inf: scale 1, so it saturates to 448 (the floor scale gave ~3.5e-28).
+    lone = np.zeros((2, 128), np.float32)
+    lone[0, 3], lone[1, :] = -np.inf, np.inf
+    stored, scales = quantize_tiles(jnp.asarray(lone), 128)
+    back = np.asarray(dequantize_tiles(stored, scales))
+    assert back[0, 3] == -448 and np.all(back[1] == 448) and np.all(np.delete(back[0], 3) == 0), f"seed={seed}"
 
 
 def test_per_token_tiles_beat_one_scale_on_spread_tokens():

@@ -33,6 +33,9 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     flags = ["--json", "--max-new-tokens", "4", "--temperature", "1.5", "--top-k", "20", "--integrity", "off"]
     drawn = run.main(flags)
     seed = drawn["sampling"]["seed"]
+    run.main(flags[1:] + ["--top-k", str(2**40)])  # text output; top_k past the vocab (and int32) keeps every token
+    text = capsys.readouterr().out
+    assert "sampling: temperature 1.5, top_p 1.0, top_k 1099511627776, seed " in text and "[0] ok" in text
     again = run.main([*flags, "--seed", str(seed)])
     greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
     capsys.readouterr()
