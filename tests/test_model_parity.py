@@ -99,7 +99,8 @@ def test_kimi_k25_wrapper_layout(tmp_path):
     text_config.pop("eos_token_id", None)
     text_config.pop("bos_token_id", None)
     wrapper = {"model_type": "kimi_k25", "eos_token_id": 7, "bos_token_id": 6, "text_config": text_config}
-    assert (ModelConfig.from_hf(wrapper).eos_token_ids, ModelConfig.from_hf(wrapper).bos_token_id) == ((7,), 6)
+    read = ModelConfig.from_hf(wrapper)
+    assert (read.eos_token_ids, read.bos_token_id) == ((7,), 6)
 
 
 _MLA_SHAPE = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
