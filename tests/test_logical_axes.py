@@ -1,6 +1,5 @@
 """Every parameter carries logical axis names, so 8-device sharding is a table of rules."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +8,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 import mixserve
+from conftest import host_devices_env
 
 KNOWN_AXES = {"embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp", "moe_mlp",
               "experts", "expert_scores", "index_heads", "index_head_dim", "norm"}
@@ -50,6 +50,6 @@ def test_sharded_forward_on_8_cpu_devices_matches():
         assert err < 1e-5, err
         print("ok", err)
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(8)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -1,11 +1,11 @@
 """`python -m mixserve.run`: the default job, the JSON report, hybrid weights and --help."""
 
 import json
-import os
 import subprocess
 import sys
 
 from mixserve import run
+from conftest import host_devices_env
 
 
 def test_default_run_reports_fp8_capacity_and_serves_everything(capsys):
@@ -86,7 +86,7 @@ def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
         "split = pair['kv_bytes_per_token'] // pair['kv_bytes_per_token_per_device']\n"
         "print('RESULT', json.dumps([pair['disaggregated'], [r['tokens'] for r in pair['requests']],\n"
         "                            [r['tokens'] for r in one['requests']], split]))\n")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(4)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     where, pair_tokens, one_tokens, split = json.loads(out.stdout.split("RESULT ", 1)[1])

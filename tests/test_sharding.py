@@ -17,6 +17,7 @@ from mixserve.quantize import plan_for, quantize_checkpoint
 from mixserve.sharding import tp_mesh
 from models.partitioning import quantized_spec
 from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, split_for_tp
+from conftest import host_devices_env
 
 PRELUDE = """
 import dataclasses, re
@@ -287,7 +288,7 @@ print("ok")
 
 
 def run_on_8_devices(body: str, *args: str) -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(8)
     script = textwrap.dedent(PRELUDE) + textwrap.dedent(body)
     result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
