@@ -272,16 +272,25 @@ def sample(logits_BV, s: Sampling):
 
 
 def _sampled(logits_BV, s: Sampling, greedy_B):
-    scaled = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(logits_BV.shape[-1])[None, :]
-    in_top_k = (s.top_k_B[:, None] == 0) | (rank < s.top_k_B[:, None])
-    top_k_logits = jnp.where(in_top_k, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(top_k_logits, axis=-1)
-    keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs) < s.top_p_B[:, None])  # always keeps the top token
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    scaled_BV = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
+    sampled_B = s.temperature_B > 0
+    # Only top-k and top-p need the vocabulary sorted: a step that samples at temperature alone
+    # skips the sort. Either way the draw is over the tokens in vocabulary order, so a row's
+    # token depends on its own key and options, not on what the other rows asked.
+    truncated = jnp.any(sampled_B & ((s.top_k_B > 0) | (s.top_p_B < 1)))
+    kept_BV = jax.lax.cond(truncated, _kept_by_top_k_top_p, lambda x, _: jnp.ones(x.shape, bool), scaled_BV, s)
     keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(s.temperature_B > 0, sampled.astype(jnp.int32), greedy_B)
+    choice_B = jax.vmap(jax.random.categorical)(keys, jnp.where(kept_BV, scaled_BV, -jnp.inf))
+    return jnp.where(sampled_B, choice_B.astype(jnp.int32), greedy_B)
+
+
+def _kept_by_top_k_top_p(scaled_BV, s: Sampling):
+    """Which tokens survive top-k, then top-p over what top-k kept, in vocabulary order."""
+    B, V = scaled_BV.shape
+    order_BV = jnp.argsort(-scaled_BV, axis=-1)
+    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+    rank_V = jnp.arange(V)
+    in_top_k_BV = (s.top_k_B[:, None] == 0) | (rank_V < s.top_k_B[:, None])
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    keep_BV = in_top_k_BV & ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None])  # keeps the top token
+    return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_BV)

@@ -506,6 +506,13 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     assert len({tuple(r.tokens) for r in copies}) > 1 and len({r.seed for r in copies}) == 4
     again = e.generate([ps[0]], max_new_tokens=NEW, temperature=1.5, seed=copies[2].seed)[0]
     assert again.tokens == copies[2].tokens
+    # A row's draw does not depend on its neighbours' options: beside a top-p request (its steps
+    # sort the vocabulary) a temperature-only request samples what it did in steps that skip the sort.
+    rid = e.submit(ps[0], max_new_tokens=NEW, temperature=1.5, seed=7)
+    e.submit(ps[1], max_new_tokens=NEW, temperature=1.5, top_p=0.5, seed=7)
+    while e.has_work():
+        done.update({u.rid: u.result for u in e.step() if u.result is not None})
+    assert done[rid].tokens == a[0].tokens
 
 
 def test_per_request_stop_tokens_and_ignore_eos():
