@@ -1,8 +1,8 @@
 """mixserve: cheap serving of frontier MoE models in JAX (FP8 KV cache, INT4 weights, KV integrity tags)."""
 
 from mixserve.disaggregated import DisaggregatedEngine
-from mixserve.engine import Engine, Result, Update
+from mixserve.engine import Engine, Result, TokenLogprobs, Update
 from mixserve.model import Model, count_params, load
 from mixserve.weight_bytes import weight_bytes
 
-__all__ = ["DisaggregatedEngine", "Engine", "Model", "Result", "Update", "count_params", "load", "weight_bytes"]
+__all__ = ["DisaggregatedEngine", "Engine", "Model", "Result", "TokenLogprobs", "Update", "count_params", "load", "weight_bytes"]

@@ -36,10 +36,10 @@ from mixserve.frontend import Frontend
 from mixserve.kv_cache import bytes_per_token, kv_format
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
-from mixserve.request import Request, Result, Update, reject_reason
+from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
-__all__ = ["Counters", "Engine", "Result", "Update"]
+__all__ = ["Counters", "Engine", "Result", "TokenLogprobs", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
 
@@ -53,7 +53,7 @@ class Engine(Frontend):
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, max_logprobs: int = 20):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -64,6 +64,8 @@ class Engine(Frontend):
                             ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 <= max_logprobs <= cfg.vocab_size:
+            raise ValueError(f"max_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_logprobs}")
         if prefill_calls_per_step is not None and prefill_calls_per_step <= 0:
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
@@ -97,6 +99,9 @@ class Engine(Frontend):
         # A prefill server (mixserve/disaggregated.py): it never decodes; a prefilled request keeps
         # its pages until the decode server has taken them.
         self.prefill_only = prefill_only
+        # How many likeliest tokens a request may ask for (vLLM's default, 20): every step computes
+        # that many when a row asks, so it is fixed with the compiled shapes.
+        self.max_logprobs = max_logprobs
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -127,7 +132,7 @@ class Engine(Frontend):
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh,
-            decode_context_parallel))
+            decode_context_parallel, max_logprobs))
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -153,7 +158,8 @@ class Engine(Frontend):
 
     def _reject_reason(self, req: Request) -> str | None:
         return reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
-                             page_size=self.page_size, num_pages=self.num_pages, prompt_only=self.prefill_only)
+                             page_size=self.page_size, num_pages=self.num_pages, max_logprobs=self.max_logprobs,
+                             prompt_only=self.prefill_only)
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.waiting.append(req)
@@ -200,11 +206,11 @@ class Engine(Frontend):
             self.counters.prefill_chunks += out.calls
             self.counters.prefill_s += now - t0
             budget = None if budget is None else budget - out.calls
-            for req, token in self._passed(batch, out):
+            for req, token, logprobs in self._passed(batch, out):
                 if token is not None:
                     req.prefilled = True
                     self.pages.register_prefix(req)  # later admissions can share its full prompt pages
-                    req.accept(token, now, self.stop_tokens)
+                    req.accept(token, now, self.stop_tokens, logprobs)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
             for error in out.errors:  # strict: raised once the failing requests are aborted
                 error.throw()
@@ -220,20 +226,20 @@ class Engine(Frontend):
         self.counters.steps += 1
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
-        for r, token in self._passed(live, out):
+        for r, token, logprobs in self._passed(live, out):
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1
-            r.accept(int(token), now, self.stop_tokens)
+            r.accept(int(token), now, self.stop_tokens, logprobs)
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
 
-    def _passed(self, reqs: list[Request], out) -> list[tuple[Request, int | None]]:
+    def _passed(self, reqs: list[Request], out) -> list[tuple[Request, int | None, TokenLogprobs | None]]:
         """Abort the requests whose rows failed the call's integrity check, with the reason; the
-        others, with their tokens."""
+        others, with their tokens and logprobs."""
         passed, why = [], None
-        for i, (req, row_ok, token) in enumerate(zip(reqs, out.ok, out.tokens)):
+        for i, (req, row_ok, token, logprobs) in enumerate(zip(reqs, out.ok, out.tokens, out.logprobs)):
             if row_ok:
-                passed.append((req, token))
+                passed.append((req, token, logprobs))
                 continue
             why = why or self.integrity_failures(reqs)  # the call's check said which rows; this says why
             self.abort(req, "KV integrity check failed: " + why[i])

@@ -35,15 +35,18 @@ class Frontend:
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False) -> int:
+               ignore_eos: bool = False, logprobs: int | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
         without a seed each request draws its own (vLLM's rule), reported in its Result.
         stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
-        its own stop tokens only (a benchmark's fixed output length), as in vLLM."""
+        its own stop tokens only (a benchmark's fixed output length), as in vLLM. logprobs=n: each
+        token's log-probability and rank, and the n likeliest tokens (n <= the engine's
+        max_logprobs), in its Updates and Result."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos).rid
+                            top_k=top_k, seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                            logprobs=logprobs).rid
 
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""
@@ -56,7 +59,8 @@ class Frontend:
         updates = []
         for req in list(self._unreported.values()):
             if len(req.out) > req.streamed or req.result is not None:
-                updates.append(Update(req.rid, req.out[req.streamed:], req.result))
+                new_logprobs = None if req.logprobs is None else req.out_logprobs[req.streamed:]
+                updates.append(Update(req.rid, req.out[req.streamed:], req.result, new_logprobs))
                 req.streamed = len(req.out)
                 if req.result is not None:
                     del self._unreported[req.rid]
@@ -64,7 +68,7 @@ class Frontend:
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-                 ignore_eos: bool = False) -> list[Result]:
+                 ignore_eos: bool = False, logprobs: int | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -72,7 +76,7 @@ class Frontend:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                       seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                       seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

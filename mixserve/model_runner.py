@@ -39,7 +39,7 @@ from mixserve import page_table as pt
 from mixserve import sharding
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
-from mixserve.request import Request
+from mixserve.request import Request, TokenLogprobs
 
 
 class Output(NamedTuple):
@@ -47,6 +47,7 @@ class Output(NamedTuple):
     tokens: list[int | None] | np.ndarray  # next token (prefill: None while the prompt goes on)
     ok: list[bool] | np.ndarray  # its integrity check passed (always True with integrity "off")
     errors: list[checkify.Error]  # strict: the calls' checks, to throw once failing rows are aborted
+    logprobs: list[TokenLogprobs | None]  # per request: None where it asked for none (or has no token)
     calls: int = 1
 
 
@@ -56,12 +57,22 @@ class Sampling(NamedTuple):
     top_p_B: jax.Array  # float32 in (0, 1]
     top_k_B: jax.Array  # int32; 0 = every token
     key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
+    logprobs_B: jax.Array  # bool: the row's request asked for logprobs
 
     @classmethod
     def greedy(cls, batch: int, xp=jnp) -> "Sampling":
-        """Every row greedy, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
+        """Every row greedy, no logprobs, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
-                   xp.zeros((batch, 3), xp.uint32))
+                   xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
+
+
+class Logprobs(NamedTuple):
+    """One step's logprobs per row under the raw logits (all zeros when no row asked: the step
+    skips them)."""
+    token_B: jax.Array  # float32: the sampled token's log-probability
+    rank_B: jax.Array  # int32: 1 + how many tokens have a larger logit
+    top_ids_BN: jax.Array  # int32: the N likeliest tokens, likeliest first (N: max_logprobs)
+    top_BN: jax.Array  # float32: their log-probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +91,7 @@ class RunnerConfig:
     min_prefill_tokens: int  # the shortest prefill chunk (see prefill_tokens)
     mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
     split_slots: bool = False  # decode context parallelism: MLA latent pools split by page slots
+    max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
 
 
 class ModelRunner:
@@ -95,11 +107,12 @@ class ModelRunner:
         request that still has tokens, rows rounded up to a power of two), at most max_calls calls
         (None: until every prompt is cached). A request whose last chunk ran samples its next token
         from its last position (so prefill's weights choose it, as in disaggregated serving).
-        Returns the next token of each of reqs (None where its prefill goes on), whether each
-        passed the integrity check of every call it was in, and the calls run. A request that
+        Returns the next token of each of reqs (None where its prefill goes on) and its logprobs
+        (if it asked), whether each passed the integrity check of every call it was in, and the
+        calls run. A request that
         failed wrote nothing from that call on (each call checks the same table again)."""
         c = self.cfg
-        last_call = [None] * len(reqs)  # (sampled tokens of the call that finished reqs[i], its row)
+        last_call = [None] * len(reqs)  # (sampled tokens, logprobs of the call that finished reqs[i], its row)
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
@@ -110,7 +123,7 @@ class ModelRunner:
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
-            sampled, ok_R = self._run(errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots),
+            sampled, logprobs, ok_R = self._run(errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots),
                                       jnp.asarray(start), jnp.asarray(count), jnp.asarray(chunk),
                                       self._sampling([r for _, r in todo], range(len(todo)), R),
                                       width=self._width(table, start + count))
@@ -119,19 +132,21 @@ class ModelRunner:
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 r.cached += k
                 if r.cached == len(r.tokens):
-                    last_call[i] = (sampled, row)  # read once all calls are queued: no sync per chunk
+                    last_call[i] = (sampled, logprobs, row)  # read once all calls are queued: no sync per chunk
             calls += 1
         host = {id(call[0]): np.asarray(call[0]) for call in last_call if call is not None}
         ok = [True] * len(reqs)
         for ok_R, indices in checks:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
-        tokens = [None if call is None else int(host[id(call[0])][call[1]]) for call in last_call]
-        return Output(tokens, ok, errors, calls)
+        tokens = [None if call is None else int(host[id(call[0])][call[2]]) for call in last_call]
+        logprobs = [None if call is None else _host_logprobs(call[1], [call[2]], [r])[0] for r, call in zip(reqs, last_call)]
+        return Output(tokens, ok, errors, logprobs, calls)
 
     def decode(self, live: list[Request], table: pt.PageTable) -> Output:
-        """One step for every live request (one token each): next token and integrity ok, row i
-        for live[i]. Rows past len(live) are padding: they point at slot 0 with no token."""
+        """One step for every live request (one token each): next token, integrity ok and (if
+        asked) logprobs, row i for live[i]. Rows past len(live) are padding: they point at slot 0
+        with no token."""
         c = self.cfg
         R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
         slots, tokens = np.zeros(R, np.int32), np.zeros((R, 1), np.int32)
@@ -141,8 +156,8 @@ class ModelRunner:
         args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R))
         errors = []
-        next_tok, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
-        return Output(np.asarray(next_tok), np.asarray(ok), errors)
+        next_tok, logprobs, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
+        return Output(np.asarray(next_tok), np.asarray(ok), errors, _host_logprobs(logprobs, range(len(live)), live))
 
     def _run(self, errors: list, fn, *args, width: int):
         """Call a jitted step under the mesh (the kernels run per device, models/partitioning.py)
@@ -158,14 +173,16 @@ class ModelRunner:
 
     @staticmethod
     def _sampling(reqs: list[Request], rows, batch: int) -> Sampling:
-        """Per-row temperature, top-p, top-k and the three integers the sampling key is derived
-        from in the step (seed, position of the request in its generate call, token index): the
-        same call gives the same tokens on any engine, and a preempted, recomputed request samples
-        what it would have. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        """Per-row temperature, top-p, top-k, the three integers the sampling key is derived from
+        in the step (seed, position of the request in its generate call, token index: the same
+        call gives the same tokens on any engine, and a preempted, recomputed request samples what
+        it would have) and whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows;
+        other rows are greedy."""
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
         for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32
             s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
+            s.logprobs_B[row] = r.logprobs is not None
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
@@ -205,7 +222,7 @@ class ModelRunner:
 
     @functools.cached_property
     def _prefill_fn(self):
-        module = self.model.module
+        module, c = self.model.module, self.cfg
 
         def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, *, width):
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
@@ -214,20 +231,22 @@ class ModelRunner:
             valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < step.count_B[:, None]
             logits = module.apply({"params": params}, tokens_RC, positions_RC, kv,
                                   logits_at=jnp.maximum(step.count_B - 1, 0), valid_BT=valid_RC)
-            return self._placed(kv.new_pools), sample(logits[:, 0], sampling), ok_R
+            tokens_R = sample(logits[:, 0], sampling)
+            return self._placed(kv.new_pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs), ok_R
 
         return self._jit(prefill)
 
     @functools.cached_property
     def _decode_fn(self):
-        module = self.decode_model.module
+        module, c = self.decode_model.module, self.cfg
 
         def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, sampling, *, width):
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
             logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
                                   valid_BT=step.count_B[:, None] > 0)[:, 0]
-            return self._placed(kv.new_pools), sample(logits, sampling), ok_R
+            tokens_R = sample(logits, sampling)
+            return self._placed(kv.new_pools), tokens_R, token_logprobs(logits, tokens_R, sampling, c.max_logprobs), ok_R
 
         return self._jit(decode)
 
@@ -294,3 +313,34 @@ def _kept_by_top_k_top_p(scaled_BV, s: Sampling):
     probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
     keep_BV = in_top_k_BV & ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None])  # keeps the top token
     return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_BV)
+
+
+def token_logprobs(logits_BV, tokens_B, s: Sampling, n: int) -> Logprobs:
+    """The raw distribution's log-probability and rank of each row's token, and its n likeliest
+    tokens, computed only when a row asked (lax.cond: a top-n over the vocabulary is no free pass)."""
+    B = logits_BV.shape[0]
+
+    def compute(logits_BV):
+        logits_BV = logits_BV.astype(jnp.float32)
+        norm_B = jax.nn.logsumexp(logits_BV, axis=-1)
+        chosen_B = jnp.take_along_axis(logits_BV, tokens_B[:, None], axis=-1)[:, 0]
+        rank_B = 1 + jnp.sum(logits_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
+        top_BN, ids_BN = jax.lax.top_k(logits_BV, n) if n else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
+        return Logprobs(chosen_B - norm_B, rank_B, ids_BN.astype(jnp.int32), top_BN - norm_B[:, None])
+
+    def skip(_):
+        return Logprobs(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.zeros((B, n), jnp.int32), jnp.zeros((B, n)))
+
+    return jax.lax.cond(jnp.any(s.logprobs_B), compute, skip, logits_BV)
+
+
+def _host_logprobs(lp: Logprobs, rows, reqs: list[Request]) -> list[TokenLogprobs | None]:
+    """reqs[i]'s TokenLogprobs from row rows[i] (None where it asked for none); read from the device
+    only when one asked."""
+    if all(r.logprobs is None for r in reqs):
+        return [None] * len(reqs)
+    token_B, rank_B, ids_BN, top_BN = jax.device_get(lp)
+    return [None if r.logprobs is None else
+            TokenLogprobs(float(token_B[row]), int(rank_B[row]),
+                          tuple(zip(ids_BN[row, :r.logprobs].tolist(), top_BN[row, :r.logprobs].tolist())))
+            for r, row in zip(reqs, rows)]

@@ -7,9 +7,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability under the model's own distribution (before temperature,
+    top-k and top-p, as vLLM reports by default), its rank there (1 = likeliest), and the n
+    likeliest tokens as (id, log-probability), likeliest first (n: the request's `logprobs`)."""
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass
@@ -21,6 +30,7 @@ class Result:
     token_latencies_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: float | None = None  # submit to finish (None if rejected)
     seed: int | None = None  # the sampling seed (drawn when none was given): pass it again to reproduce
+    logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked (logprobs=n)
 
 
 @dataclasses.dataclass
@@ -30,6 +40,7 @@ class Update:
     rid: int
     new_tokens: list[int]
     result: Result | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # those of new_tokens, if the request asked
 
 
 @dataclasses.dataclass
@@ -44,7 +55,9 @@ class Request:
     top_k: int = 0  # sample among the k most likely tokens; 0 or -1: all (vLLM's values)
     stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
+    logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     out: list[int] = dataclasses.field(default_factory=list)
+    out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
     pages: int = 0  # pages held (host mirror of the page table)
@@ -60,9 +73,13 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.out
 
-    def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...]) -> None:
-        """Append a generated token; finish with "ok" at a stop token or max_new_tokens."""
+    def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...],
+               logprobs: TokenLogprobs | None = None) -> None:
+        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token
+        or max_new_tokens."""
         self.out.append(token)
+        if self.logprobs is not None:
+            self.out_logprobs.append(logprobs)
         if len(self.out) == 1:
             self.ttft = now - self.t_submit
         else:
@@ -74,7 +91,8 @@ class Request:
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
-                             time.perf_counter() - self.t_submit, self.seed)
+                             time.perf_counter() - self.t_submit, self.seed,
+                             None if self.logprobs is None else list(self.out_logprobs))
 
 
 def _finite(v) -> bool:
@@ -85,7 +103,7 @@ def _finite(v) -> bool:
 
 
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
-                  prompt_only: bool = False) -> str | None:
+                  max_logprobs: int, prompt_only: bool = False) -> str | None:
     """Why this request can never be served (None if it can): checked before it is queued.
     prompt_only: the engine only prefills (disaggregated), so only the prompt must fit."""
     p = req.prompt
@@ -110,6 +128,9 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"ignore_eos must be True or False, got {req.ignore_eos!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
         return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
+    n = req.logprobs
+    if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= max_logprobs):
+        return f"logprobs must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
     if req.temperature < 0 or not 0 < req.top_p <= 1:
         return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
+    p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
+                   "and this many likeliest tokens (the model's distribution, before sampling)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
@@ -189,7 +192,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
-                  expert_parallel=args.expert_parallel)
+                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0))
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
@@ -217,7 +220,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, logprobs=args.logprobs)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -247,7 +250,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "requests": [
             {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": decode(model, r.tokens), "ttft_s": r.ttft_s,
-             "latency_s": r.latency_s}
+             "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs]}
             for p, r in zip(prompts, results)
         ],
     }
@@ -287,6 +290,9 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))
+        if r["logprobs"]:
+            mean = sum(lp["logprob"] for lp in r["logprobs"]) / len(r["logprobs"])
+            print(f"    mean logprob {mean:.3f} (perplexity {math.exp(-mean):.2f}), ranks {[lp['rank'] for lp in r['logprobs']]}")
     print(f"prefill: {pc.prefill_tokens} tokens in {pc.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     bf16, fp8 = capacity["bfloat16"], capacity["fp8_e4m3"]

@@ -555,12 +555,55 @@ def test_sampled_frequencies_follow_temperature_top_k_then_top_p(top_k, top_p):
     n += greedy_rows
     sampling = Sampling(temperatures, jnp.full(n, top_p, jnp.float32),
                         jnp.full(n, max(top_k, 0), jnp.int32),
-                        jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1))
+                        jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1),
+                        jnp.zeros(n, bool))
     tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
     assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
     want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p)
     got = np.bincount(tokens[: n - greedy_rows], minlength=len(logits)) / (n - greedy_rows)
     assert np.all(got[want == 0] == 0) and np.max(np.abs(got - want)) < 0.02, (got, want)
+
+
+def test_logprobs_are_the_models_log_softmax_with_rank_and_top_n():
+    """logprobs=n: each generated token's log-probability and rank, and the n likeliest tokens, of
+    the model's raw distribution at that position (before temperature, top-k and top-p): the
+    log_softmax of the cache-free forward over the same tokens, within 1e-4 (float32 logits of
+    size ~3 and the cache's different summation order: ~1e-6 seen). Greedy and sampled requests
+    in one batch with one that asks for none (None in its Result and Updates); the
+    Updates stream what the Result holds; the first token (sampled in prefill) has them too.
+    logprobs past max_logprobs or not an integer are rejected per request."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(9)[:3]
+    e = engine(model, max_logprobs=5)
+    options = [dict(logprobs=5), dict(logprobs=0, temperature=2.0, top_k=3, top_p=0.9, seed=1), dict()]
+    rids = [e.submit(p, max_new_tokens=NEW, **o) for p, o in zip(ps, options)]
+    streamed, results = {rid: [] for rid in rids}, {}
+    while e.has_work():
+        for u in e.step():
+            assert (u.new_logprobs is None) == (u.rid == rids[2]) and len(u.new_logprobs or u.new_tokens) == len(u.new_tokens)
+            streamed[u.rid] += u.new_logprobs or []
+            if u.result is not None:
+                results[u.rid] = u.result
+    assert results[rids[2]].logprobs is None
+    for p, rid, n in zip(ps, rids, (5, 0)):
+        r = results[rid]
+        assert r.status == "ok" and len(r.logprobs) == NEW and streamed[rid] == r.logprobs
+        seq = np.asarray([p + r.tokens[:-1]], np.int32)
+        want = np.asarray(jax.nn.log_softmax(model.logits(seq)[0, len(p) - 1:], axis=-1))  # [NEW, vocab]
+        for token, got, want_V in zip(r.tokens, r.logprobs, want):
+            np.testing.assert_allclose(got.logprob, want_V[token], atol=1e-4)
+            assert got.rank == 1 + np.sum(want_V > want_V[token] + 1e-4) and len(got.top) == n
+            ids = [i for i, _ in got.top]
+            np.testing.assert_allclose([v for _, v in got.top], want_V[ids], atol=1e-4)
+            np.testing.assert_allclose(sorted(want_V, reverse=True)[:n], want_V[ids], atol=1e-4)
+            if n:
+                assert got.top[0][0] == token and got.top[0][1] == got.logprob  # greedy: its token leads
+    assert any(lp.rank > 1 for lp in results[rids[1]].logprobs)  # sampled at temperature 2 from the top 3
+    for bad in (6, -1, 1.0, True):
+        res = e.generate(ps[:1], max_new_tokens=1, logprobs=bad)[0]
+        assert res.status == "rejected" and "logprobs must be None or an integer in [0, max_logprobs=5]" in res.reason
+    with pytest.raises(ValueError, match="max_logprobs must be in"):
+        engine(model, max_logprobs=model.config.vocab_size + 1)
 
 
 def test_public_api_exports_the_engine():

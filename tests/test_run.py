@@ -35,20 +35,26 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     drawn = run.main(["--json", *flags])
     seed = drawn["sampling"]["seed"]
     capsys.readouterr()
-    again = run.main([*flags, "--seed", str(seed)])  # text output
-    assert f"sampling: temperature 1.5, top_p 1.0, top_k {2**40}, seed {seed} " in capsys.readouterr().out
+    again = run.main([*flags, "--seed", str(seed), "--logprobs", "21"])  # text output, past the default max_logprobs
+    out = capsys.readouterr().out
+    assert f"sampling: temperature 1.5, top_p 1.0, top_k {2**40}, seed {seed} " in out
     greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
     capsys.readouterr()
     tokens = lambda report: [r["tokens"] for r in report["requests"]]
     assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "seed": seed}
     assert tokens(again) == tokens(drawn) != tokens(greedy)
+    assert all(r["logprobs"] is None for r in drawn["requests"])
+    for r in again["requests"]:  # logprobs, ranks and the 21 likeliest of each sampled token
+        ranks = [lp["rank"] for lp in r["logprobs"]]
+        assert len(ranks) == 4 and all(len(lp["top"]) == 21 for lp in r["logprobs"]) and f"ranks {ranks}" in out
+        assert all(lp["top"][0][1] >= lp["logprob"] for lp in r["logprobs"])
 
 
 def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
                  "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
-                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype"):
+                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs"):
         assert flag in out
 
 
