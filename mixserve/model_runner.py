@@ -56,6 +56,7 @@ class Sampling(NamedTuple):
     temperature_B: jax.Array  # float32; 0 = greedy
     top_p_B: jax.Array  # float32 in (0, 1]
     top_k_B: jax.Array  # int32; 0 = every token
+    min_p_B: jax.Array  # float32 in [0, 1]; 0 = every token
     key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
     logprobs_B: jax.Array  # bool: the row's request asked for logprobs
 
@@ -63,7 +64,7 @@ class Sampling(NamedTuple):
     def greedy(cls, batch: int, xp=jnp) -> "Sampling":
         """Every row greedy, no logprobs, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
-                   xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
+                   xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
 
 
 class Logprobs(NamedTuple):
@@ -173,7 +174,7 @@ class ModelRunner:
 
     @staticmethod
     def _sampling(reqs: list[Request], rows, batch: int) -> Sampling:
-        """Per-row temperature, top-p, top-k, the three integers the sampling key is derived from
+        """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
         it would have) and whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows;
@@ -181,6 +182,7 @@ class ModelRunner:
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
         for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32
             s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, min(max(r.top_k, 0), 2**31 - 1)
+            s.min_p_B[row] = r.min_p
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
             s.logprobs_B[row] = r.logprobs is not None
         return Sampling(*(jnp.asarray(a) for a in s))
@@ -282,8 +284,8 @@ def _power_of_two_at_least(n: int, cap: int) -> int:
 
 
 def sample(logits_BV, s: Sampling):
-    """Greedy where temperature == 0, else temperature, then top-k, then nucleus (top-p) over what
-    top-k kept (vLLM's order), per row. The key is folded here, in the step, so the decode loop
+    """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
+    what is left (vLLM's order), per row. The key is folded here, in the step, so the decode loop
     makes no per-request host calls."""
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     # A step whose rows are all greedy skips the sort over the vocabulary (lax.cond runs one branch).
@@ -293,6 +295,9 @@ def sample(logits_BV, s: Sampling):
 def _sampled(logits_BV, s: Sampling, greedy_B):
     scaled_BV = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
     sampled_B = s.temperature_B > 0
+    # min-p: tokens less likely than min_p times the likeliest (after temperature) are out; no sort.
+    scaled_BV = jnp.where(scaled_BV >= jnp.max(scaled_BV, axis=-1, keepdims=True) + jnp.log(s.min_p_B)[:, None],
+                          scaled_BV, -jnp.inf)
     # Only top-k and top-p need the vocabulary sorted: a step that samples at temperature alone
     # skips the sort. Either way the draw is over the tokens in vocabulary order, so a row's
     # token depends on its own key and options, not on what the other rows asked.

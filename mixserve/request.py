@@ -53,6 +53,7 @@ class Request:
     seed: int
     index: int = 0  # position in its generate() call (0 from submit): with the seed, fixes the sampling keys
     top_k: int = 0  # sample among the k most likely tokens; 0 or -1: all (vLLM's values)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (0: none)
     stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
@@ -116,7 +117,7 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
     if not isinstance(req.max_new_tokens, (int, np.integer)) or isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
         return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "min_p"):
         v = getattr(req, name)
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):
             return f"{name} must be a finite number, got {v!r}"
@@ -131,8 +132,9 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     n = req.logprobs
     if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= max_logprobs):
         return f"logprobs must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
-    if req.temperature < 0 or not 0 < req.top_p <= 1:
-        return f"need temperature >= 0 and 0 < top_p <= 1, got {req.temperature}, {req.top_p}"
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or not 0 <= req.min_p <= 1:
+        return (f"need temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, got {req.temperature}, {req.top_p}, "
+                f"{req.min_p}")
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
         return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else req.max_new_tokens)

@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample at this temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest")
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
     p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
                    "and this many likeliest tokens (the model's distribution, before sampling)")
@@ -220,7 +221,8 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, logprobs=args.logprobs)
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                              logprobs=args.logprobs)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -232,7 +234,8 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "random_weights": random_weights,
         "kv_cache_dtype": args.kv_cache_dtype,
         "integrity": args.integrity,
-        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": results[0].seed},
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                     "seed": results[0].seed},
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,
@@ -285,7 +288,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         print("two weight sets on one device: prefill and decode formats differ (--disaggregate splits them)")
     if args.temperature > 0:
         s = report["sampling"]
-        print(f"sampling: temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, seed {s['seed']} "
+        print(f"sampling: temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, min_p {s['min_p']}, seed {s['seed']} "
               f"(--seed {s['seed']} repeats this run)")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])

@@ -233,6 +233,10 @@ def test_bad_requests_are_rejected_per_request(model):
         res = e.generate([good], max_new_tokens=2, seed=seed)[0]
         assert res.status == "rejected" and "seed must be an integer in [0, 2**32)" in res.reason, seed
     assert e.generate([good], max_new_tokens=2, top_p=float("nan"))[0].status == "rejected"
+    for min_p, why in ((float("nan"), "min_p must be a finite number"), (-0.1, "0 <= min_p <= 1"),
+                       (1.5, "0 <= min_p <= 1"), ("0.1", "min_p must be a finite number")):
+        res = e.generate([good], max_new_tokens=2, temperature=1.0, min_p=min_p)[0]
+        assert res.status == "rejected" and why in res.reason, min_p
     for top_k in (-2, 2.0, True, "3"):
         res = e.generate([good], max_new_tokens=2, temperature=1.0, top_k=top_k)[0]
         assert res.status == "rejected" and "top_k must be an integer >= 1, or 0 or -1" in res.reason, top_k
@@ -496,6 +500,8 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     greedy = engine(model).generate(ps, max_new_tokens=NEW)
     nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=3)
     assert [r.tokens for r in nucleus] == [r.tokens for r in greedy]  # only the top token survives
+    min_p = e.generate(ps, max_new_tokens=NEW, temperature=1.5, min_p=1.0, seed=3)  # likewise
+    assert [r.tokens for r in min_p] == [r.tokens for r in greedy]
     # Without a seed, copies of one prompt sample independently (best-of-n; a default seed of 0
     # made them all alike), and each Result names the seed that reproduces it.
     rids = [e.submit(ps[0], max_new_tokens=NEW, temperature=1.5) for _ in range(4)]
@@ -531,12 +537,14 @@ def test_per_request_stop_tokens_and_ignore_eos():
         assert res.status == "rejected" and next(iter(bad)) in res.reason, bad
 
 
-def _kept_distribution(logits, temperature, top_k, top_p):
-    """float64 statement of the sampler: softmax(logits / T) over the top_k tokens, renormalized,
-    then the smallest most-likely prefix whose mass reaches top_p, renormalized."""
+def _kept_distribution(logits, temperature, top_k, top_p, min_p):
+    """float64 statement of the sampler: softmax(logits / T) without the tokens less likely than
+    min_p times the likeliest, over the top_k tokens, renormalized, then the smallest most-likely
+    prefix whose mass reaches top_p, renormalized."""
     order = np.argsort(-logits, kind="stable")
     z = logits[order] / temperature
-    z = z[: top_k if top_k > 0 else len(z)]
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    z = z[: min(top_k if top_k > 0 else len(z), int(np.sum(p >= min_p * p.max())))]
     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     kept = int(np.searchsorted(np.cumsum(p), top_p - 1e-12) + 1)
     out = np.zeros(len(logits))
@@ -544,8 +552,9 @@ def _kept_distribution(logits, temperature, top_k, top_p):
     return out
 
 
-@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (3, 0.75), (0, 0.6), (-1, 1.0), (1, 1.0)])
-def test_sampled_frequencies_follow_temperature_top_k_then_top_p(top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, min_p", [(3, 1.0, 0), (3, 0.75, 0), (0, 0.6, 0), (-1, 1.0, 0), (1, 1.0, 0),
+                                                 (0, 1.0, 0.3), (4, 0.8, 0.3)])
+def test_sampled_frequencies_follow_temperature_min_p_top_k_then_top_p(top_k, top_p, min_p):
     """20,000 rows of one 6-token distribution, each with its own key: token frequencies are
     within 0.02 of the float64 statement (a binomial standard deviation is at most
     sqrt(0.25 / 20000) = 0.0035, so 0.02 is 5.7 of them), and a dropped token never appears."""
@@ -554,12 +563,12 @@ def test_sampled_frequencies_follow_temperature_top_k_then_top_p(top_k, top_p):
     temperatures = jnp.full(n + greedy_rows, temperature, jnp.float32).at[n:].set(0.0)  # mixed in one call
     n += greedy_rows
     sampling = Sampling(temperatures, jnp.full(n, top_p, jnp.float32),
-                        jnp.full(n, max(top_k, 0), jnp.int32),
+                        jnp.full(n, max(top_k, 0), jnp.int32), jnp.full(n, min_p, jnp.float32),
                         jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1),
                         jnp.zeros(n, bool))
     tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
     assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
-    want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p)
+    want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)
     got = np.bincount(tokens[: n - greedy_rows], minlength=len(logits)) / (n - greedy_rows)
     assert np.all(got[want == 0] == 0) and np.max(np.abs(got - want)) < 0.02, (got, want)
 

@@ -31,17 +31,17 @@ def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
 
 def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys):
     # top_k past the vocabulary (and int32) keeps every token
-    flags = ["--max-new-tokens", "4", "--temperature", "1.5", "--top-k", str(2**40), "--integrity", "off"]
+    flags = ["--max-new-tokens", "4", "--temperature", "1.5", "--top-k", str(2**40), "--min-p", "0.01", "--integrity", "off"]
     drawn = run.main(["--json", *flags])
     seed = drawn["sampling"]["seed"]
     capsys.readouterr()
     again = run.main([*flags, "--seed", str(seed), "--logprobs", "21"])  # text output, past the default max_logprobs
     out = capsys.readouterr().out
-    assert f"sampling: temperature 1.5, top_p 1.0, top_k {2**40}, seed {seed} " in out
+    assert f"sampling: temperature 1.5, top_p 1.0, top_k {2**40}, min_p 0.01, seed {seed} " in out
     greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
     capsys.readouterr()
     tokens = lambda report: [r["tokens"] for r in report["requests"]]
-    assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "seed": seed}
+    assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "min_p": 0.01, "seed": seed}
     assert tokens(again) == tokens(drawn) != tokens(greedy)
     assert all(r["logprobs"] is None for r in drawn["requests"])
     for r in again["requests"]:  # logprobs, ranks and the 21 likeliest of each sampled token
@@ -54,7 +54,7 @@ def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
                  "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
-                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs"):
+                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs", "--min-p"):
         assert flag in out
 
 
