@@ -64,8 +64,8 @@ class Engine(Frontend):
                             ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        if not 0 <= max_logprobs <= cfg.vocab_size:
-            raise ValueError(f"max_logprobs must be in [0, vocab_size={cfg.vocab_size}], got {max_logprobs}")
+        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or not 0 <= max_logprobs <= cfg.vocab_size:
+            raise ValueError(f"max_logprobs must be an integer in [0, vocab_size={cfg.vocab_size}], got {max_logprobs!r}")
         if prefill_calls_per_step is not None and prefill_calls_per_step <= 0:
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):

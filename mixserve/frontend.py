@@ -93,7 +93,7 @@ class Frontend:
         self._next_rid += 1
         reason = self._reject_reason(req)
         if reason:
-            req.result = Result([], "rejected", reason, seed=req.seed)
+            req.result = Result([], "rejected", reason, seed=req.seed, logprobs=None if req.logprobs is None else [])
             self.counters.rejections += 1
         else:
             self._enqueue(req)

@@ -301,7 +301,7 @@ def _sampled(logits_BV, s: Sampling, greedy_B):
     # Only top-k and top-p need the vocabulary sorted: a step that samples at temperature alone
     # skips the sort. Either way the draw is over the tokens in vocabulary order, so a row's
     # token depends on its own key and options, not on what the other rows asked.
-    truncated = jnp.any(sampled_B & ((s.top_k_B > 0) | (s.top_p_B < 1)))
+    truncated = jnp.any(sampled_B & (((s.top_k_B > 0) & (s.top_k_B < scaled_BV.shape[1])) | (s.top_p_B < 1)))
     kept_BV = jax.lax.cond(truncated, _kept_by_top_k_top_p, lambda x, _: jnp.ones(x.shape, bool), scaled_BV, s)
     keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
     choice_B = jax.vmap(jax.random.categorical)(keys, jnp.where(kept_BV, scaled_BV, -jnp.inf))
@@ -316,7 +316,9 @@ def _kept_by_top_k_top_p(scaled_BV, s: Sampling):
     rank_V = jnp.arange(V)
     in_top_k_BV = (s.top_k_B[:, None] == 0) | (rank_V < s.top_k_B[:, None])
     probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    keep_BV = in_top_k_BV & ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None])  # keeps the top token
+    # Keeps the top token; top_p = 1 keeps all (a float32 cumsum can reach 1 before the tail).
+    below_p_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None]) | (s.top_p_B[:, None] >= 1)
+    keep_BV = in_top_k_BV & below_p_BV
     return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_BV)
 
 

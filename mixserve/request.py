@@ -15,7 +15,9 @@ import numpy as np
 class TokenLogprobs(NamedTuple):
     """A generated token's log-probability under the model's own distribution (before temperature,
     top-k and top-p, as vLLM reports by default), its rank there (1 = likeliest), and the n
-    likeliest tokens as (id, log-probability), likeliest first (n: the request's `logprobs`)."""
+    likeliest tokens as (id, log-probability), likeliest first (n: the request's `logprobs`).
+    It is the distribution of the weights that computed the position: with a prefill and a decode
+    weight set, the prefill's for the first token and for tokens recomputed after a preemption."""
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...]

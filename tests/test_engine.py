@@ -13,7 +13,7 @@ import mixserve
 from mixserve import faults
 from mixserve.engine import Engine
 from mixserve.kv_cache import quantize_for_pool
-from mixserve.model_runner import Sampling, sample
+from mixserve.model_runner import Sampling, _kept_by_top_k_top_p, sample
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 
@@ -573,6 +573,16 @@ def test_sampled_frequencies_follow_temperature_min_p_top_k_then_top_p(top_k, to
     assert np.all(got[want == 0] == 0) and np.max(np.abs(got - want)) < 0.02, (got, want)
 
 
+def test_top_p_1_keeps_every_token_where_the_float32_cumsum_reaches_1_early():
+    """A row at top_p=1 in a step that sorts (the other row asks for top_p < 1) keeps the whole
+    vocabulary: one token with all but 9e-11 of the mass rounds the float32 cumsum to 1.0 before
+    the tail, which `cumsum - p < top_p` alone would drop (999 tokens here)."""
+    scaled_BV = jnp.zeros((2, 1000)).at[:, 7].set(30.0)
+    s = Sampling.greedy(2)._replace(temperature_B=jnp.ones(2), top_p_B=jnp.array([1.0, 0.5]))
+    kept_BV = np.asarray(_kept_by_top_k_top_p(scaled_BV, s))
+    assert kept_BV[0].all() and kept_BV[1].sum() == 1 and kept_BV[1, 7]
+
+
 def test_logprobs_are_the_models_log_softmax_with_rank_and_top_n():
     """logprobs=n: each generated token's log-probability and rank, and the n likeliest tokens, of
     the model's raw distribution at that position (before temperature, top-k and top-p): the
@@ -612,8 +622,10 @@ def test_logprobs_are_the_models_log_softmax_with_rank_and_top_n():
     for bad in (6, -1, 1.0, True):
         res = e.generate(ps[:1], max_new_tokens=1, logprobs=bad)[0]
         assert res.status == "rejected" and "logprobs must be None or an integer in [0, max_logprobs=5]" in res.reason
-    with pytest.raises(ValueError, match="max_logprobs must be in"):
-        engine(model, max_logprobs=model.config.vocab_size + 1)
+        assert res.logprobs == []  # it asked: an empty list, as its Update streamed
+    for bad in (model.config.vocab_size + 1, 2.5, True):
+        with pytest.raises(ValueError, match="max_logprobs must be an integer in"):
+            engine(model, max_logprobs=bad)
 
 
 def test_public_api_exports_the_engine():
