@@ -141,7 +141,10 @@ class ModelRunner:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
         tokens = [None if call is None else int(host[id(call[0])][call[2]]) for call in last_call]
-        logprobs = [None if call is None else _host_logprobs(call[1], [call[2]], [r])[0] for r, call in zip(reqs, last_call)]
+        asked = [call is not None and r.logprobs is not None for r, call in zip(reqs, last_call)]
+        host_lp = {id(call[1]): jax.device_get(call[1]) for call, a in zip(last_call, asked) if a}  # once per call
+        logprobs = [_token_logprobs(host_lp[id(call[1])], call[2], r.logprobs) if a else None
+                    for r, call, a in zip(reqs, last_call, asked)]
         return Output(tokens, ok, errors, logprobs, calls)
 
     def decode(self, live: list[Request], table: pt.PageTable) -> Output:
@@ -158,7 +161,9 @@ class ModelRunner:
                 jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R))
         errors = []
         next_tok, logprobs, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
-        return Output(np.asarray(next_tok), np.asarray(ok), errors, _host_logprobs(logprobs, range(len(live)), live))
+        host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None  # read only if asked
+        return Output(np.asarray(next_tok), np.asarray(ok), errors,
+                      [None if r.logprobs is None else _token_logprobs(host_lp, i, r.logprobs) for i, r in enumerate(live)])
 
     def _run(self, errors: list, fn, *args, width: int):
         """Call a jitted step under the mesh (the kernels run per device, models/partitioning.py)
@@ -341,13 +346,7 @@ def token_logprobs(logits_BV, tokens_B, s: Sampling, n: int) -> Logprobs:
     return jax.lax.cond(jnp.any(s.logprobs_B), compute, skip, logits_BV)
 
 
-def _host_logprobs(lp: Logprobs, rows, reqs: list[Request]) -> list[TokenLogprobs | None]:
-    """reqs[i]'s TokenLogprobs from row rows[i] (None where it asked for none); read from the device
-    only when one asked."""
-    if all(r.logprobs is None for r in reqs):
-        return [None] * len(reqs)
-    token_B, rank_B, ids_BN, top_BN = jax.device_get(lp)
-    return [None if r.logprobs is None else
-            TokenLogprobs(float(token_B[row]), int(rank_B[row]),
-                          tuple(zip(ids_BN[row, :r.logprobs].tolist(), top_BN[row, :r.logprobs].tolist())))
-            for r, row in zip(reqs, rows)]
+def _token_logprobs(host: Logprobs, row: int, n: int) -> TokenLogprobs:
+    """Row `row` of a step's logprobs (read to the host), with its n likeliest tokens."""
+    return TokenLogprobs(float(host.token_B[row]), int(host.rank_B[row]),
+                         tuple(zip(host.top_ids_BN[row, :n].tolist(), host.top_BN[row, :n].tolist())))
