@@ -39,12 +39,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
                       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 
-# XLA's CPU backend at LLVM optimization level 0: compiling dominates the suite (12 of the 21 s of an
-# engine test, 38 compiles). Level 0 ran the engine tests 27% faster, the interpret-mode kernel
-# tests 15%, and the whole suite (`make test`, 2 cores, 2026-12-01) in 19:00 against 32:50, with
-# 31 against 56 CPU-minutes. The tests check results, not CPU speed. Kept off the GPU runs
-# (MIXSERVE_KERNEL_BACKEND=pallas), whose compiled code is what they test.
-CPU_XLA_FLAGS = "--xla_backend_optimization_level=0" if KERNEL_BACKEND == "interpret" else ""
+# XLA's CPU backend compiling for the tests' speed, not for the code's: compiling dominates the suite
+# (12 of the 21 s of an engine test, 38 compiles). The tests check results, not CPU speed.
+# - LLVM optimization level 0: the engine tests ran 27% faster, the interpret-mode kernel tests
+#   15%, and the whole suite (`make test`, 2 cores, 2026-12-01) in 19:00 against 32:50, with 31
+#   against 56 CPU-minutes.
+# - XLA's older loop emitters instead of its MLIR fusion emitters, and LLVM code generation in one
+#   piece rather than split over threads: on top of level 0 (2026-12-02, 2 cores, one process),
+#   two engines serving 4 prompts (tiny-kimi, tiny-glm4) took 11.8-12.8 s against 17.1-17.7 s
+#   (10 runs), and one interpret-mode engine test with the INT4 kernel file (71 tests) 67 s
+#   against 108 s.
+# Kept off the GPU runs (MIXSERVE_KERNEL_BACKEND=pallas), whose compiled code is what they test.
+CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                 "--xla_cpu_parallel_codegen_split_count=1") if KERNEL_BACKEND == "interpret" else ""
 if CPU_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
@@ -59,3 +66,15 @@ def host_devices_env(n: int) -> dict[str, str]:
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# The modules whose tests take the longest (the 8-device scripts, 70-160 s each; the experiment
+# scripts and notebooks, 15-70 s) go first: xdist deals the first tests out in turn, so the two
+# workers start on them together and the run does not end with one worker alone on a long test.
+_LONG_FIRST = ("test_sharding.py", "test_experiments.py", "test_notebooks.py", "test_run.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = lambda item: next((i for i, m in enumerate(_LONG_FIRST) if item.nodeid.split("::")[0].endswith(m)),
+                             len(_LONG_FIRST))
+    items.sort(key=rank)
