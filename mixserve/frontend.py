@@ -35,7 +35,7 @@ class Frontend:
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-               ignore_eos: bool = False, logprobs: int | None = None) -> int:
+               ignore_eos: bool = False, logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -44,10 +44,12 @@ class Frontend:
         stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
         its own stop tokens only (a benchmark's fixed output length), as in vLLM. logprobs=n: each
         token's log-probability and rank, and the n likeliest tokens (n <= the engine's
-        max_logprobs), in its Updates and Result."""
+        max_logprobs), in its Updates and Result. prompt_logprobs=n: the same for each prompt token
+        after the first, from the prefill that computes it (the request then shares no cached
+        prefix), in its first Update and its Result."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
-                            ignore_eos=ignore_eos, logprobs=logprobs).rid
+                            ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs).rid
 
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""
@@ -61,7 +63,10 @@ class Frontend:
         for req in list(self._unreported.values()):
             if len(req.out) > req.streamed or req.result is not None:
                 new_logprobs = None if req.logprobs is None else req.out_logprobs[req.streamed:]
-                updates.append(Update(req.rid, req.out[req.streamed:], req.result, new_logprobs))
+                prompt_logprobs = None
+                if req.streamed == 0:  # its first Update (the only one before a token streamed) has them
+                    prompt_logprobs = req.result.prompt_logprobs if req.result else req.reported_prompt_logprobs()
+                updates.append(Update(req.rid, req.out[req.streamed:], req.result, new_logprobs, prompt_logprobs))
                 req.streamed = len(req.out)
                 if req.result is not None:
                     del self._unreported[req.rid]
@@ -69,7 +74,8 @@ class Frontend:
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, logprobs: int | None = None) -> list[Result]:
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -77,7 +83,8 @@ class Frontend:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs)
+                       seed=self._seed(seed), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+                       prompt_logprobs=prompt_logprobs)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()
@@ -93,7 +100,8 @@ class Frontend:
         self._next_rid += 1
         reason = self._reject_reason(req)
         if reason:
-            req.result = Result([], "rejected", reason, seed=req.seed, logprobs=None if req.logprobs is None else [])
+            req.result = Result([], "rejected", reason, seed=req.seed, logprobs=None if req.logprobs is None else [],
+                                prompt_logprobs=None if req.prompt_logprobs is None else [])
             self.counters.rejections += 1
         else:
             self._enqueue(req)

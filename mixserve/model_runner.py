@@ -111,26 +111,37 @@ class ModelRunner:
         Returns the next token of each of reqs (None where its prefill goes on) and its logprobs
         (if it asked), whether each passed the integrity check of every call it was in, and the
         calls run. A request that
-        failed wrote nothing from that call on (each call checks the same table again)."""
+        failed wrote nothing from that call on (each call checks the same table again).
+        A request that wants prompt logprobs gets those of the positions computed here appended
+        to its out_prompt_logprobs (a call with such a row projects every chunk position onto the
+        vocabulary: R x C x V float32 logits, not R x V)."""
         c = self.cfg
         last_call = [None] * len(reqs)  # (sampled tokens, logprobs of the call that finished reqs[i], its row)
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
+        prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, tokens)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
             R = _power_of_two_at_least(len(todo), c.max_batch)
             slots, start, count = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
             chunk = np.zeros((R, prefill_tokens(max(n), c.prefill_chunk, c.min_prefill_tokens)), np.int32)
+            # The token after each position (0 past the last): only when a row wants prompt logprobs.
+            targets = np.zeros_like(chunk) if any(r.wants_prompt_logprobs for _, r in todo) else None
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
-            sampled, logprobs, ok_R = self._run(errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots),
-                                      jnp.asarray(start), jnp.asarray(count), jnp.asarray(chunk),
-                                      self._sampling([r for _, r in todo], range(len(todo)), R),
-                                      width=self._width(table, start + count))
+                if targets is not None:
+                    after = r.tokens[r.cached + 1 : r.cached + k + 1]
+                    targets[row, :len(after)] = after
+            sampled, logprobs, prompt_lp, ok_R = self._run(
+                errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
+                jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
+                None if targets is None else jnp.asarray(targets), width=self._width(table, start + count))
             if c.integrity != "off":  # else all pass: no host read of ok, which would wait for the call
                 checks.append((ok_R, [i for i, _ in todo]))
             for row, ((i, r), k) in enumerate(zip(todo, n)):
+                if r.wants_prompt_logprobs:
+                    prompt_rows.append((prompt_lp, chunk.shape[1], row, i, r.cached, k))
                 r.cached += k
                 if r.cached == len(r.tokens):
                     last_call[i] = (sampled, logprobs, row)  # read once all calls are queued: no sync per chunk
@@ -140,12 +151,25 @@ class ModelRunner:
         for ok_R, indices in checks:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
+        self._keep_prompt_logprobs(reqs, prompt_rows, ok)
         tokens = [None if call is None else int(host[id(call[0])][call[2]]) for call in last_call]
         asked = [call is not None and r.logprobs is not None for r, call in zip(reqs, last_call)]
         host_lp = {id(call[1]): jax.device_get(call[1]) for call, a in zip(last_call, asked) if a}  # once per call
         logprobs = [_token_logprobs(host_lp[id(call[1])], call[2], r.logprobs) if a else None
                     for r, call, a in zip(reqs, last_call, asked)]
         return Output(tokens, ok, errors, logprobs, calls)
+
+    @staticmethod
+    def _keep_prompt_logprobs(reqs: list[Request], prompt_rows: list, ok: list[bool]) -> None:
+        """Append to each request the prompt logprobs its rows computed, in position order: those
+        of prompt[p + 1] at position p, each once (a recomputed prefix adds nothing), none from a
+        request that failed its integrity check (its rows computed nothing)."""
+        host = {id(call): jax.device_get(call) for call, *_ in prompt_rows}  # one read per call
+        for call, C, row, i, first, k in prompt_rows:
+            r = reqs[i]
+            for p in range(first, min(first + k, len(r.prompt) - 1)):
+                if ok[i] and p == len(r.out_prompt_logprobs):
+                    r.out_prompt_logprobs.append(_token_logprobs(host[id(call)], row * C + p - first, r.prompt_logprobs))
 
     def decode(self, live: list[Request], table: pt.PageTable) -> Output:
         """One step for every live request (one token each): next token, integrity ok and (if
@@ -231,15 +255,24 @@ class ModelRunner:
     def _prefill_fn(self):
         module, c = self.model.module, self.cfg
 
-        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, *, width):
+        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, targets_RC, *, width):
+            """targets_RC: the token after each position, to compute prompt logprobs (None: none, and
+            only the last position of each row meets the vocabulary projection)."""
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
-            positions_RC = start_R[:, None] + jnp.arange(tokens_RC.shape[1])
-            valid_RC = jnp.arange(tokens_RC.shape[1])[None, :] < step.count_B[:, None]
+            R, C = tokens_RC.shape
+            positions_RC = start_R[:, None] + jnp.arange(C)
+            valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
+            last_R = jnp.maximum(step.count_B - 1, 0)
             logits = module.apply({"params": params}, tokens_RC, positions_RC, kv,
-                                  logits_at=jnp.maximum(step.count_B - 1, 0), valid_BT=valid_RC)
+                                  logits_at=None if targets_RC is not None else last_R, valid_BT=valid_RC)
+            prompt_logprobs = None
+            if targets_RC is not None:  # rows flattened: position j of row r is row r * C + j
+                prompt_logprobs = logprobs_of(logits.reshape(R * C, -1), targets_RC.reshape(-1), c.max_logprobs)
+                logits = jnp.take_along_axis(logits, last_R[:, None, None], axis=1)
             tokens_R = sample(logits[:, 0], sampling)
-            return self._placed(kv.new_pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs), ok_R
+            return (self._placed(kv.new_pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs),
+                    prompt_logprobs, ok_R)
 
         return self._jit(prefill)
 
@@ -332,18 +365,21 @@ def token_logprobs(logits_BV, tokens_B, s: Sampling, n: int) -> Logprobs:
     tokens, computed only when a row asked (lax.cond: a top-n over the vocabulary is no free pass)."""
     B = logits_BV.shape[0]
 
-    def compute(logits_BV):
-        logits_BV = logits_BV.astype(jnp.float32)
-        norm_B = jax.nn.logsumexp(logits_BV, axis=-1)
-        chosen_B = jnp.take_along_axis(logits_BV, tokens_B[:, None], axis=-1)[:, 0]
-        rank_B = 1 + jnp.sum(logits_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
-        top_BN, ids_BN = jax.lax.top_k(logits_BV, n) if n else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
-        return Logprobs(chosen_B - norm_B, rank_B, ids_BN.astype(jnp.int32), top_BN - norm_B[:, None])
-
     def skip(_):
         return Logprobs(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.zeros((B, n), jnp.int32), jnp.zeros((B, n)))
 
-    return jax.lax.cond(jnp.any(s.logprobs_B), compute, skip, logits_BV)
+    return jax.lax.cond(jnp.any(s.logprobs_B), lambda x: logprobs_of(x, tokens_B, n), skip, logits_BV)
+
+
+def logprobs_of(logits_BV, tokens_B, n: int) -> Logprobs:
+    """Each row's log_softmax at its token, the token's rank, and the row's n likeliest tokens."""
+    B = logits_BV.shape[0]
+    logits_BV = logits_BV.astype(jnp.float32)
+    norm_B = jax.nn.logsumexp(logits_BV, axis=-1)
+    chosen_B = jnp.take_along_axis(logits_BV, tokens_B[:, None], axis=-1)[:, 0]
+    rank_B = 1 + jnp.sum(logits_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
+    top_BN, ids_BN = jax.lax.top_k(logits_BV, n) if n else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
+    return Logprobs(chosen_B - norm_B, rank_B, ids_BN.astype(jnp.int32), top_BN - norm_B[:, None])
 
 
 def _token_logprobs(host: Logprobs, row: int, n: int) -> TokenLogprobs:

@@ -33,6 +33,8 @@ class Result:
     latency_s: float | None = None  # submit to finish (None if rejected)
     seed: int | None = None  # the sampling seed (drawn when none was given): pass it again to reproduce
     logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked (logprobs=n)
+    # prompt_logprobs=n: one per prompt token, None for the first (nothing precedes it), as vLLM
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclasses.dataclass
@@ -43,6 +45,7 @@ class Update:
     new_tokens: list[int]
     result: Result | None = None
     new_logprobs: list[TokenLogprobs] | None = None  # those of new_tokens, if the request asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the request's first Update, if it asked
 
 
 @dataclasses.dataclass
@@ -59,8 +62,11 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
+    # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
+    out_prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
     pages: int = 0  # pages held (host mirror of the page table)
@@ -75,6 +81,16 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.out
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and prefill has not computed them all yet: it must compute
+        its whole prompt (no shared prefix pages)."""
+        return self.prompt_logprobs is not None and len(self.out_prompt_logprobs) < len(self.prompt) - 1
+
+    def reported_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Result.prompt_logprobs: None for the first prompt token, then those computed so far."""
+        return None if self.prompt_logprobs is None else [None, *self.out_prompt_logprobs]
 
     def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...],
                logprobs: TokenLogprobs | None = None) -> None:
@@ -95,7 +111,8 @@ class Request:
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
                              time.perf_counter() - self.t_submit, self.seed,
-                             None if self.logprobs is None else list(self.out_logprobs))
+                             None if self.logprobs is None else list(self.out_logprobs),
+                             self.reported_prompt_logprobs())
 
 
 def _finite(v) -> bool:
@@ -131,9 +148,10 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"ignore_eos must be True or False, got {req.ignore_eos!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
         return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
-    n = req.logprobs
-    if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= max_logprobs):
-        return f"logprobs must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(req, name)
+        if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= max_logprobs):
+            return f"{name} must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
     if req.temperature < 0 or not 0 < req.top_p <= 1 or not 0 <= req.min_p <= 1:
         return (f"need temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, got {req.temperature}, {req.top_p}, "
                 f"{req.min_p}")

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
     p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
                    "and this many likeliest tokens (the model's distribution, before sampling)")
+    p.add_argument("--prompt-logprobs", type=counted(0), help="the same for each prompt token after the first, "
+                   "as the engine's prefill computes them (KV format included): the prompts' perplexity")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
@@ -193,7 +195,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
-                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0))
+                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0, args.prompt_logprobs or 0))
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
@@ -222,7 +224,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                              logprobs=args.logprobs)
+                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -253,7 +255,8 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "requests": [
             {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": decode(model, r.tokens), "ttft_s": r.ttft_s,
-             "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs]}
+             "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
+             "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs]}
             for p, r in zip(prompts, results)
         ],
     }
@@ -266,7 +269,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
             "handover": vars(engine.counters),
         }
     if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
+        json.dump(finite_or_null(report), sys.stdout, indent=2, default=str, allow_nan=False)
         print()
         return report
     if random_weights:
@@ -293,9 +296,10 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))
+        if r["prompt_logprobs"] and len(r["prompt_logprobs"]) > 1:
+            print(f"    prompt: {perplexity(r['prompt_logprobs'][1:])} over its last {len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:
-            mean = sum(lp["logprob"] for lp in r["logprobs"]) / len(r["logprobs"])
-            print(f"    mean logprob {mean:.3f} (perplexity {math.exp(-mean):.2f}), ranks {[lp['rank'] for lp in r['logprobs']]}")
+            print(f"    generated: {perplexity(r['logprobs'])}, ranks {[lp['rank'] for lp in r['logprobs']]}")
     print(f"prefill: {pc.prefill_tokens} tokens in {pc.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     bf16, fp8 = capacity["bfloat16"], capacity["fp8_e4m3"]
@@ -306,6 +310,23 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
+
+
+def perplexity(logprobs: list[dict]) -> str:
+    mean = sum(lp["logprob"] for lp in logprobs) / len(logprobs)
+    return f"mean logprob {mean:.3f} (perplexity {math.exp(-mean) if -mean < 700 else math.inf:.2f})"
+
+
+def finite_or_null(x):
+    """The report with NaN and infinities as null: strict JSON has no token for them (a model
+    whose logits overflow reports NaN logprobs)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_or_null(v) for v in x]
+    return x
 
 
 def times(tokens: int, bf16_tokens: int) -> str:

@@ -145,16 +145,18 @@ class Scheduler:
         """Give waiting requests, in order, a slot and pages (sharing cached full prompt pages): at
         most max_rows of them, to prefill beside those still prefilling. A request with a full prompt
         page that a prefilling one will index waits, so that it is admitted after that prefill and
-        shares the page."""
+        shares the page (unless it wants prompt logprobs, which only computing the prompt gives)."""
         free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.pages.unindexed_prefix(r) for r in self.prefilling()))
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
             new_pages = self.pages.unindexed_prefix(req)
-            if new_pages & indexing:
+            # Prompt logprobs come from computing the prompt: such a request shares no cached page.
+            computes_all = req.wants_prompt_logprobs
+            if new_pages & indexing and not computes_all:
                 break
-            shared = self.pages.shared_prefix(req)
+            shared = [] if computes_all else self.pages.shared_prefix(req)
             need = self.pages.pages_for(len(req.tokens)) - len(shared)
             if need > self.pages.free_pages:
                 if not self.running:  # nothing will ever free pages: only leaked pages can cause this

@@ -51,19 +51,24 @@ def model(request):
 def test_handover_serves_the_tokens_one_engine_serves(model):
     """Same FP8 format on both sides (calibrated-looking scales, not 1): pages move unchanged.
     Prompts end mid-page and span several prefill chunks; half the requests sample, with logprobs
-    (the first token's from the prefill engine, the rest from the decode engine)."""
+    (the first token's from the prefill engine, the rest from the decode engine) and prompt
+    logprobs (from the prefill engine)."""
     scales = dict(kv_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.04)
     ps = prompts(1) + [[7] * 30]
     one = Engine(model, num_pages=64, **CFG, **scales)
     dis = pair(model, **scales)
     for temperature, logprobs in ((0.0, None), (0.8, 3)):
-        want = one.generate(ps, max_new_tokens=6, temperature=temperature, seed=3, logprobs=logprobs)
-        got = dis.generate(ps, max_new_tokens=6, temperature=temperature, seed=3, logprobs=logprobs)
+        options = dict(temperature=temperature, seed=3, logprobs=logprobs, prompt_logprobs=logprobs)
+        want = one.generate(ps, max_new_tokens=6, **options)
+        got = dis.generate(ps, max_new_tokens=6, **options)
         assert [r.status for r in got] == ["ok"] * len(ps)
         assert [r.tokens for r in got] == [r.tokens for r in want]
         for a, b in zip(got, want):
-            assert (a.logprobs is None) == (logprobs is None)
-            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert (a.logprobs is None) == (a.prompt_logprobs is None) == (logprobs is None)
+            if logprobs is None:
+                continue
+            assert a.prompt_logprobs[0] is b.prompt_logprobs[0] is None
+            for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:], strict=True):
                 assert x.rank == y.rank and [i for i, _ in x.top] == [i for i, _ in y.top]
                 np.testing.assert_allclose([x.logprob, *(v for _, v in x.top)], [y.logprob, *(v for _, v in y.top)],
                                            rtol=1e-5)

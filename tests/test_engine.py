@@ -150,8 +150,8 @@ def test_a_request_preempted_mid_prefill_is_recomputed_and_loses_nothing():
     a = e.submit(pa, max_new_tokens=16)
     tokens, results, steps = {a: []}, {}, 0
     while e.has_work():
-        if steps == 1:
-            b = e.submit(pb, max_new_tokens=2)
+        if steps == 1:  # B's prompt logprobs: 8 of 13 computed when it is preempted, the rest after
+            b = e.submit(pb, max_new_tokens=2, prompt_logprobs=2)
             tokens[b] = []
         steps += 1
         for u in e.step():
@@ -161,6 +161,7 @@ def test_a_request_preempted_mid_prefill_is_recomputed_and_loses_nothing():
     assert e.counters.preemptions == 1
     assert e.counters.prefill_tokens == 2 + 8 + 14  # A, B's first two chunks, B again from scratch
     assert [tokens[a], tokens[b]] == [results[a].tokens, results[b].tokens] == expected
+    assert_prompt_logprobs(model, pb, results[b].prompt_logprobs, 2)
     assert e.free_pages == e.num_pages
 
 
@@ -626,6 +627,63 @@ def test_logprobs_are_the_models_log_softmax_with_rank_and_top_n():
     for bad in (model.config.vocab_size + 1, 2.5, True):
         with pytest.raises(ValueError, match="max_logprobs must be an integer in"):
             engine(model, max_logprobs=bad)
+
+
+def assert_prompt_logprobs(model, prompt, got, n):
+    """got: a Result's prompt_logprobs, against the log_softmax of the cache-free forward over the
+    prompt (bound: as for generated tokens' logprobs, above)."""
+    want = np.asarray(jax.nn.log_softmax(model.logits(np.asarray([prompt], np.int32))[0], axis=-1))  # [T, vocab]
+    assert len(got) == len(prompt) and got[0] is None
+    for j, lp in enumerate(got[1:], start=1):
+        want_V = want[j - 1]
+        np.testing.assert_allclose(lp.logprob, want_V[prompt[j]], atol=1e-5)
+        assert lp.rank == 1 + np.sum(want_V > want_V[prompt[j]] + 1e-5) and len(lp.top) == n
+        ids = [i for i, _ in lp.top]
+        np.testing.assert_allclose([v for _, v in lp.top], want_V[ids], atol=1e-5)
+        np.testing.assert_allclose(np.sort(want_V)[::-1][:n], want_V[ids], atol=1e-5)
+
+
+def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt():
+    """prompt_logprobs=n: each prompt token's log-probability, rank and the n likeliest tokens at
+    the position before it (None for the first), as prefill computes them: over prompts of one
+    and of two chunks (8), prefilled together with one that asks for none, and a one-token prompt.
+    They come in a request's first Update (with its first token) and in its Result. A request
+    asking for them computes its whole prompt: of three identical prompts submitted together, the
+    one that does not ask shares the first one's pages, and the third, asking, computes its own.
+    Values past max_logprobs are rejected per request."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(10)  # 5, 11, 1, 14 tokens
+    e = engine(model, max_logprobs=5)
+    options = [dict(prompt_logprobs=5), dict(prompt_logprobs=0, logprobs=1), dict(prompt_logprobs=3), dict()]
+    rids = [e.submit(p, max_new_tokens=3, **o) for p, o in zip(ps, options)]
+    firsts, results = {}, {}
+    while e.has_work():
+        for u in e.step():
+            if u.rid not in firsts:
+                firsts[u.rid] = u.prompt_logprobs
+            else:
+                assert u.prompt_logprobs is None
+            if u.result is not None:
+                results[u.rid] = u.result
+    assert results[rids[3]].prompt_logprobs is None and firsts[rids[3]] is None
+    for p, rid, o in zip(ps, rids, options[:3]):
+        r = results[rid]
+        assert r.status == "ok" and firsts[rid] == r.prompt_logprobs
+        assert_prompt_logprobs(model, p, r.prompt_logprobs, o["prompt_logprobs"])
+    assert len(results[rids[1]].logprobs) == 3  # the generated tokens' are there too
+    assert results[rids[2]].prompt_logprobs == [None]  # one token: nothing before it
+    shared = e.counters.shared_pages
+    again = [e.submit(ps[3], max_new_tokens=3, prompt_logprobs=n) for n in (4, None, 4)]  # the first still runs when the second comes
+    results = {u.rid: u.result for _ in iter(e.has_work, False) for u in e.step() if u.result}
+    assert e.counters.shared_pages == shared + 3  # the 14-token prompt's 3 full pages, once: by the one not asking
+    first, _, last = (results[rid].prompt_logprobs for rid in again)
+    assert results[again[1]].prompt_logprobs is None
+    for got in (first, last):
+        assert_prompt_logprobs(model, ps[3], got, 4)
+    for bad in (6, -1, 2.0, True):
+        res = e.generate(ps[:1], max_new_tokens=1, prompt_logprobs=bad)[0]
+        assert res.status == "rejected" and "prompt_logprobs must be None or an integer in [0, max_logprobs=5]" in res.reason
+        assert res.prompt_logprobs == []
 
 
 def test_public_api_exports_the_engine():

@@ -35,7 +35,8 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     drawn = run.main(["--json", *flags])
     seed = drawn["sampling"]["seed"]
     capsys.readouterr()
-    again = run.main([*flags, "--seed", str(seed), "--logprobs", "21"])  # text output, past the default max_logprobs
+    # Text output, past the default max_logprobs
+    again = run.main([*flags, "--seed", str(seed), "--logprobs", "21", "--prompt-logprobs", "2"])
     out = capsys.readouterr().out
     assert f"sampling: temperature 1.5, top_p 1.0, top_k {2**40}, min_p 0.01, seed {seed} " in out
     greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
@@ -43,18 +44,29 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     tokens = lambda report: [r["tokens"] for r in report["requests"]]
     assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "min_p": 0.01, "seed": seed}
     assert tokens(again) == tokens(drawn) != tokens(greedy)
-    assert all(r["logprobs"] is None for r in drawn["requests"])
+    assert all(r["logprobs"] is None and r["prompt_logprobs"] is None for r in drawn["requests"])
     for r in again["requests"]:  # logprobs, ranks and the 21 likeliest of each sampled token
         ranks = [lp["rank"] for lp in r["logprobs"]]
         assert len(ranks) == 4 and all(len(lp["top"]) == 21 for lp in r["logprobs"]) and f"ranks {ranks}" in out
         assert all(lp["top"][0][1] >= lp["logprob"] for lp in r["logprobs"])
+        first, *rest = r["prompt_logprobs"]  # and each prompt token's after the first, with its 2 likeliest
+        assert first is None and len(rest) == r["prompt_tokens"] - 1 and all(len(lp["top"]) == 2 for lp in rest)
+        mean = sum(lp["logprob"] for lp in rest) / len(rest)
+        assert f"prompt: mean logprob {mean:.3f}" in out and f"over its last {len(rest)} tokens" in out
+
+
+def test_json_report_writes_nan_and_infinities_as_null():
+    """Strict JSON has no NaN: a model whose logits overflow would otherwise print an unreadable report."""
+    report = {"logprob": float("nan"), "top": [(3, float("-inf")), (4, -1.5)], "ok": True, "n": 2}
+    assert json.loads(json.dumps(run.finite_or_null(report), allow_nan=False)) == {
+        "logprob": None, "top": [[3, None], [4, -1.5]], "ok": True, "n": 2}
 
 
 def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
                  "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
-                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs", "--min-p"):
+                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs", "--min-p", "--prompt-logprobs"):
         assert flag in out
 
 
