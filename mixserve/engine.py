@@ -115,6 +115,7 @@ class Engine(Frontend):
             if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
                 raise ValueError(f"{name} must be finite and positive")
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
+        self.tokenizer = model.tokenizer  # decodes the outputs of requests with stop strings
         sharding.check_mesh(mesh, cfg.n_routed_experts, expert_parallel)
         if mesh is not None:
             model = sharding.shard_model(model, mesh, expert_parallel)
@@ -159,7 +160,7 @@ class Engine(Frontend):
     def _reject_reason(self, req: Request) -> str | None:
         return reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
                              page_size=self.page_size, num_pages=self.num_pages, max_logprobs=self.max_logprobs,
-                             prompt_only=self.prefill_only)
+                             has_tokenizer=self.tokenizer is not None, prompt_only=self.prefill_only)
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.waiting.append(req)
@@ -210,7 +211,7 @@ class Engine(Frontend):
                 if token is not None:
                     req.prefilled = True
                     self.pages.register_prefix(req)  # later admissions can share its full prompt pages
-                    req.accept(token, now, self.stop_tokens, logprobs)
+                    req.accept(token, now, self.stop_tokens, logprobs, self.tokenizer)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
             for error in out.errors:  # strict: raised once the failing requests are aborted
                 error.throw()
@@ -229,7 +230,7 @@ class Engine(Frontend):
         for r, token, logprobs in self._passed(live, out):
             r.cached = len(r.tokens)
             self.counters.decode_tokens += 1
-            r.accept(int(token), now, self.stop_tokens, logprobs)
+            r.accept(int(token), now, self.stop_tokens, logprobs, self.tokenizer)
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
 

@@ -11,6 +11,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from mixserve.tokenizer import Tokenizer
+
 
 class TokenLogprobs(NamedTuple):
     """A generated token's log-probability under the model's own distribution (before temperature,
@@ -35,6 +37,7 @@ class Result:
     logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked (logprobs=n)
     # prompt_logprobs=n: one per prompt token, None for the first (nothing precedes it), as vLLM
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: the length)
 
 
 @dataclasses.dataclass
@@ -61,6 +64,7 @@ class Request:
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (0: none)
     stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
+    stop: tuple[str, ...] = ()  # stop strings: it finishes once its decoded output contains one
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     out: list[int] = dataclasses.field(default_factory=list)
@@ -77,6 +81,7 @@ class Request:
     ttft: float | None = None
     latencies: list[float] = dataclasses.field(default_factory=list)
     result: Result | None = None  # set once: finished, aborted or rejected
+    stop_reason: int | str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -93,9 +98,10 @@ class Request:
         return None if self.prompt_logprobs is None else [None, *self.out_prompt_logprobs]
 
     def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...],
-               logprobs: TokenLogprobs | None = None) -> None:
-        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token
-        or max_new_tokens."""
+               logprobs: TokenLogprobs | None = None, tokenizer: Tokenizer | None = None) -> None:
+        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token,
+        a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
+        as in vLLM), or max_new_tokens."""
         self.out.append(token)
         if self.logprobs is not None:
             self.out_logprobs.append(logprobs)
@@ -104,15 +110,24 @@ class Request:
         else:
             self.latencies.append(now - self.t_last)
         self.t_last = now
-        stop = token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens)
-        if stop or len(self.out) >= self.max_new_tokens:
+        if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
+            self.stop_reason = token
+        elif self.stop:
+            self.stop_reason = first_stop_string(tokenizer.decode(self.out), self.stop)
+        if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
                              time.perf_counter() - self.t_submit, self.seed,
                              None if self.logprobs is None else list(self.out_logprobs),
-                             self.reported_prompt_logprobs())
+                             self.reported_prompt_logprobs(), self.stop_reason)
+
+
+def first_stop_string(text: str, stops: tuple[str, ...]) -> str | None:
+    """The stop string that occurs first in text (None: none does)."""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def _finite(v) -> bool:
@@ -123,9 +138,10 @@ def _finite(v) -> bool:
 
 
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
-                  max_logprobs: int, prompt_only: bool = False) -> str | None:
+                  max_logprobs: int, has_tokenizer: bool, prompt_only: bool = False) -> str | None:
     """Why this request can never be served (None if it can): checked before it is queued.
-    prompt_only: the engine only prefills (disaggregated), so only the prompt must fit."""
+    has_tokenizer: the model can decode its output (stop strings need it). prompt_only: the
+    engine only prefills (disaggregated), so only the prompt must fit."""
     p = req.prompt
     if not isinstance(p, list) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
         return "prompt must be a list of integer token ids"
@@ -144,6 +160,10 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
                                                      and 0 <= t < vocab_size for t in ids):
         return f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {ids!r}"
+    if not isinstance(req.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in req.stop):
+        return f"stop must be a list of non-empty strings, got {req.stop!r}"
+    if req.stop and not has_tokenizer:
+        return "stop strings need the model's tokenizer to decode the output, and this model has none"
     if not isinstance(req.ignore_eos, (bool, np.bool_)):
         return f"ignore_eos must be True or False, got {req.ignore_eos!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:

@@ -26,6 +26,7 @@ from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_DTYPES, TILED, kv_format
 from mixserve.model import Model
 from mixserve.quantize import plan_for, quantize_model
+from mixserve.tokenizer import ByteTokenizer
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and this many likeliest tokens (the model's distribution, before sampling)")
     p.add_argument("--prompt-logprobs", type=counted(0), help="the same for each prompt token after the first, "
                    "as the engine's prefill computes them (KV format included): the prompts' perplexity")
+    p.add_argument("--stop", action="append", help="a stop string (repeatable): a request ends once its output "
+                   "contains one, and its text is cut before it")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
@@ -122,18 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
     p.add_argument("--json", action="store_true", help="print a machine-readable report instead of text")
     return p
-
-
-def encode(model, text: str) -> list[int]:
-    if model.tokenizer is not None:
-        return model.tokenizer.encode(text)
-    return list(text.encode("utf-8"))  # the tiny presets' vocabulary starts with the 256 bytes
-
-
-def decode(model, ids: list[int]) -> str:
-    if model.tokenizer is not None:
-        return model.tokenizer.decode(ids)
-    return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
 def with_weights(model, choice: str):
@@ -190,6 +181,8 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel)
+    if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
+        model = dataclasses.replace(model, tokenizer=ByteTokenizer())
     prefill_model = with_weights(model, args.prefill_weights)
     decode_model = prefill_model if args.decode_weights == args.prefill_weights else with_weights(model, args.decode_weights)
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
@@ -220,11 +213,11 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     if two_sets:
         weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
-    prompts = [encode(model, p) for p in (args.prompt or DEFAULT_PROMPTS)]
+    prompts = [model.tokenizer.encode(p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                              logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                              stop=tuple(args.stop or ()), logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -254,7 +247,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "counters": vars(c),
         "requests": [
             {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
-             "text": decode(model, r.tokens), "ttft_s": r.ttft_s,
+             "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
              "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
              "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs]}
             for p, r in zip(prompts, results)
@@ -310,6 +303,12 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
+
+
+def output_text(tokenizer, result) -> str:
+    """The generated text, cut before the stop string that ended it (vLLM's default)."""
+    text = tokenizer.decode(result.tokens)
+    return text[:text.find(result.stop_reason)] if isinstance(result.stop_reason, str) else text
 
 
 def perplexity(logprobs: list[dict]) -> str:

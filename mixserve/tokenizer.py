@@ -72,6 +72,17 @@ class TiktokenTokenizer:
         return self._enc.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
 
 
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255: the tiny presets' vocabulary starts with the 256 bytes (what
+    `mixserve.run` serves them with; ids past 255 decode to nothing)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
 def load_tokenizer(directory: str) -> Tokenizer | None:
     if os.path.exists(path := os.path.join(directory, "tokenizer.json")):
         return HFTokenizer(path)

@@ -686,6 +686,46 @@ def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt():
         assert res.prompt_logprobs == []
 
 
+class LetterTokenizer:
+    """Each id decodes to one letter (id mod 26): stop strings over known token boundaries."""
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stop_strings_end_a_request_once_its_output_contains_one():
+    """stop=(strings): a request finishes at the token that completes the first stop string in its
+    decoded output (kept in its tokens, as vLLM keeps it), and stop_reason names the string, or
+    the stop token id that ended it (None at max_new_tokens). Greedy tokens fix where each string
+    first occurs. A model without a tokenizer rejects stop strings per request, as it does
+    malformed ones."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    p = prompts(11)[3]
+    letters = dataclasses.replace(model, tokenizer=LetterTokenizer())
+    e = engine(letters)
+    free = e.generate([p], max_new_tokens=10)[0]
+    text = LetterTokenizer().decode(free.tokens)
+    assert free.stop_reason is None and len(free.tokens) == 10
+    late, early = text[5:8], text[2:4]  # each first occurs where it was cut from, or before
+    end = lambda s: text.find(s) + len(s)
+    assert end(early) < end(late)  # so early alone is complete when a request with both stops
+    cases = [((late,), late), ((late, early), early), ((early, late), early), (("zzzzzzzzzzz",), None)]
+    for stop, reason in cases:
+        r = e.generate([p], max_new_tokens=10, stop=stop)[0]
+        assert r.status == "ok" and r.stop_reason == reason
+        assert r.tokens == free.tokens[:end(reason) if reason else 10]
+    by_id = e.generate([p], max_new_tokens=10, stop_token_ids=(free.tokens[3],), stop=(late,))[0]
+    assert by_id.stop_reason == free.tokens[3] and by_id.tokens == free.tokens[:free.tokens.index(free.tokens[3]) + 1]
+    for bad in (("",), "ab", (3,)):
+        r = e.generate([p], max_new_tokens=2, stop=bad)[0]
+        assert r.status == "rejected" and "stop must be a list of non-empty strings" in r.reason
+    r = engine(model).generate([p], max_new_tokens=2, stop=("a",))[0]
+    assert r.status == "rejected" and "stop strings need the model's tokenizer" in r.reason
+
+
 def test_public_api_exports_the_engine():
     assert mixserve.Engine is Engine and mixserve.Result.__name__ == "Result"
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from mixserve import run
+from mixserve.tokenizer import ByteTokenizer
 from conftest import host_devices_env
 
 
@@ -55,6 +56,21 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
         assert f"prompt: mean logprob {mean:.3f}" in out and f"over its last {len(rest)} tokens" in out
 
 
+def test_stop_strings_cut_each_request_at_the_first_one(capsys):
+    """--stop: the tiny presets' text is UTF-8 bytes; each request ends at the first token after
+    which its decoded output holds the stop string, and its text is cut before the string."""
+    flags = ["--json", "--max-new-tokens", "8", "--integrity", "off"]
+    free = run.main(flags)
+    stop = next(c for c in free["requests"][0]["text"] if c.isascii() and c.isprintable())
+    cut = run.main([*flags, "--stop", stop])
+    capsys.readouterr()
+    byte_text = ByteTokenizer().decode
+    for f, c in zip(free["requests"], cut["requests"], strict=True):
+        end = next((k for k in range(1, 9) if stop in byte_text(f["tokens"][:k])), 8)
+        assert c["tokens"] == f["tokens"][:end] and c["stop_reason"] == (stop if stop in f["text"] else None)
+        assert c["text"] == f["text"].split(stop)[0] if stop in f["text"] else c["text"] == f["text"]
+
+
 def test_json_report_writes_nan_and_infinities_as_null():
     """Strict JSON has no NaN: a model whose logits overflow would otherwise print an unreadable report."""
     report = {"logprob": float("nan"), "top": [(3, float("-inf")), (4, -1.5)], "ok": True, "n": 2}
@@ -66,7 +82,7 @@ def test_help_explains_each_flag():
     out = subprocess.run([sys.executable, "-m", "mixserve.run", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--model", "--kv-cache-dtype", "--integrity", "--page-size", "--kv-memory", "--max-new-tokens",
                  "--prompt", "--concurrency", "--json", "--prefill-weights", "--decode-weights", "--backend",
-                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs", "--min-p", "--prompt-logprobs"):
+                 "--max-seq-len", "--disaggregate", "--prefill-kv-cache-dtype", "--logprobs", "--min-p", "--prompt-logprobs", "--stop"):
         assert flag in out
 
 
