@@ -35,7 +35,7 @@ class Frontend:
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-               stop: tuple[str, ...] = (), ignore_eos: bool = False, logprobs: int | None = None,
+               stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
                prompt_logprobs: int | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
@@ -43,7 +43,7 @@ class Frontend:
         without a seed each request draws its own (vLLM's rule), reported in its Result. Sampling
         follows vLLM's order: temperature, min_p, top_k, then top_p over what is left.
         stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
-        its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: strings
+        its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: a string or strings
         that end it once its decoded output contains one (the model's tokenizer decodes; the
         Result's stop_reason says which). logprobs=n: each
         token's log-probability and rank, and the n likeliest tokens (n <= the engine's
@@ -51,8 +51,9 @@ class Frontend:
         after the first, from the prefill that computes it (the request then shares no cached
         prefix), in its first Update and its Result."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop,
-                            ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs).rid
+                            top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
+                            stop=_stops(stop), ignore_eos=ignore_eos, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs).rid
 
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""
@@ -77,7 +78,7 @@ class Frontend:
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
                  logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
@@ -86,7 +87,7 @@ class Frontend:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos,
+                       seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=_stops(stop), ignore_eos=ignore_eos,
                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
@@ -110,3 +111,8 @@ class Frontend:
             self._enqueue(req)
         self._unreported[req.rid] = req
         return req
+
+
+def _stops(stop) -> tuple:
+    """stop as vLLM takes it: None (none), one string, or several."""
+    return () if stop is None else (stop,) if isinstance(stop, str) else stop

@@ -719,7 +719,9 @@ def test_stop_strings_end_a_request_once_its_output_contains_one():
         assert r.tokens == free.tokens[:end(reason) if reason else 10]
     by_id = e.generate([p], max_new_tokens=10, stop_token_ids=(free.tokens[3],), stop=(late,))[0]
     assert by_id.stop_reason == free.tokens[3] and by_id.tokens == free.tokens[:free.tokens.index(free.tokens[3]) + 1]
-    for bad in (("",), "ab", (3,)):
+    assert e.generate([p], max_new_tokens=10, stop=early)[0].tokens == free.tokens[:end(early)]  # one string, as vLLM
+    assert e.generate([p], max_new_tokens=10, stop=None)[0].tokens == free.tokens
+    for bad in (("",), "", (3,)):
         r = e.generate([p], max_new_tokens=2, stop=bad)[0]
         assert r.status == "rejected" and "stop must be a list of non-empty strings" in r.reason
     r = engine(model).generate([p], max_new_tokens=2, stop=("a",))[0]
