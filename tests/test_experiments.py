@@ -554,6 +554,10 @@ def test_fp8_kv_agreement_script_runs(tmp_path):
     out = run("fp8_kv_agreement.py", "--prompts", "2", "--new-tokens", "2", "--models", "tiny-glm5",
               "--out", str(tmp_path / "a.md"))
     assert "| tiny-glm5 | fp8_ds_mla |" in out and "| tiny-glm5 | fp8_e4m3 (calibrated) |" in out
+    # Multiple-choice scoring: a first chunk's prompt logprobs attend over fresh keys, the same in every format.
+    choice_rows = [line for line in out.split("## Multiple-choice")[1].split("## Latent")[0].splitlines()
+                   if line.startswith("| tiny-glm5 |")]
+    assert len(choice_rows) == 4 and all(row.endswith("| 0.0e+00 |") for row in choice_rows)
     assert "| kimi-k2.6 | fp8_ds_mla | 40,016 | 1,204,682 | 1.76x |" in out  # 61 layers x 656 B
     assert (tmp_path / "a.md").read_text() in out
 
