@@ -81,7 +81,7 @@ class Request:
     ttft: float | None = None
     latencies: list[float] = dataclasses.field(default_factory=list)
     result: Result | None = None  # set once: finished, aborted or rejected
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (Result.stop_reason)
 
     @property
     def tokens(self) -> list[int]:
