@@ -288,7 +288,8 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
               f"(--seed {s['seed']} repeats this run)")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["text"])
-        print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({r['reason']})" if r["reason"] else ""))
+        why = r["reason"] or (r["stop_reason"] is not None and f"stopped by {r['stop_reason']!r}")
+        print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({why})" if why else ""))
         if r["prompt_logprobs"] and len(r["prompt_logprobs"]) > 1:
             print(f"    prompt: {perplexity(r['prompt_logprobs'][1:])} over its last {len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:

@@ -64,6 +64,8 @@ def test_stop_strings_cut_each_request_at_the_first_one(capsys):
     stop = next(c for c in free["requests"][0]["text"] if c.isascii() and c.isprintable())
     cut = run.main([*flags, "--stop", stop])
     capsys.readouterr()
+    run.main(flags[1:] + ["--stop", stop])  # text: says what stopped a request
+    assert f"(stopped by {stop!r})" in capsys.readouterr().out
     byte_text = ByteTokenizer().decode
     for f, c in zip(free["requests"], cut["requests"], strict=True):
         end = next((k for k in range(1, 9) if stop in byte_text(f["tokens"][:k])), 8)
