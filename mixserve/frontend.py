@@ -43,13 +43,12 @@ class Frontend:
         without a seed each request draws its own (vLLM's rule), reported in its Result. Sampling
         follows vLLM's order: temperature, min_p, top_k, then top_p over what is left.
         stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
-        its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: a string or strings
-        that end it once its decoded output contains one (the model's tokenizer decodes; the
-        Result's stop_reason says which). logprobs=n: each
-        token's log-probability and rank, and the n likeliest tokens (n <= the engine's
-        max_logprobs), in its Updates and Result. prompt_logprobs=n: the same for each prompt token
-        after the first, from the prefill that computes it (the request then shares no cached
-        prefix), in its first Update and its Result."""
+        its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: a string or
+        strings that end it once its output, decoded by the model's tokenizer, contains one (its
+        Result's stop_reason says which). logprobs=n: each token's log-probability and rank, and
+        the n likeliest tokens (n <= the engine's max_logprobs), in its Updates and Result.
+        prompt_logprobs=n: the same for each prompt token after the first, from the prefill that
+        computes it (the request then shares no cached prefix), in its first Update and Result."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=_stops(stop), ignore_eos=ignore_eos, logprobs=logprobs,

@@ -110,15 +110,14 @@ class ModelRunner:
         from its last position (so prefill's weights choose it, as in disaggregated serving).
         Returns the next token of each of reqs (None where its prefill goes on) and its logprobs
         (if it asked), whether each passed the integrity check of every call it was in, and the
-        calls run. A request that
-        failed wrote nothing from that call on (each call checks the same table again).
-        A request that wants prompt logprobs gets those of the positions computed here appended
-        to its out_prompt_logprobs (a call with such a row projects every chunk position onto the
-        vocabulary: R x C x V float32 logits, not R x V)."""
+        calls run. A request that failed wrote nothing from that call on (each call checks the
+        same table again). A request that wants prompt logprobs gets those of the positions
+        computed here appended to its out_prompt_logprobs (a call with such a row projects every
+        chunk position onto the vocabulary: R x C x V float32 logits, not R x V)."""
         c = self.cfg
         last_call = [None] * len(reqs)  # (sampled tokens, logprobs of the call that finished reqs[i], its row)
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
-        prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, tokens)
+        prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, count)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
@@ -167,8 +166,10 @@ class ModelRunner:
         host = {id(call): jax.device_get(call) for call, *_ in prompt_rows}  # one read per call
         for call, C, row, i, first, k in prompt_rows:
             r = reqs[i]
+            if not ok[i]:
+                continue
             for p in range(first, min(first + k, len(r.prompt) - 1)):
-                if ok[i] and p == len(r.out_prompt_logprobs):
+                if p == len(r.out_prompt_logprobs):
                     r.out_prompt_logprobs.append(_token_logprobs(host[id(call)], row * C + p - first, r.prompt_logprobs))
 
     def decode(self, live: list[Request], table: pt.PageTable) -> Output:
