@@ -25,7 +25,7 @@ Tensor names end in their axes, one capital letter per axis:
     V  value width of a softmax partial (D or L)
 
   Weight-streaming matmuls (weight_stream.py; INT4: int4_matmul.py, moe_int4_matmul.py;
-  FP8 with block scales: fp8_block_matmul.py)
+  NVFP4: nvfp4_matmul.py; FP8 with block scales: fp8_block_matmul.py)
     M  activation rows (tokens)
     T  expert-sorted token rows (MoE)
     W  work-list tiles (row tiles of one expert each)
@@ -45,6 +45,8 @@ from pallas_kernels.int4_matmul import (
     Int4Tuning, dequantize_int4, from_compressed_tensors, int4_matmul, pack_int4, to_compressed_tensors,
     unpack_int4)
 from pallas_kernels.moe_int4_matmul import moe_int4_matmul
+from pallas_kernels.nvfp4_matmul import GROUP as NVFP4_GROUP
+from pallas_kernels.nvfp4_matmul import dequantize_nvfp4, moe_nvfp4_matmul, nvfp4_matmul, quantize_nvfp4
 from pallas_kernels.paged_attention_gqa import paged_attention_gqa
 from pallas_kernels.paged_attention_mla import TiledLatentPages, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles
@@ -56,18 +58,23 @@ __all__ = [
     "FP8_BLOCK",
     "Fp8BlockTuning",
     "Int4Tuning",
+    "NVFP4_GROUP",
     "TiledLatentPages",
     "dequantize_fp8_block",
     "dequantize_int4",
+    "dequantize_nvfp4",
     "dequantize_tiles",
     "fp8_block_matmul",
     "from_compressed_tensors",
     "int4_matmul",
     "moe_fp8_block_matmul",
     "moe_int4_matmul",
+    "moe_nvfp4_matmul",
+    "nvfp4_matmul",
     "pack_int4",
     "paged_attention_gqa",
     "paged_attention_mla",
+    "quantize_nvfp4",
     "quantize_tiles",
     "resolve_backend",
     "sparse_paged_attention_mla",

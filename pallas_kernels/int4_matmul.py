@@ -47,7 +47,7 @@ experiments/results/gpu_kernels_h200_2026-11-29_notes.md.)
 
 import dataclasses
 import functools
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,7 @@ from pallas_kernels import mma
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.weight_stream import (
     StreamTuning, TileRunner, TileSchedule, Tiling, check_activations, column_blocks, dense_rows, pad_to, plan_tiling,
-    reference_dot, stream_tiles, tile_product)
+    reference_dot, stream_tiles, tile_product, whole)
 
 PACK = 8  # int4 values per int32
 _NIBBLE_SHIFTS = np.arange(PACK, dtype=np.uint32) * 4  # numpy: no device work at import
@@ -101,25 +101,34 @@ class Int4Tuning(StreamTuning):
     MIN_BLOCK_K: ClassVar[int] = MIN_BLOCK_K
 
 
-def pack_int4(values_KN: jax.Array) -> jax.Array:
-    """int values in [-8, 7], [..., K, N] -> int32 [..., K/8, N] (layout above)."""
-    if not jnp.issubdtype(values_KN.dtype, jnp.integer):
-        raise ValueError(f"pack_int4 needs integer values in [-8, 7], got {values_KN.dtype}")
-    *lead, k, n = values_KN.shape
+def pack_nibbles(nibbles_KN: jax.Array) -> jax.Array:
+    """4-bit codes (0..15), [..., K, N] -> int32 [..., K/8, N], the low nibble holding the lowest k."""
+    *lead, k, n = nibbles_KN.shape
     if k % PACK:
-        raise ValueError(f"K={k} must be a multiple of {PACK} to pack int4 into int32")
-    nibbles = (values_KN.astype(jnp.int32) + 8).astype(jnp.uint32) & 15
+        raise ValueError(f"K={k} must be a multiple of {PACK} to pack 4-bit values into int32")
+    nibbles = nibbles_KN.astype(jnp.uint32) & 15
     nibbles = nibbles.reshape(*lead, k // PACK, PACK, n) << _NIBBLE_SHIFTS[:, None]
     # Disjoint bit fields: the sum is the bitwise OR.
     return jax.lax.bitcast_convert_type(jnp.sum(nibbles, axis=-2, dtype=jnp.uint32), jnp.int32)
 
 
-def unpack_int4(packed_QN: jax.Array) -> jax.Array:
-    """int32 [..., K/8, N] -> int8 [..., K, N] with values in [-8, 7]."""
+def unpack_nibbles(packed_QN: jax.Array) -> jax.Array:
+    """int32 [..., K/8, N] -> the 4-bit codes, uint8 [..., K, N]."""
     *lead, q, n = packed_QN.shape
     bits = jax.lax.bitcast_convert_type(packed_QN, jnp.uint32)[..., :, None, :]
-    nibbles = (bits >> _NIBBLE_SHIFTS[:, None]) & 15
-    return (nibbles.astype(jnp.int8) - 8).reshape(*lead, q * PACK, n)
+    return ((bits >> _NIBBLE_SHIFTS[:, None]) & 15).astype(jnp.uint8).reshape(*lead, q * PACK, n)
+
+
+def pack_int4(values_KN: jax.Array) -> jax.Array:
+    """int values in [-8, 7], [..., K, N] -> int32 [..., K/8, N] (layout above)."""
+    if not jnp.issubdtype(values_KN.dtype, jnp.integer):
+        raise ValueError(f"pack_int4 needs integer values in [-8, 7], got {values_KN.dtype}")
+    return pack_nibbles(values_KN.astype(jnp.int32) + 8)
+
+
+def unpack_int4(packed_QN: jax.Array) -> jax.Array:
+    """int32 [..., K/8, N] -> int8 [..., K, N] with values in [-8, 7]."""
+    return unpack_nibbles(packed_QN).astype(jnp.int8) - 8
 
 
 def dequantize_int4(packed_QN: jax.Array, scales_GN: jax.Array, group_size: int,
@@ -184,9 +193,33 @@ def _dense_kernel(x_MK, packed_QN, scales_GN, *, group_size: int, interpret: boo
     return dense_rows(x_MK, packed_QN.shape[-1], run)
 
 
+class NibbleCode(NamedTuple):
+    """How a 4-bit format's packed codes become weights inside the pair-order kernel: the INT4 one
+    here, NVFP4's in nvfp4_matmul.py. Both pack as `pack_nibbles` does.
+
+    scale_rows(extra_refs, expert) -> f(scale rows [BK/8, BN] as loaded) -> the scale per packed
+      row that dequantize_pairs takes; called once per program (extra_refs: the operands after the
+      scales, whole, e.g. NVFP4's per-tensor scale).
+    dequantize_pairs(packed [BK/8, BN], j, scale per packed row, dtype) -> [BK/4, BN] in pair order:
+      row 2i + h the weight of nibble j + 4h of packed row i.
+    """
+
+    name: str
+    scale_rows: Callable
+    dequantize_pairs: Callable
+
+
 def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int, tuning: Int4Tuning,
                 interpret: bool) -> TileRunner:
     """The INT4 kernel over a work list (weight_stream.TileRunner)."""
+    return nibble_runner(INT4_CODE, packed_EQN, scales_EGN, (), group_size=group_size, tuning=tuning,
+                         interpret=interpret)
+
+
+def nibble_runner(code: NibbleCode, packed_EQN: jax.Array, scales_EGN: jax.Array, extras: tuple[jax.Array, ...], *,
+                  group_size: int, tuning: Int4Tuning, interpret: bool) -> TileRunner:
+    """The pair-order kernel of a 4-bit format over a work list (weight_stream.TileRunner).
+    extras: further operands that every program reads whole (code.scale_rows takes them)."""
     q, n = packed_EQN.shape[-2:]
     k = q * PACK
 
@@ -199,9 +232,10 @@ def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int
             x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, 2, PAIR_DOTS).transpose(3, 0, 1, 2).reshape(
                 PAIR_DOTS, rows_read, 2 * q)
         operands = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
+        operands += [(extra, whole(extra)) for extra in extras]
         return stream_tiles(x_in, operands, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
-                            make_step=functools.partial(_int4_step, group_size=group_size), interpret=interpret,
-                            name="int4_matmul")
+                            make_step=functools.partial(_pair_step, code=code, group_size=group_size),
+                            interpret=interpret, name=f"{code.name}_matmul")
 
     return run
 
@@ -285,25 +319,29 @@ def _scale_row_loader(scales_ref, expert: jax.Array, packed_rows: int, group_siz
     return load
 
 
-def _int4_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
-               group_size: int) -> Callable:
+def _pair_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: jax.Array, tiling: Tiling, *,
+               code: NibbleCode, group_size: int) -> Callable:
     """step(k_block, acc) for one program (weight_stream.StepFactory).
 
     Refs: x_pairs [4, M, K/4] (or x [M, K] with gather_x); packed
-    [E, K/8, BN]; scales [E, K/g, BN].
+    [E, K/8, BN]; scales [E, K/g, BN]; the code's extra operands.
     """
-    packed_ref, scales_ref = operand_refs
+    packed_ref, scales_ref, *extra_refs = operand_refs
     load_x = _x_pair_loader(x_ref, start, rows, tiling)
     packed_rows = tiling.block_k // PACK
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
+    scale_rows = code.scale_rows(extra_refs, expert)
 
     def step(block, acc):
         first_row = block * packed_rows
         packed_QN = packed_ref[expert, pl.ds(first_row, packed_rows), :]
-        scale_QN = load_scales(first_row)
+        scale_QN = scale_rows(load_scales(first_row))
         for j in range(PAIR_DOTS):
-            w_PN = _dequantize_pairs(packed_QN, j, scale_QN, x_ref.dtype)
+            w_PN = code.dequantize_pairs(packed_QN, j, scale_QN, x_ref.dtype)
             acc += tile_product(load_x(j, first_row), w_PN, tiling)
         return acc
 
     return step
+
+
+INT4_CODE = NibbleCode("int4", lambda extra_refs, expert: lambda scale_QN: scale_QN, _dequantize_pairs)

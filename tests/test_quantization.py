@@ -4,7 +4,6 @@ the kernel layout in test_kernels_int4.py."""
 
 import base64
 import dataclasses
-import importlib
 import json
 import os
 
@@ -14,6 +13,8 @@ import numpy as np
 import pytest
 
 import hf_reference as ref
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 import mixserve
 from mixserve.gptq import Calibration, gptq_int4, reconstruction_error
 from mixserve.orbax_io import restore_params, save_params
@@ -61,30 +62,17 @@ def _spec_unpack(packed_NQ: np.ndarray) -> np.ndarray:
     return ((words >> (4 * np.arange(8, dtype=np.uint32))) & 15).astype(np.int8).reshape(*packed_NQ.shape[:-1], -1) - 8
 
 
-def _compressed_tensors_helpers():
-    """(pack_to_int32, unpack_from_int32) of the compressed-tensors package, where it is installed."""
-    for module in ("compressed_tensors.compressors.pack_quantized",
-                   "compressed_tensors.compressors.quantized_compressors.pack_quantized"):
-        try:
-            mod = importlib.import_module(module)
-            return mod.pack_to_int32, mod.unpack_from_int32
-        except ImportError:
-            continue
-    return None
-
-
 def test_written_int4_is_compressed_tensors_pack_quantized(bf16_dir, tmp_path):
     """Every int4 tensor the writer emits decodes, by the spec, to RTN of the BF16 weight: values
     clamp(round(w / s), -8, 7) bit for bit under the stored bf16 scale s, and s = absmax(group) / 7.5
     to bf16 rounding (XLA may divide by multiplying with 1/7.5, one bf16 ulp off a true division).
-    Where the compressed-tensors package is installed, its own pack/unpack must agree too."""
+    The compressed-tensors package's own pack/unpack must agree too."""
     quantize_checkpoint(bf16_dir, str(tmp_path), plan_for(WeightFormat("int4", 32), "experts"))
     src, out = _disk(bf16_dir), _disk(str(tmp_path))
     config = json.load(open(tmp_path / "config.json"))["quantization_config"]
     assert config["format"] == "pack-quantized" and config["config_groups"]["group_0"]["weights"]["group_size"] == 32
     units = sorted(k.removesuffix(".weight_packed") for k in out if k.endswith(".weight_packed"))
     assert units and all(".mlp.experts." in u for u in units)
-    helpers = _compressed_tensors_helpers()
     for unit in units:
         w_NK = src[unit + ".weight"].astype(np.float32)
         packed_NQ, scale_NG = out[unit + ".weight_packed"], out[unit + ".weight_scale"]
@@ -94,12 +82,9 @@ def test_written_int4_is_compressed_tensors_pack_quantized(bf16_dir, tmp_path):
         np.testing.assert_allclose(scale, np.abs(groups).max(-1) / 7.5, rtol=2**-8, err_msg=unit)
         expect = np.clip(np.round(groups / scale[..., None]), -8, 7).astype(np.int8).reshape(w_NK.shape)
         np.testing.assert_array_equal(_spec_unpack(packed_NQ), expect, err_msg=unit)
-        if helpers is not None:
-            import torch
-
-            pack, unpack = helpers
-            np.testing.assert_array_equal(pack(torch.as_tensor(expect), 4).numpy(), packed_NQ, err_msg=unit)
-            np.testing.assert_array_equal(unpack(torch.from_numpy(packed_NQ.copy()), 4, w_NK.shape).numpy(), expect, err_msg=unit)
+        np.testing.assert_array_equal(pack_to_int32(torch.as_tensor(expect), 4).numpy(), packed_NQ, err_msg=unit)
+        np.testing.assert_array_equal(unpack_from_int32(torch.from_numpy(packed_NQ.copy()), 4, w_NK.shape).numpy(),
+                                      expect, err_msg=unit)
 
 
 # ---- GPTQ ---------------------------------------------------------------------------------------

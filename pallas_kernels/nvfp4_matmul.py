@@ -1,0 +1,220 @@
+"""W4A16 matmul over NVFP4 weights: bf16 activations times 4-bit floats (e2m1) with an FP8 (e4m3)
+scale per 16 inputs and one float32 scale per tensor. Dense and grouped (MoE).
+
+NVFP4 is the 4-bit float format that Blackwell's tensor cores multiply natively; the seed names
+NVFP4 weights on Blackwell as Workers AI's next step. Hopper has no FP4 math, so there it is a
+weight-only format like INT4 (vLLM runs it there with Marlin), at the same 4.5 bits per weight as
+INT4 g32 (an 8-bit scale per 16 values instead of a 16-bit one per 32). This kernel is the INT4
+one (int4_matmul.py: work list, split-K, pair order) with another nibble decode.
+
+Format:
+  code: 4 bits, sign in bit 3, magnitude in bits 0-2: 0, 0.5, 1, 1.5, 2, 3, 4, 6 (E2M1_VALUES).
+  packed_QN int32 [K/8, N]: eight codes per int32 along K, the low nibble holding the lowest k
+    (int4_matmul.pack_nibbles; INT4's layout, with the codes as they are instead of value + 8).
+  scales_GN float8_e4m3fn [K/16, N].
+  global_scale float32 [1] ([E, 1] for experts): compressed-tensors' per-tensor global scale,
+    which divides:
+      weight[k, n] = e2m1(code[k, n]) * float(scales[k // 16, n]) * (1 / global_scale)
+  compressed-tensors "nvfp4-pack-quantized" stores weight_packed uint8 [N, K/2] (two codes a
+  byte, low nibble first), weight_scale float8_e4m3fn [N, K/16] and weight_global_scale float32
+  [1]: its rows of bytes, read as little-endian int32, are the rows of packed_QN transposed
+  (from_compressed_tensors / to_compressed_tensors).
+
+Quantizing (quantize_nvfp4, round to nearest as llm-compressor does):
+  global_scale = 448 * 6 * (1 / amax(w)), so that the largest group scale is e4m3's largest, 448;
+  scale = e4m3(amax(group) / 6 * global_scale), saturating;
+  code = e2m1(w / (scale / global_scale)): nearest, ties to even, saturating at 6.
+  Tested bit for bit against the compressed-tensors package (tests/test_kernels_nvfp4.py).
+
+The kernel's decode (_fp4_pairs) puts a code's three magnitude bits into float16's exponent and
+mantissa (bits 9-11) and its sign into float16's sign: float16's exponent bias is 14 more than
+e2m1's, and its subnormals continue e2m1's, so the float16 is exactly e2m1(code) * 2**-14, for
+every code, zero and 0.5 included. The 2**14 goes into the scale (exact: a power of two). Two
+codes of a word decode in one int32 (nibbles j and j + 4, as INT4's pairs).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.int4_matmul import (
+    PACK, Int4Tuning, NibbleCode, check_activations, nibble_runner, pack_nibbles, unpack_nibbles)
+from pallas_kernels.weight_stream import checked_group_sizes, dense_rows, grouped_rows, reference_dot, \
+    reference_ragged_dot
+
+GROUP = 16  # values per e4m3 scale
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+_F16_UNIT = 2.0**14  # e2m1(code) = float16 bits of the code's fields * 2**14
+
+
+def quantize_nvfp4(w_KN: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Real weights [..., K, N] -> (packed_QN int32, scales_GN float8_e4m3fn, global_scale float32
+    [..., 1]); one global scale per matrix (per expert for [E, K, N])."""
+    *lead, k, n = w_KN.shape
+    if k % GROUP:
+        raise ValueError(f"NVFP4 groups of {GROUP} inputs do not divide the input dimension {k}")
+    w = w_KN.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(w), axis=(-2, -1))[..., None], jnp.finfo(jnp.float32).tiny)
+    # 2688 times the reciprocal, as torch evaluates compressed-tensors' `2688 / amax` (one float32
+    # ulp from a division at times); an amax so small that this overflows (an all-zero matrix) keeps
+    # global_scale 1, as there.
+    global_scale = E4M3_MAX * E2M1_MAX * (1.0 / amax)
+    global_scale = jnp.where(jnp.isfinite(global_scale), global_scale, 1.0)
+    groups = w.reshape(*lead, k // GROUP, GROUP, n)
+    group_max = jnp.max(jnp.abs(groups), axis=-2)
+    limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scales = jnp.clip(group_max / E2M1_MAX * global_scale[..., None], -limit, limit).astype(jnp.float8_e4m3fn)
+    step = scales.astype(jnp.float32) / global_scale[..., None]  # divided, as compressed-tensors does
+    scaled = jnp.where(step[..., None, :] > 0, groups / jnp.where(step > 0, step, 1.0)[..., None, :], 0.0)
+    return pack_nibbles(e2m1_codes(scaled).reshape(*lead, k, n)), scales, global_scale.astype(jnp.float32)
+
+
+def e2m1_codes(v: jax.Array) -> jax.Array:
+    """float32 -> the nearest e2m1 code (ties to even, saturating at 6; -0 keeps its sign), uint8.
+
+    Arithmetic, not XLA's float4_e2m1fn convert: on CPU with the loop emitters
+    (--xla_cpu_use_fusion_emitters=false, this suite's flag) that convert rounds twice and
+    sends 1.7499 to 2 and 1.2501 to 1. Within a binade the e2m1 values are multiples of its spacing
+    s (0.5 below 2, 1 below 4, then 2) and the even multiples are the even mantissas, so rounding
+    |v| / s half to even (exact: s is a power of two) is e2m1's rounding."""
+    magnitude = jnp.minimum(jnp.abs(v), E2M1_MAX)
+    spacing = jnp.where(magnitude < 2, 0.5, jnp.where(magnitude < 4, 1.0, 2.0))
+    rounded = jnp.round(magnitude / spacing) * spacing  # jnp.round: half to even
+    # value -> code: 0, .5, 1, 1.5 -> 0-3; 2, 3 -> 4, 5; 4, 6 -> 6, 7
+    code = jnp.where(rounded < 2, rounded * 2, jnp.where(rounded < 4, rounded + 2, rounded / 2 + 4))
+    return (code.astype(jnp.uint8) | jnp.where(jnp.signbit(v), 8, 0).astype(jnp.uint8))
+
+
+def dequantize_nvfp4(packed_QN: jax.Array, scales_GN: jax.Array, global_scale: jax.Array,
+                     dtype=jnp.float32) -> jax.Array:
+    """Real weights [..., K, N]: e2m1(code) * (scale * (1 / global_scale)) in float32, cast to dtype.
+    The reciprocal once per matrix, then a product, as vLLM's Hopper (Marlin) path takes it;
+    compressed-tensors divides each scale instead, which differs by at most one float32 rounding
+    (2**-24 relative) before the cast."""
+    values = jnp.asarray(E2M1_VALUES)[unpack_nibbles(packed_QN).astype(jnp.int32)]
+    group = values.shape[-2] // scales_GN.shape[-2]
+    step = scales_GN.astype(jnp.float32) * (1.0 / global_scale.astype(jnp.float32))[..., None]
+    return (values * jnp.repeat(step, group, axis=-2)).astype(dtype)
+
+
+def from_compressed_tensors(weight_packed_NH, weight_scale_NG, weight_global_scale):
+    """compressed-tensors nvfp4-pack-quantized (..., uint8 [N, K/2], e4m3 [N, K/16], float32 [1])
+    -> (packed_QN, scales_GN, global_scale). numpy in, numpy out (a checkpoint is read on the host)."""
+    as_words = np.ascontiguousarray(np.asarray(weight_packed_NH, np.uint8)).view("<i4").astype(np.int32)
+    return np.swapaxes(as_words, -1, -2), np.swapaxes(np.asarray(weight_scale_NG), -1, -2), \
+        np.asarray(weight_global_scale, np.float32)
+
+
+def to_compressed_tensors(packed_QN, scales_GN, global_scale):
+    """(packed_QN, scales_GN, global_scale) -> compressed-tensors (weight_packed uint8 [N, K/2],
+    weight_scale [N, K/16], weight_global_scale [1]), numpy."""
+    words = np.ascontiguousarray(np.swapaxes(np.asarray(packed_QN), -1, -2)).astype("<i4")
+    return words.view(np.uint8), np.swapaxes(np.asarray(scales_GN), -1, -2), np.asarray(global_scale, np.float32)
+
+
+def check_nvfp4_operands(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, global_scale: jax.Array,
+                         group_size: int) -> None:
+    """ValueError naming the mismatch; the weights may carry an expert axis."""
+    check_activations(x_MK)
+    k = x_MK.shape[1]
+    if group_size <= 0 or group_size % PACK or GROUP % group_size or k % group_size:
+        raise ValueError(f"group_size={group_size} must be {GROUP} (or a multiple of {PACK} dividing it, "
+                         f"re-blocked for tensor parallelism) and divide K={k}")
+    if packed_QN.dtype != jnp.int32 or packed_QN.shape[-2] != k // PACK:
+        raise ValueError(f"packed weights must be int32 [..., K/8={k // PACK}, N], got {packed_QN.dtype}{packed_QN.shape}")
+    expected = (*packed_QN.shape[:-2], k // group_size, packed_QN.shape[-1])
+    if scales_GN.shape != expected or scales_GN.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"scales must be float8_e4m3fn [..., K/group_size, N] = {expected}, "
+                         f"got {scales_GN.dtype}{scales_GN.shape}")
+    if global_scale.shape != (*packed_QN.shape[:-2], 1) or global_scale.dtype != jnp.float32:
+        raise ValueError(f"global_scale must be float32 {(*packed_QN.shape[:-2], 1)}, "
+                         f"got {global_scale.dtype}{global_scale.shape}")
+
+
+def nvfp4_matmul(x_MK: jax.Array, packed_QN: jax.Array, scales_GN: jax.Array, global_scale: jax.Array, *,
+                 group_size: int = GROUP, backend: str | None = None, tuning: Int4Tuning = Int4Tuning()) -> jax.Array:
+    """y = x @ dequantize_nvfp4(packed, scales, global_scale), f32 accumulation, in x's dtype.
+    tuning: the kernel's launch choices (the INT4 kernel's); not the result."""
+    backend = resolve_backend(backend)
+    if packed_QN.ndim != 2:
+        raise ValueError(f"packed weights must be [K/8, N], got {packed_QN.shape}")
+    check_nvfp4_operands(x_MK, packed_QN, scales_GN, global_scale, group_size)
+    if backend == "xla":
+        return _reference(x_MK, packed_QN, scales_GN, global_scale)
+    return _dense_kernel(x_MK, packed_QN, scales_GN, global_scale, group_size=group_size,
+                         interpret=backend == "interpret", tuning=tuning)
+
+
+def moe_nvfp4_matmul(x_TK: jax.Array, packed_EQN: jax.Array, scales_EGN: jax.Array, global_scale_E1: jax.Array,
+                     group_sizes_E: jax.Array, *, group_size: int = GROUP, backend: str | None = None,
+                     tuning: Int4Tuning = Int4Tuning()) -> jax.Array:
+    """Expert-sorted rows (as lax.ragged_dot): row t uses the expert whose group contains t. Rows
+    past sum(group_sizes_E) are zero; a negative size counts as 0 (moe_int4_matmul's rules)."""
+    backend = resolve_backend(backend)
+    if packed_EQN.ndim != 3:
+        raise ValueError(f"packed expert weights must be [E, K/8, N], got {packed_EQN.shape}")
+    check_nvfp4_operands(x_TK, packed_EQN, scales_EGN, global_scale_E1, group_size)
+    group_sizes_E = checked_group_sizes(group_sizes_E, packed_EQN.shape[0])
+    if backend == "xla":
+        return _moe_reference(x_TK, packed_EQN, scales_EGN, global_scale_E1, group_sizes_E)
+    return _moe_kernel(x_TK, packed_EQN, scales_EGN, global_scale_E1, group_sizes_E, group_size=group_size,
+                       interpret=backend == "interpret", tuning=tuning)
+
+
+@jax.jit
+def _reference(x_MK, packed_QN, scales_GN, global_scale):
+    return reference_dot(x_MK, dequantize_nvfp4(packed_QN, scales_GN, global_scale))
+
+
+@jax.jit
+def _moe_reference(x_TK, packed_EQN, scales_EGN, global_scale_E1, group_sizes_E):
+    return reference_ragged_dot(x_TK, dequantize_nvfp4(packed_EQN, scales_EGN, global_scale_E1), group_sizes_E)
+
+
+def _runner(packed_EQN, scales_EGN, global_scale_E1, *, group_size, tuning, interpret):
+    # The reciprocal is XLA's (as in the reference), times 2**14 for the float16 decode: exact.
+    factor_E1 = (1.0 / global_scale_E1) * _F16_UNIT
+    return nibble_runner(NVFP4_CODE, packed_EQN, scales_EGN, (factor_E1,), group_size=group_size, tuning=tuning,
+                         interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))
+def _dense_kernel(x_MK, packed_QN, scales_GN, global_scale, *, group_size: int, interpret: bool, tuning: Int4Tuning):
+    run = _runner(packed_QN[None], scales_GN[None], global_scale[None], group_size=group_size, tuning=tuning,
+                  interpret=interpret)
+    return dense_rows(x_MK, packed_QN.shape[-1], run)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "tuning"))
+def _moe_kernel(x_TK, packed_EQN, scales_EGN, global_scale_E1, group_sizes_E, *, group_size: int, interpret: bool,
+                tuning: Int4Tuning):
+    run = _runner(packed_EQN, scales_EGN, global_scale_E1, group_size=group_size, tuning=tuning, interpret=interpret)
+    return grouped_rows(x_TK, group_sizes_E, packed_EQN.shape[-1], run)
+
+
+def _scale_rows(extra_refs, expert):
+    """Each scale row as float32 times this expert's (1 / global_scale) * 2**14: one multiply per
+    scale, and the float16 decode's 2**-14 is undone."""
+    (factor_ref,) = extra_refs
+    factor_11 = factor_ref[expert, :][None, :]
+    return lambda scale_QN: scale_QN.astype(jnp.float32) * factor_11
+
+
+def _fp4_pairs(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype) -> jax.Array:
+    """Nibbles j and j + 4 of a packed block, dequantized in pair order: [2Q, N] (int4_matmul's
+    NibbleCode.dequantize_pairs). Each half of an int32 becomes a float16 equal to e2m1(code) * 2**-14
+    (module docstring); times the float32 scale (which carries the 2**14), rounded once to dtype."""
+    pair_QN = (packed_QN >> (4 * j)) & 0x000F000F
+    f16_QN = ((pair_QN & 0x00070007) << 9) | ((pair_QN & 0x00080008) << 12)
+    halves = [jax.lax.bitcast_convert_type(half_QN.astype(jnp.int16), jnp.float16) for half_QN in (f16_QN, f16_QN >> 16)]
+    w_QN2 = (jnp.stack(halves, axis=-1).astype(jnp.float32) * scale_QN[:, :, None]).astype(dtype)
+    q, n = packed_QN.shape
+    return w_QN2.transpose(0, 2, 1).reshape(2 * q, n)
+
+
+NVFP4_CODE = NibbleCode("nvfp4", _scale_rows, _fp4_pairs)
