@@ -8,6 +8,8 @@ On-disk formats of a linear weight ("unit"), told apart by which tensors exist:
   dense      `weight`
   fp8_block  `weight` (float8_e4m3fn) + `weight_scale_inv` (float32, 128x128 blocks)
   int4       `weight_packed` (int32 [out, in/8]) + `weight_scale` [out, in/group] + `weight_shape`
+  nvfp4      `weight_packed` (uint8 [out, in/2]) + `weight_scale` (float8_e4m3fn [out, in/16])
+             + `weight_global_scale` (float32 [1])
 Routed experts and the other linear layers each get one format (a WeightPlan); if a checkpoint
 mixes formats inside one of these, that part is dequantized to the model dtype on load.
 Any other part beside these (zero points, group indices, a bias the config does not declare) and a
@@ -30,15 +32,22 @@ from tqdm import tqdm
 from mixserve.safetensors_io import CheckpointError, TensorInfo, index_tensors, iter_tensors, load_tensor
 from models.config import ModelConfig
 from models.transformer import Transformer
-from models.weights import BF16, FP8_BLOCK, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan
+from models.weights import BF16, FP8_BLOCK, NVFP4_GROUP, Fp8BlockWeight, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan
+from pallas_kernels.nvfp4_matmul import from_compressed_tensors as nvfp4_from_compressed_tensors
 
-QUANT_PARTS = {"weight_scale_inv": "fp8_block", "weight_packed": "int4", "weight_scale": "int4", "weight_shape": "int4"}
+QUANT_PARTS = {"weight_scale_inv", "weight_packed", "weight_scale", "weight_shape", "weight_global_scale"}
 # Tensors that real checkpoints carry but the text model does not use.
 SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
-LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed", "scales_GN": "weight_scale"}
+LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed",
+                "scales_GN": "weight_scale", "global_scale": "weight_global_scale"}
 # The parts each on-disk format of a linear weight consists of; any other part of a known unit is refused.
 STORED_PARTS = {"dense": {"weight"}, "fp8_block": {"weight", "weight_scale_inv"},
-                "int4": {"weight_packed", "weight_scale", "weight_shape"}}
+                "int4": {"weight_packed", "weight_scale", "weight_shape"},
+                "nvfp4": {"weight_packed", "weight_scale", "weight_global_scale", "weight_shape"}}
+# The dtypes (safetensors names) of the packed formats' parts: a uint8 NVFP4 pack without its global
+# scale must not pass for an INT4 one.
+PART_DTYPES = {"int4": {"weight_packed": "I32"},
+               "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"}}
 # Parts that quantization schemes mixserve does not implement add to a unit: named in the error.
 UNSUPPORTED_PARTS = {
     "weight_zero_point": "zero points of asymmetric quantization (mixserve's INT4 is symmetric)",
@@ -84,6 +93,8 @@ def is_mtp_layer(unit: str, cfg: ModelConfig) -> bool:
 
 
 def _stored_kind(parts) -> str:
+    if "weight_global_scale" in parts:
+        return "nvfp4"
     if "weight_packed" in parts:
         return "int4"
     return "fp8_block" if "weight_scale_inv" in parts else "dense"
@@ -114,6 +125,9 @@ def _int4_group(unit: str, infos: dict[str, TensorInfo]) -> int:
     """Group size implied by weight_packed [out, in/8] and weight_scale [out, in/group]."""
     if unit + ".weight_scale" not in infos:
         raise CheckpointError(f"{unit}.weight_scale is missing (needed with weight_packed)")
+    if (dtype := infos[unit + ".weight_packed"].dtype) != PART_DTYPES["int4"]["weight_packed"]:
+        raise CheckpointError(f"tensor {unit}.weight_packed is {dtype}, where int4 stores I32 "
+                              "(a uint8 pack is NVFP4's, which needs its weight_global_scale)")
     packed, scale = infos[unit + ".weight_packed"].shape, infos[unit + ".weight_scale"].shape
     in_dim = packed[1] * 8
     group = in_dim // scale[1]
@@ -135,8 +149,9 @@ def check_quantization_config(quant: dict) -> None:
     """Refuse, before any tensor is read, a quantization_config whose tensors would load but mean
     something else: asymmetric or reordered INT4, other bit widths, activation or KV quantization,
     sparsity or rotation transforms. Accepted: DeepSeek-style block FP8 (quant_method "fp8", e4m3,
-    128 x 128 blocks, dynamic activations) and compressed-tensors pack-quantized, symmetric 4-bit
-    int weights by group or channel, activations unquantized (W4A16)."""
+    128 x 128 blocks, dynamic activations), compressed-tensors pack-quantized, symmetric 4-bit int
+    weights by group or channel, and compressed-tensors nvfp4-pack-quantized (4-bit float weights in
+    groups of 16, a global scale per tensor), activations unquantized (W4A16)."""
     if not quant:
         return
     method, problems = quant.get("quant_method"), []
@@ -157,20 +172,26 @@ def check_quantization_config(quant: dict) -> None:
         for name, group in (quant.get("config_groups") or {}).items():
             problems += [f"config_groups.{name}: {p}" for p in _unsupported_group(group, quant.get("format"))]
     else:
-        problems.append(f"quant_method {method!r} (mixserve reads 'fp8' block checkpoints and 'compressed-tensors' INT4)")
+        problems.append(f"quant_method {method!r} (mixserve reads 'fp8' block checkpoints and 'compressed-tensors' INT4 "
+                        "and NVFP4)")
     if problems:
         raise CheckpointError("unsupported quantization_config: " + "; ".join(problems))
 
 
 def _unsupported_group(group: dict, default_format) -> list[str]:
-    """What a compressed-tensors config group declares beyond symmetric W4A16 pack-quantized."""
+    """What a compressed-tensors config group declares beyond symmetric W4A16 pack-quantized or NVFP4A16."""
     weights, problems = group.get("weights") or {}, []
-    if group.get("format", default_format) != "pack-quantized":
-        problems.append(f"format {group.get('format', default_format)!r} (only 'pack-quantized')")
-    expected = {"num_bits": 4, "type": "int", "symmetric": True}
+    fmt = group.get("format", default_format)
+    if fmt == "nvfp4-pack-quantized":
+        expected = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                    "group_size": NVFP4_GROUP}
+    elif fmt == "pack-quantized":
+        expected = {"num_bits": 4, "type": "int", "symmetric": True}
+        if weights.get("strategy") not in ("group", "channel"):
+            problems.append(f"weights.strategy {weights.get('strategy')!r} (expected 'group' or 'channel')")
+    else:
+        return [f"format {fmt!r} (only 'pack-quantized' and 'nvfp4-pack-quantized')"]
     problems += [f"weights.{k} {weights.get(k)!r} (expected {v!r})" for k, v in expected.items() if weights.get(k) != v]
-    if weights.get("strategy") not in ("group", "channel"):
-        problems.append(f"weights.strategy {weights.get('strategy')!r} (expected 'group' or 'channel')")
     if weights.get("actorder") in ("group", "dynamic", True):
         problems.append(f"weights.actorder {weights['actorder']!r} (group indices; 'weight' or none is supported)")
     problems += [f"{k} {group[k]!r} (W4A16 only)" for k in ("input_activations", "output_activations") if group.get(k)]
@@ -206,7 +227,7 @@ class _Unit:
 
     leaves: dict[str, int]  # HF part -> leaf index
     expert: int | None
-    target: str  # "dense" | "fp8_block" | "int4" | "plain" (norm scale, bias, embedding, ...)
+    target: str  # "dense" | "fp8_block" | "int4" | "nvfp4" | "plain" (norm scale, bias, embedding, ...)
 
 
 def _path_str(path) -> tuple[str, ...]:
@@ -221,6 +242,7 @@ def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
     part, transpose = "weight", True
     if names[-1] in LEAF_TO_PART:  # a field of a quantized weight
         part = LEAF_TO_PART[names.pop()]
+        transpose = part != "weight_global_scale"  # [1] per matrix
     last = names[-1]
     if last == "kernel":
         names.pop()
@@ -312,17 +334,21 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                     wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
             continue
         kind = _stored_kind(stored)
+        wrong += [f"tensor {name}.{part} is {stored[part].dtype}, where {kind} stores {dtype}"
+                  for part, dtype in PART_DTYPES.get(kind, {}).items() if part in stored and stored[part].dtype != dtype]
         if kind != unit.target and unit.target != "dense":
             wrong.append(f"{name} is stored as {kind} but the plan wants {unit.target}")
-        if kind == "int4" and "weight_scale" not in stored:
+        if kind in ("int4", "nvfp4") and "weight_scale" not in stored:
             missing.append(f"{name}.weight_scale (needed with weight_packed)")
-        if kind == "int4" and "weight_shape" in stored:  # two integers: cheap to read now
+        if kind in ("int4", "nvfp4") and "weight_shape" in stored:  # two integers: cheap to read now
             declared = tuple(int(d) for d in load_tensor(stored["weight_shape"]))
             if declared != _logical_shape(stored):
                 wrong.append(f"tensor {name}.weight_shape says {declared}, weight_packed holds {_logical_shape(stored)}")
         if kind == unit.target:
             for part, i in unit.leaves.items():
                 expected = _disk_shape(leaves[i])
+                if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
+                    expected = (*expected[:-1], expected[-1] * 4)
                 if tuple(stored[part].shape) != expected:
                     wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
         else:  # quantized on disk, dense in the plan: check the logical shape
@@ -352,8 +378,8 @@ def _allowed_parts(unit: _Unit, stored: dict[str, TensorInfo]) -> set[str]:
 
 def _logical_shape(stored: dict[str, TensorInfo]) -> tuple[int, ...]:
     if "weight_packed" in stored:
-        out, q = stored["weight_packed"].shape
-        return (out, q * 8)
+        out, width = stored["weight_packed"].shape
+        return (out, width * (2 if _stored_kind(stored) == "nvfp4" else 8))  # uint8 or int32 words
     return tuple(stored["weight"].shape)
 
 
@@ -364,6 +390,14 @@ def _disk_shape(leaf: _Leaf) -> tuple[int, ...]:
 
 def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str, np.ndarray]:
     """HF parts -> our parts (still HF orientation); dequantizes when the plan keeps the unit dense."""
+    if _stored_kind(parts) == "nvfp4":
+        packed, scales, global_scale = nvfp4_from_compressed_tensors(
+            parts["weight_packed"], parts["weight_scale"], parts["weight_global_scale"])
+        if target.target == "dense":
+            w = Nvfp4Weight(jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(global_scale))
+            rest = {k: v for k, v in parts.items() if k not in QUANT_PARTS}
+            return {**rest, "weight": np.asarray(w.dequantize(jnp.float32)).T}
+        return {**parts, "weight_packed": packed.T, "weight_scale": scales.T, "weight_global_scale": global_scale}
     if target.target == "dense" and _stored_kind(parts) != "dense":
         if "weight_packed" in parts:
             out, q = parts["weight_packed"].shape

@@ -43,7 +43,7 @@ from models.attention import LatentUpProjection
 from models.layers import Linear
 from models.moe import RoutedExperts
 from models.transformer import Transformer
-from models.weights import Fp8BlockWeight, Int4Weight, WeightPlan
+from models.weights import QUANTIZED, Int4Weight, WeightPlan
 
 log = logging.getLogger(__name__)
 Path = tuple[str, ...]
@@ -147,7 +147,7 @@ def reconstruction_error(w_KN: jax.Array, q: Int4Weight, xtx_KK: jax.Array) -> j
 
 
 def is_quantized(x) -> bool:
-    return isinstance(x, (Int4Weight, Fp8BlockWeight))
+    return isinstance(x, QUANTIZED)
 
 
 def flat_params(tree) -> dict[Path, object]:

@@ -3,9 +3,11 @@
     python -m mixserve.quantize --model DIR --out DIR --format int4 --group-size 32 [--scope experts|all]
            [--method rtn|gptq --calibration-tokens 2048 --seed 0]
     python -m mixserve.quantize --model DIR --out DIR --format fp8
+    python -m mixserve.quantize --model DIR --out DIR --format nvfp4 [--scope experts|all]
 
 int4 writes compressed-tensors pack-quantized (W4A16, symmetric, group-wise) with a
-`quantization_config` in the form vLLM/SGLang read; fp8 writes the DeepSeek/GLM block format
+`quantization_config` in the form vLLM/SGLang read; nvfp4 writes compressed-tensors
+nvfp4-pack-quantized, weights only (llm-compressor's NVFP4A16); fp8 writes the DeepSeek/GLM block format
 (`weight_scale_inv`, 128x128). Scope "experts" quantizes routed experts only (as Kimi K2 Thinking
 ships); "all" also quantizes attention, dense MLPs and shared experts. Router, norms, embeddings,
 lm_head and the DSA indexer's weights_proj always stay as they are.
@@ -35,7 +37,8 @@ from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_param
                            require_unquantized)
 from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
-from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, quantize
+from models.weights import Int4Weight, Nvfp4Weight, Quantized, WeightFormat, WeightPlan, quantize
+from pallas_kernels.nvfp4_matmul import to_compressed_tensors as nvfp4_to_compressed_tensors
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +57,12 @@ def quantize_unit(weight_NK: np.ndarray, fmt: WeightFormat) -> dict[str, np.ndar
     return disk_parts(quantize(jnp.asarray(np.asarray(weight_NK, np.float32).T), fmt))
 
 
-def disk_parts(q: Fp8BlockWeight | Int4Weight) -> dict[str, np.ndarray]:
+def disk_parts(q: Quantized) -> dict[str, np.ndarray]:
     """A quantized [in, out] weight -> its HF on-disk parts ([out, in] orientation)."""
-    if isinstance(q, Fp8BlockWeight):
+    if isinstance(q, Nvfp4Weight):
+        packed, scales, global_scale = nvfp4_to_compressed_tensors(q.packed_QN, q.scales_GN, q.global_scale)
+        return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": global_scale}
+    if not isinstance(q, Int4Weight):
         return {"weight": np.asarray(q.values_KN).T, "weight_scale_inv": np.asarray(q.scale_inv_kn).T}
     packed_NQ, scale_NG = pallas_kernels.to_compressed_tensors(q.packed_QN, q.scales_GN)
     k, n = q.shape
@@ -153,13 +159,15 @@ def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
     if fmt.kind == "fp8_block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                 "modules_to_not_convert": ignored}
+    nvfp4 = fmt.kind == "nvfp4"
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": "nvfp4-pack-quantized" if nvfp4 else "pack-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+            "weights": {"num_bits": 4, "type": "float" if nvfp4 else "int", "symmetric": True,
+                        "strategy": "tensor_group" if nvfp4 else "group",
                         "group_size": fmt.group_size, "dynamic": False, "observer": "minmax"},
             "input_activations": None, "output_activations": None,
         }},
@@ -236,7 +244,7 @@ def _check_group_sizes(infos, prefix: str, plan: WeightPlan, config) -> None:
     for name, info in infos.items():
         bare = name.removeprefix(prefix)
         fmt = plan.experts if is_expert_unit(bare) else plan.linear
-        if _quantized_here(bare, plan, config) and fmt.kind == "int4" and info.shape[1] % fmt.group_size:
+        if _quantized_here(bare, plan, config) and fmt.kind in ("int4", "nvfp4") and info.shape[1] % fmt.group_size:
             raise CheckpointError(f"{name}: group size {fmt.group_size} does not divide the input dimension {info.shape[1]}")
 
 
@@ -244,7 +252,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m mixserve.quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="source HF checkpoint directory (BF16)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", choices=["int4", "fp8"], required=True, help="int4: compressed-tensors W4A16; fp8: 128x128 block FP8")
+    p.add_argument("--format", choices=["int4", "nvfp4", "fp8"], required=True,
+                   help="int4: compressed-tensors W4A16; nvfp4: compressed-tensors NVFP4 weights (W4A16); "
+                        "fp8: 128x128 block FP8")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dimension (32 or 128)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
@@ -256,7 +266,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # bad arguments or a checkpoint that cannot be quantized: a usage error, not a traceback
-        fmt = WeightFormat("int4", args.group_size) if args.format == "int4" else WeightFormat("fp8_block")
+        fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), args.group_size)
         calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
         reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
                                       calibration=calibration)

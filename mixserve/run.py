@@ -35,6 +35,7 @@ WEIGHT_CHOICES = {
     "model": None,
     "fp8": plan_for(WeightFormat("fp8_block"), "all"),
     "int4": plan_for(WeightFormat("int4", 32), "experts"),
+    "nvfp4": plan_for(WeightFormat("nvfp4"), "experts"),
 }
 DEFAULT_PROMPTS = ["The cheapest token is the one", "KV cache pages", "FP8 e4m3 has no infinity", "Hello"]
 
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "share and merges")
     p.add_argument("--prefill-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights prefill runs on: model (as loaded), fp8 (128x128 block, all linear layers), "
-                        "int4 (group 32, routed experts; RTN)")
+                        "int4 (group 32, routed experts; RTN), nvfp4 (4-bit floats, e4m3 scales per 16, routed "
+                        "experts; RTN)")
     p.add_argument("--decode-weights", default="model", choices=list(WEIGHT_CHOICES),
                    help="weights decode runs on (the seed: FP8 prefill, INT4 decode); a second weight set if it differs")
     p.add_argument("--disaggregate", action="store_true",
@@ -121,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
                         "pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
-                   help="kernels for paged decode attention and INT4 matmuls: pallas (GPU), xla (the jnp references), "
+                   help="kernels for paged decode attention and INT4/NVFP4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
     p.add_argument("--json", action="store_true", help="print a machine-readable report instead of text")
     return p

@@ -63,7 +63,10 @@ def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
             to = NamedSharding(mesh, spec)
             values = leaf.stored[0]
             finer = lambda scales: reblock(leaf.with_stored(values, scales), placed.values_per_scale).stored[1]
-            return placed.with_stored(lambda v: jax.device_put(v, to), lambda s: jax.device_put(finer(s), to))
+            per_tensor_to = NamedSharding(mesh, PartitionSpec(*spec[:-2], None))  # [..., 1]: split as the experts are
+            per_tensor = tuple(lambda x: jax.device_put(x, per_tensor_to) for _ in leaf.per_tensor)
+            return placed.with_stored(lambda v: jax.device_put(v, to), lambda s: jax.device_put(finer(s), to),
+                                      per_tensor=per_tensor)
         to = NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
         return lambda x: jax.device_put(x, to)
 

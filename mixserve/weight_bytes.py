@@ -29,6 +29,7 @@ from typing import Literal
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.kv import NoCache
@@ -37,7 +38,7 @@ from models.presets import get_preset
 from models.transformer import DecoderLayer, Transformer
 from models.weights import BF16, QUANTIZED, WeightFormat, WeightPlan, abstract_weight, split_for_tp
 
-FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block")}
+FORMATS = {"bf16": BF16, "fp8": WeightFormat("fp8_block"), "nvfp4": WeightFormat("nvfp4")}
 REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "indexer", "gate")  # module names kept whole on every rank
 Component = Literal["experts", "attention", "dense", "embeddings", "other"]
 COMPONENTS = ("experts", "attention", "dense", "embeddings", "other")
@@ -75,13 +76,14 @@ class WeightBytes:
 
 def resolve_plan(fmt: str, group_size: int = 32, scope: str | None = None) -> WeightPlan:
     """Format name + scope -> WeightPlan. scope None: "all" for fp8 (the DeepSeek/GLM FP8 checkpoints
-    quantize every linear layer), "experts" for int4 (Kimi K2 Thinking's INT4 covers routed experts only)."""
+    quantize every linear layer), "experts" for int4 (Kimi K2 Thinking's INT4 covers routed experts
+    only) and nvfp4 (the same plan, in the other 4-bit format)."""
     if fmt == "int4":
         quant = WeightFormat("int4", group_size)
     elif fmt in FORMATS:
         quant = FORMATS[fmt]
     else:
-        raise ValueError(f"unknown format {fmt!r}; expected bf16, fp8 or int4")
+        raise ValueError(f"unknown format {fmt!r}; expected bf16, fp8, int4 or nvfp4")
     scope = scope or ("all" if fmt == "fp8" else "experts")
     if scope not in ("experts", "all"):
         raise ValueError(f"scope must be 'experts' or 'all', got {scope!r}")
@@ -152,7 +154,8 @@ def _device_share(init, tp: int, expert_parallel: bool) -> int:
     def share(leaf, names) -> int:
         if isinstance(leaf, QUANTIZED):
             leaf, spec = split_for_tp(leaf, tuple(names.stored[0]), tp, expert_parallel)
-            return sum(_split_bytes(part, spec, tp) for part in leaf.stored)
+            return (sum(_split_bytes(part, spec, tp) for part in leaf.stored)
+                    + sum(_split_bytes(part, P(*spec[:-2], None), tp) for part in leaf.per_tensor))
         return _split_bytes(leaf, spec_for(tuple(names), leaf.shape, tp, expert_parallel), tp)
 
     is_leaf = lambda x: isinstance(x, QUANTIZED)
@@ -176,7 +179,7 @@ def _component(path: tuple[str, ...]) -> Component:
         return "embeddings"
     if "experts" in path:
         return "experts"
-    matmul = any(p in ("kernel", "values_KN", "scale_inv_kn", "packed_QN", "scales_GN") for p in path[-2:])
+    matmul = any(p in ("kernel", "values_KN", "scale_inv_kn", "packed_QN", "scales_GN", "global_scale") for p in path[-2:])
     if matmul and "self_attn" in path:
         return "attention"
     if matmul and "mlp" in path and "gate" not in path:  # mlp/gate is the router

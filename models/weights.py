@@ -12,6 +12,10 @@ Formats (on-disk names in brackets):
   int4       symmetric group-wise along the input dim, group 32 or 128, 8 nibbles per int32
              [compressed-tensors pack-quantized: `weight_packed`, `weight_scale`, `weight_shape`].
              Packed layout: see pallas_kernels/int4_matmul.py (the transpose of compressed-tensors).
+  nvfp4      4-bit floats (e2m1) in INT4's packed layout, a float8_e4m3fn scale per 16 inputs and a
+             float32 global scale per matrix (per expert) [compressed-tensors nvfp4-pack-quantized:
+             `weight_packed` uint8, `weight_scale`, `weight_global_scale`]; real = e2m1 * scale /
+             global_scale. See pallas_kernels/nvfp4_matmul.py.
 Tensor parallelism may hold either with finer scale blocks (their scales repeated: the same
 weight), where a device's share would cut the stored ones (split_for_tp): FP8 scale_block (64, 128)
 or an INT4 group of 64 for GLM-4.5's 192-row expert shares at TP8.
@@ -33,19 +37,22 @@ from models import partitioning
 
 FP8_BLOCK = pallas_kernels.FP8_BLOCK
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn; it has no infinity, so an unclamped overflow is NaN
-FormatKind = Literal["bf16", "fp8_block", "int4"]
+FormatKind = Literal["bf16", "fp8_block", "int4", "nvfp4"]
+NVFP4_GROUP = pallas_kernels.NVFP4_GROUP
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
     kind: FormatKind = "bf16"
-    group_size: int = 32  # int4 only
+    group_size: int = 32  # int4 only (nvfp4's is 16)
 
     def __post_init__(self):
-        if self.kind not in ("bf16", "fp8_block", "int4"):
-            raise ValueError(f"unknown weight format {self.kind!r}; expected bf16, fp8_block or int4")
+        if self.kind not in ("bf16", "fp8_block", "int4", "nvfp4"):
+            raise ValueError(f"unknown weight format {self.kind!r}; expected bf16, fp8_block, int4 or nvfp4")
         if self.kind == "int4" and (self.group_size <= 0 or self.group_size % 8):
             raise ValueError(f"int4 group_size must be a positive multiple of 8, got {self.group_size}")
+        if self.kind == "nvfp4":
+            object.__setattr__(self, "group_size", NVFP4_GROUP)
 
     def __str__(self) -> str:
         return f"int4-g{self.group_size}" if self.kind == "int4" else self.kind
@@ -99,8 +106,11 @@ class Fp8BlockWeight:
         """(values, scales), each [..., rows, columns]."""
         return self.values_KN, self.scale_inv_kn
 
-    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None) -> "Fp8BlockWeight":
+    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None,
+                    per_tensor: tuple = ()) -> "Fp8BlockWeight":
         return Fp8BlockWeight(values, scales, values_per_scale or self.scale_block)
+
+    per_tensor = ()  # no scale per matrix (Nvfp4Weight's global scale)
 
     @property
     def values_per_scale(self) -> tuple[int, int]:
@@ -147,10 +157,11 @@ class Int4Weight:
         """(values, scales), each [..., rows, columns]."""
         return self.packed_QN, self.scales_GN
 
-    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None) -> "Int4Weight":
-        if values_per_scale is not None and values_per_scale[1] != 1:
-            raise ValueError(f"an INT4 scale covers one column, not {values_per_scale[1]}")
-        return Int4Weight(values, scales, 8 * values_per_scale[0] if values_per_scale else self.group_size)
+    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None,
+                    per_tensor: tuple = ()) -> "Int4Weight":
+        return Int4Weight(values, scales, _nibble_group(values_per_scale, self.group_size))
+
+    per_tensor = ()
 
     @property
     def values_per_scale(self) -> tuple[int, int]:
@@ -165,8 +176,67 @@ class Int4Weight:
         return pallas_kernels.dequantize_int4(self.packed_QN, self.scales_GN, self.group_size, dtype)
 
 
-Weight = jax.Array | Fp8BlockWeight | Int4Weight
-QUANTIZED = (Fp8BlockWeight, Int4Weight)  # the formats with stored values and scales
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Nvfp4Weight:
+    """packed_QN int32 [..., K/8, N] of e2m1 codes; scales_GN float8_e4m3fn [..., K/16, N];
+    global_scale float32 [..., 1], which divides (pallas_kernels/nvfp4_matmul.py). group_size is
+    16, or 8 where tensor parallelism re-blocks it (split_for_tp)."""
+
+    packed_QN: jax.Array
+    scales_GN: jax.Array
+    global_scale: jax.Array
+    group_size: int = dataclasses.field(default=NVFP4_GROUP, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, q, n = self.packed_QN.shape
+        return (*lead, q * 8, n)
+
+    @classmethod
+    def quantize(cls, w_KN: jax.Array) -> "Nvfp4Weight":
+        """Round to nearest (ties to even) under llm-compressor's scales: nvfp4_matmul.quantize_nvfp4."""
+        return cls(*pallas_kernels.quantize_nvfp4(w_KN))
+
+    @property
+    def stored(self) -> tuple[jax.Array, jax.Array]:
+        """(values, scales), each [..., rows, columns]."""
+        return self.packed_QN, self.scales_GN
+
+    @property
+    def per_tensor(self) -> tuple[jax.Array]:
+        """The arrays with one entry per matrix, [..., 1]: split only as the leading (expert) axes are."""
+        return (self.global_scale,)
+
+    def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None,
+                    per_tensor: tuple | None = None) -> "Nvfp4Weight":
+        (global_scale,) = per_tensor or self.per_tensor
+        return Nvfp4Weight(values, scales, global_scale, _nibble_group(values_per_scale, self.group_size))
+
+    @property
+    def values_per_scale(self) -> tuple[int, int]:
+        return self.group_size // 8, 1
+
+    @property
+    def kernel_args(self) -> dict:
+        return {"group_size": self.group_size}
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        return pallas_kernels.dequantize_nvfp4(self.packed_QN, self.scales_GN, self.global_scale, dtype)
+
+
+def _nibble_group(values_per_scale: tuple[int, int] | None, group_size: int) -> int:
+    """The group size of a packed 4-bit weight whose scales cover values_per_scale stored values."""
+    if values_per_scale is None:
+        return group_size
+    if values_per_scale[1] != 1:
+        raise ValueError(f"a 4-bit weight's scale covers one column, not {values_per_scale[1]}")
+    return 8 * values_per_scale[0]
+
+
+Weight = jax.Array | Fp8BlockWeight | Int4Weight | Nvfp4Weight
+QUANTIZED = (Fp8BlockWeight, Int4Weight, Nvfp4Weight)  # the formats with stored values and scales
+Quantized = Fp8BlockWeight | Int4Weight | Nvfp4Weight
 
 
 def saturating_cast(x: jax.Array, dtype) -> jax.Array:
@@ -181,6 +251,8 @@ def quantize(w: jax.Array, fmt: WeightFormat) -> Weight:
         return Fp8BlockWeight.quantize(w)
     if fmt.kind == "int4":
         return Int4Weight.quantize(w, fmt.group_size)
+    if fmt.kind == "nvfp4":
+        return Nvfp4Weight.quantize(w)
     return w
 
 
@@ -194,6 +266,8 @@ def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla", axes: tuple[
     backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
         kernel = functools.partial(pallas_kernels.int4_matmul, backend=backend)
+    elif isinstance(w, Nvfp4Weight):
+        kernel = functools.partial(pallas_kernels.nvfp4_matmul, backend=backend)
     elif isinstance(w, Fp8BlockWeight) and backend != "xla":
         kernel = functools.partial(pallas_kernels.fp8_block_matmul, backend=backend)
     else:
@@ -209,6 +283,8 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
     backend = pallas_kernels.resolve_backend(backend)
     if isinstance(w, Int4Weight):
         kernel = functools.partial(pallas_kernels.moe_int4_matmul, backend=backend)
+    elif isinstance(w, Nvfp4Weight):
+        kernel = functools.partial(pallas_kernels.moe_nvfp4_matmul, backend=backend)
     elif isinstance(w, Fp8BlockWeight) and backend != "xla":
         kernel = functools.partial(pallas_kernels.moe_fp8_block_matmul, backend=backend)
     else:
@@ -218,8 +294,8 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
     return _per_device_kernel(kernel, x_TK, w, axes, backend, group_sizes_E)
 
 
-def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backend, *replicated):
-    """kernel(x, values, scales, *replicated, **format arguments), per device under tensor
+def _per_device_kernel(kernel, x_MK, w: Quantized, axes, backend, *replicated):
+    """kernel(x, values, scales, *per_tensor, *replicated, **format arguments), per device under tensor
     parallelism: a weight split on its output features (column-parallel) gives each device its
     output columns; one split on its input features (row-parallel) its share of the contraction,
     summed over devices. Placement follows split_for_tp, so no weight moves. (The INT4 XLA
@@ -235,12 +311,13 @@ def _per_device_kernel(kernel, x_MK, w: Fp8BlockWeight | Int4Weight, axes, backe
         y = kernel(x, values, scales, *rest, **w.kernel_args)
         return jax.lax.psum(y, partitioning.MODEL_AXIS) if row else y
 
-    in_specs = (P(None, row), spec, spec) + (P(),) * len(replicated)
+    per_tensor_spec = P(*spec[:-2], None)  # [..., 1]: split as the experts are
+    in_specs = (P(None, row), spec, spec) + (per_tensor_spec,) * len(w.per_tensor) + (P(),) * len(replicated)
     run = partitioning.per_device(local, mesh, in_specs, P(None, col))
-    return run(x_MK, *w.stored, *replicated)
+    return run(x_MK, *w.stored, *w.per_tensor, *replicated)
 
 
-def reblock(w: Fp8BlockWeight | Int4Weight, values_per_scale: tuple[int, int]) -> Fp8BlockWeight | Int4Weight:
+def reblock(w: Quantized, values_per_scale: tuple[int, int]) -> Quantized:
     """The same weight with finer scale blocks of values_per_scale stored values (each dividing
     w's own): every scale repeated over the blocks it covered, so the values and their products are
     unchanged. The blocks at the end of a dimension that ends mid-block are cut to fit. Host (numpy)
@@ -259,8 +336,7 @@ def reblock(w: Fp8BlockWeight | Int4Weight, values_per_scale: tuple[int, int]) -
     return w.with_stored(values, scales, values_per_scale)
 
 
-def split_for_tp(w: Fp8BlockWeight | Int4Weight, names: tuple, tp: int,
-                 expert_parallel: bool = False) -> tuple[Fp8BlockWeight | Int4Weight, P]:
+def split_for_tp(w: Quantized, names: tuple, tp: int, expert_parallel: bool = False) -> tuple[Quantized, P]:
     """w re-blocked so that no device's share of its values cuts a scale block
     (partitioning.tp_values_per_scale), and the one PartitionSpec its values and scales then share.
     GLM-4.5's expert width at TP8, 1536 / 8 = 192 rows a device: FP8 128-blocks become 64-row
@@ -282,7 +358,11 @@ def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:
             jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((*lead, kb, nb), jnp.float32)
         )
     if k % fmt.group_size:
-        raise ValueError(f"int4 group_size {fmt.group_size} does not divide the input dimension {k}")
+        raise ValueError(f"{fmt.kind} group_size {fmt.group_size} does not divide the input dimension {k}")
+    if fmt.kind == "nvfp4":
+        return Nvfp4Weight(jax.ShapeDtypeStruct((*lead, k // 8, n), jnp.int32),
+                           jax.ShapeDtypeStruct((*lead, k // fmt.group_size, n), jnp.float8_e4m3fn),
+                           jax.ShapeDtypeStruct((*lead, 1), jnp.float32))
     return Int4Weight(
         jax.ShapeDtypeStruct((*lead, k // 8, n), jnp.int32),
         jax.ShapeDtypeStruct((*lead, k // fmt.group_size, n), jnp.bfloat16),

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import hf_reference as ref
+import torch
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 import mixserve
 from mixserve.model import Model
 from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import CheckpointError, index_tensors, load_tensor, write_safetensors
-from models.weights import Fp8BlockWeight, Int4Weight, WeightFormat, dequantize
+from models.weights import QUANTIZED, Nvfp4Weight, WeightFormat, WeightPlan, dequantize
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,7 @@ def int4_dir(bf16_dir, tmp_path_factory):
 
 
 def _dequantized_twin(model: Model) -> Model:
-    params = jax.tree.map(lambda w: dequantize(w, jnp.float32), model.params,
-                          is_leaf=lambda x: isinstance(x, (Fp8BlockWeight, Int4Weight)))
+    params = jax.tree.map(lambda w: dequantize(w, jnp.float32), model.params, is_leaf=lambda x: isinstance(x, QUANTIZED))
     return Model(model.config, params, dtype=jnp.float32)
 
 
@@ -44,12 +45,14 @@ def _dequantized_twin(model: Model) -> Model:
     (WeightFormat("fp8_block"), "all"),
     (WeightFormat("int4", 32), "experts"),
     (WeightFormat("int4", 8), "all"),
+    (WeightFormat("nvfp4"), "experts"),  # "all" would need kv_lora_rank 24 in groups of 16
 ])
 def test_quantized_checkpoint_loads_and_tracks_bf16(bf16_dir, tmp_path, fmt, scope):
     """Two checks. (1) Exact: the quantized checkpoint's logits equal those of the BF16 model with
     each weight replaced by its dequantized value (same float32 arithmetic: < 1e-6), so loading
     adds no error beyond the format. (2) The format's own error: each weight's RTN error is at most
-    half a quantization step (FP8 e4m3: 2^-4 relative; INT4: scale/2 = group absmax/15), with RMS
+    half a quantization step (FP8 e4m3: 2^-4 relative; INT4: scale/2 = group absmax/15; NVFP4: half
+    the e2m1 spacing at the value times the group's step), with RMS
     relative weight error r (measured below). To first order a matmul's output error is r relative;
     independent errors along a path of n quantized matmuls add in quadrature, so the logit error is
     about sqrt(n) * r. We assert < 2 * sqrt(n) * r, with n = quantized matmuls per layer x layers."""
@@ -66,10 +69,10 @@ def test_quantized_checkpoint_loads_and_tracks_bf16(bf16_dir, tmp_path, fmt, sco
 
     # r: RMS relative weight error over the quantized leaves
     errs = []
-    flat_q = dict(jax.tree_util.tree_flatten_with_path(quant.params, is_leaf=lambda x: isinstance(x, (Fp8BlockWeight, Int4Weight)))[0])
+    flat_q = dict(jax.tree_util.tree_flatten_with_path(quant.params, is_leaf=lambda x: isinstance(x, QUANTIZED))[0])
     flat_b = dict(jax.tree_util.tree_flatten_with_path(base.params)[0])
     for path, w in flat_q.items():
-        if isinstance(w, (Fp8BlockWeight, Int4Weight)):
+        if isinstance(w, QUANTIZED):
             orig = flat_b[path]
             errs.append(float(jnp.linalg.norm(w.dequantize(jnp.float32) - orig) / jnp.linalg.norm(orig)))
     r = float(np.sqrt(np.mean(np.square(errs))))
@@ -139,6 +142,89 @@ def test_corrupt_int4_pack_is_named(int4_dir, tmp_path, edit, error):
     _rewrite(d, edit)
     with pytest.raises(CheckpointError, match=error):
         mixserve.load(d, progress=False)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(bf16_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("nvfp4")
+    quantize_checkpoint(bf16_dir, str(path), plan_for(WeightFormat("nvfp4"), "experts"))
+    return str(path)
+
+
+def test_written_nvfp4_decodes_with_compressed_tensors(nvfp4_dir):
+    """The checkpoint is compressed-tensors nvfp4-pack-quantized as llm-compressor writes it (uint8
+    packs [out, in/2], e4m3 scales [out, in/16], a float32 global scale [1] per weight), and the
+    package's own unpacking, times scale / global scale, gives the weights mixserve loads."""
+    config = json.loads(open(os.path.join(nvfp4_dir, "config.json")).read())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized"
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert {k: weights[k] for k in ("type", "strategy", "group_size", "num_bits")} == {
+        "type": "float", "strategy": "tensor_group", "group_size": 16, "num_bits": 4}
+    disk = {k: np.asarray(load_tensor(v)) for k, v in index_tensors(nvfp4_dir).items()}
+    model = mixserve.load(nvfp4_dir, dtype="float32", progress=False)
+    assert model.plan == plan_for(WeightFormat("nvfp4"), "experts")
+    experts = model.params["layers_1"]["mlp"]["experts"]
+    assert isinstance(experts["gate_proj"], Nvfp4Weight)
+    for e in (0, 5):
+        unit = f"model.layers.1.mlp.experts.{e}.gate_proj"
+        packed, scale, g = (disk[f"{unit}.{p}"] for p in ("weight_packed", "weight_scale", "weight_global_scale"))
+        assert (packed.dtype, scale.dtype, g.dtype, g.shape) == (np.uint8, jnp.float8_e4m3fn, np.float32, (1,))
+        n, half = packed.shape
+        values = unpack_fp4_from_uint8(torch.from_numpy(packed.copy()), n, 2 * half, dtype=torch.float32).numpy()
+        w_NK = values * np.repeat(scale.astype(np.float32), 16, axis=1) / g[0]
+        loaded = np.asarray(experts["gate_proj"].dequantize(jnp.float32)[e]).T
+        np.testing.assert_allclose(loaded, w_NK, rtol=2.0**-22, atol=0, err_msg=unit)
+
+
+def test_nvfp4_beside_bf16_experts_loads_dequantized(nvfp4_dir, tmp_path):
+    """One expert stored dense among NVFP4 ones: the experts load dense, each NVFP4 one dequantized
+    on load, and the logits equal the NVFP4 model's dequantized twin."""
+    d = _copy(nvfp4_dir, tmp_path / "c")
+    quantized = mixserve.load(nvfp4_dir, dtype="float32", progress=False)
+    unit = "model.layers.1.mlp.experts.2.up_proj"
+    w = np.asarray(quantized.params["layers_1"]["mlp"]["experts"]["up_proj"].dequantize(jnp.float32)[2]).T
+
+    def densify(t):
+        for part in ("weight_packed", "weight_scale", "weight_global_scale"):
+            t.pop(f"{unit}.{part}")
+        t[f"{unit}.weight"] = w
+
+    _rewrite(d, densify)
+    mixed = mixserve.load(d, dtype="float32", progress=False)
+    assert mixed.plan == WeightPlan()
+    ids = np.random.default_rng(0).integers(0, 160, (2, 9))
+    np.testing.assert_allclose(np.asarray(mixed.logits(ids)), np.asarray(_dequantized_twin(quantized).logits(ids)),
+                               rtol=1e-6, atol=1e-6)
+
+
+_NVFP4_UNIT = "model.layers.2.mlp.experts.1.down_proj"
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: t.pop(f"{_NVFP4_UNIT}.weight_global_scale"), rf"{_NVFP4_UNIT}\.weight_packed is U8, where int4 stores I32"),
+    (lambda t: t.__setitem__(f"{_NVFP4_UNIT}.weight_scale", t[f"{_NVFP4_UNIT}.weight_scale"].astype(np.float32)),
+     rf"{_NVFP4_UNIT}\.weight_scale is F32, where nvfp4 stores F8_E4M3"),
+    (lambda t: t.__setitem__(f"{_NVFP4_UNIT}.weight_packed", t[f"{_NVFP4_UNIT}.weight_packed"][:, :-1]),
+     rf"{_NVFP4_UNIT}\.weight_packed"),
+], ids=["no-global-scale", "f32-scales", "short-pack"])
+def test_corrupt_nvfp4_pack_is_named(nvfp4_dir, tmp_path, edit, error):
+    d = _copy(nvfp4_dir, tmp_path / "c")
+    _rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=error):
+        mixserve.load(d, progress=False)
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 4, "type": "float"}),
+     r"input_activations .* \(W4A16 only\)"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32), r"weights\.group_size 32 \(expected 16\)"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int"), r"weights\.type 'int' \(expected 'float'\)"),
+], ids=["w4a4", "group-32", "int-type"])
+def test_unsupported_nvfp4_quantization_config_is_refused(nvfp4_dir, tmp_path, edit, error):
+    d = _copy(nvfp4_dir, tmp_path / "c")
+    _edit_quant_config(d, edit)
+    with pytest.raises(CheckpointError, match="unsupported quantization_config: .*" + error):
+        mixserve.load(str(d), progress=False)
 
 
 def test_quantizer_rejects_group_not_dividing(bf16_dir, tmp_path):

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mixserve import run
 from mixserve.tokenizer import ByteTokenizer
 from conftest import host_devices_env
@@ -20,13 +22,14 @@ def test_default_run_reports_fp8_capacity_and_serves_everything(capsys):
     assert len(report["weight_sets"]) == 1
 
 
-def test_hybrid_fp8_prefill_int4_decode_holds_two_weight_sets(capsys):
-    report = run.main(["--prefill-weights", "fp8", "--decode-weights", "int4", "--max-new-tokens", "2",
+@pytest.mark.parametrize("decode, shown", [("int4", "experts=int4-g32"), ("nvfp4", "experts=nvfp4")])
+def test_hybrid_fp8_prefill_4bit_decode_holds_two_weight_sets(capsys, decode, shown):
+    report = run.main(["--prefill-weights", "fp8", "--decode-weights", decode, "--max-new-tokens", "2",
                        "--prompt", "hello", "--kv-cache-dtype", "bfloat16", "--integrity", "off"])
     text = capsys.readouterr().out
     assert "two weight sets on one device" in text
     (prefill_plan, *_), (decode_plan, *_) = report["weight_sets"]["prefill"], report["weight_sets"]["decode"]
-    assert "fp8_block" in prefill_plan and "int4-g32" in decode_plan
+    assert "fp8_block" in prefill_plan and shown in decode_plan
     assert report["requests"][0]["status"] == "ok"
 
 

@@ -172,6 +172,19 @@ kernels = Engine(dataclasses.replace(int4, backend="interpret"), attention_backe
                  mesh=mesh_for(4), expert_parallel=True, **kw)
 assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want
 assert "moe_int4_matmul" in kernels.lowered_decode_text()
+# NVFP4 experts through the kernels per device, at TP4 (down_proj's 8-row shares cut its groups of 16:
+# re-blocked to 8) and at EP4 (each device's experts with their own global scales).
+model = mixserve.load("tiny-kimi", dtype="float32")
+nvfp4, _ = quantize_model(model, plan_for(WeightFormat("nvfp4"), "experts"))
+want = [r.tokens for r in Engine(nvfp4, **kw).generate(two, max_new_tokens=3)]
+for ep in (False, True):
+    kernels = Engine(dataclasses.replace(nvfp4, backend="interpret"), mesh=mesh_for(4), expert_parallel=ep, **kw)
+    assert [r.tokens for r in kernels.generate(two, max_new_tokens=3)] == want, ep
+    assert "nvfp4_matmul/pallas_call" in kernels.lowered_decode_text()
+    down = kernels.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
+    assert down.group_size == (16 if ep else 8)
+    assert down.global_scale.addressable_shards[0].data.shape == ((2, 1) if ep else (8, 1))
+    assert_no_weight_gathered(kernels, f"nvfp4 ep={ep}")
 with pytest.raises(ValueError, match=r"routed expert count \\(8\\) to divide"):
     Engine(model, mesh=sharding.tp_mesh(3), expert_parallel=True, **kw)
 with pytest.raises(ValueError, match="expert_parallel splits the routed experts over a mesh"):
@@ -272,6 +285,7 @@ for directory in sys.argv[1:]:
         down = streamed.params["layers_1"]["mlp"]["experts"]["down_proj"]
         if not isinstance(down, jax.Array):  # TP4: 8 of the 32 rows a device, re-blocked; EP4: whole experts
             assert down.values_per_scale == {(False, "Int4Weight"): (1, 1), (True, "Int4Weight"): (2, 1),
+                                             (False, "Nvfp4Weight"): (1, 1), (True, "Nvfp4Weight"): (2, 1),
                                              (False, "Fp8BlockWeight"): (8, 128), (True, "Fp8BlockWeight"): (128, 128)}[ep, type(down).__name__]
 # Named errors before any tensor is read: no mesh, no "model" axis, experts the devices do not divide.
 for kwargs, error in (({"expert_parallel": True}, "expert_parallel splits the routed experts over a mesh"),
@@ -321,7 +335,9 @@ def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_dev
     one device, two whole experts per device (a quarter of the expert bytes; TP4 holds more by
     exactly a quarter of the down_proj scales, which it re-blocks to g8; mixserve.weight_bytes.device_bytes
     agrees), no split weight gathered by the
-    decode step; GLM-5 with the Pallas kernels (interpret) per device, INT4 everywhere; named errors
+    decode step; GLM-5 with the Pallas kernels (interpret) per device, INT4 everywhere; tiny-kimi's
+    NVFP4 experts through the kernels at TP4 (down_proj re-blocked to groups of 8) and EP4 (global
+    scales split with their experts), one device's tokens, nothing gathered; named errors
     for an expert count the devices do not divide and for no mesh; `mixserve.run --expert-parallel`
     serves tiny-glm4 (GQA) with one device's tokens."""
     run_on_8_devices(EXPERT_PARALLEL)
@@ -341,7 +357,8 @@ def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_dev
 
 def test_a_checkpoint_streams_onto_the_mesh_as_the_engine_would_place_it(tmp_path):
     """mixserve.load(dir, mesh=) puts each tensor on its devices as it is read (a full model does not
-    fit one device): BF16, INT4 g16 (experts) and FP8-block checkpoints of a tiny Kimi at TP4 and EP4 give the
+    fit one device): BF16, INT4 g16 (experts), FP8-block and NVFP4 (experts) checkpoints of a tiny Kimi at
+    TP4 and EP4 give the
     leaves, shardings and re-blocked scales (INT4 g8, FP8 8-row blocks for down_proj's 8-row
     shares) of loading whole and placing, each tensor put from the host; named errors before any
     read for meshes that cannot take the model, and for saving (Orbax) a placed model whose scales
@@ -352,7 +369,8 @@ def test_a_checkpoint_streams_onto_the_mesh_as_the_engine_would_place_it(tmp_pat
     ref.save(ref.build("kimi-yarn-groups"), bf16)
     dirs = [bf16]
     for name, plan in (("int4", plan_for(WeightFormat("int4", 16), "experts")),  # MLA's 24-wide kv_b_proj: no g16
-                       ("fp8", plan_for(WeightFormat("fp8_block"), "all"))):
+                       ("fp8", plan_for(WeightFormat("fp8_block"), "all")),
+                       ("nvfp4", plan_for(WeightFormat("nvfp4"), "experts"))):
         dirs.append(str(tmp_path / name))
         quantize_checkpoint(bf16, dirs[-1], plan)
     run_on_8_devices(SHARDED_LOAD, *dirs)
