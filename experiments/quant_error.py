@@ -1,9 +1,12 @@
 """Quantization error on tiny random models of the three families: logits of INT4 (RTN and GPTQ,
-g32 and g128, routed experts only or all linear layers) and of FP8-block against the BF16 model,
-on held-out tokens, with greedy-token agreement, as a markdown table.
+g32 and g128, routed experts only or all linear layers), NVFP4 (RTN) and FP8-block against the
+BF16 model, on held-out tokens, with greedy-token agreement, as a markdown table. Before it, the
+formats' error on weight matrices of three distributions (normal, heavy-tailed, outlier rows), with
+bits per weight: INT4 g32 and NVFP4 both spend 4.5.
 
     python experiments/quant_error.py            # print
     python experiments/quant_error.py --out      # also write experiments/results/quant_error.md
+    python experiments/quant_error.py --weights-only --rows 256   # the weight table alone (small)
 
 The tiny presets are widened so that every quantized input dimension is a multiple of 128 (g128
 applies everywhere). Weights are random (normal 0.02) rounded to BF16, and, as in
@@ -27,7 +30,7 @@ from mixserve.gptq import Calibration
 from mixserve.model import Model, init_params
 from mixserve.quantize import plan_for, quantize_model
 from models.presets import get_preset
-from models.weights import WeightFormat
+from models.weights import WeightFormat, abstract_weight, dequantize, quantize
 
 FAMILIES = {"tiny-kimi": "deepseek_v3 (MLA)", "tiny-glm4": "glm4_moe (GQA)", "tiny-glm5": "glm_moe_dsa (MLA + DSA)"}
 # 8192 tokens: ~2048 rows per expert (top-2 of 8) for 128-wide inputs. With 2048 tokens (~512 rows)
@@ -69,6 +72,56 @@ def variants():
         for group in (32, 128):
             for method in ("rtn", "gptq"):
                 yield f"int4 g{group}", scope, method, WeightFormat("int4", group)
+        yield "nvfp4", scope, "rtn", WeightFormat("nvfp4")
+
+
+WEIGHT_FORMATS = {"fp8 block": WeightFormat("fp8_block"), "int4 g32": WeightFormat("int4", 32),
+                  "nvfp4": WeightFormat("nvfp4"), "int4 g128": WeightFormat("int4", 128)}
+
+
+def synthetic_weights(kind: str, rows: int, columns: int, seed: int = 0) -> jax.Array:
+    """A [rows (inputs), columns] weight in BF16 values: "normal"; "student-t" (5 degrees of freedom:
+    heavy tails, kurtosis 9); "outlier rows" (normal, with 1% of the input rows 10x larger, as
+    input features with large activations leave their weight rows after smoothing)."""
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        w = rng.standard_normal((rows, columns))
+    elif kind == "student-t":
+        w = rng.standard_t(5, (rows, columns))
+    elif kind == "outlier rows":
+        w = rng.standard_normal((rows, columns))
+        w[rng.choice(rows, max(1, rows // 100), replace=False)] *= 10
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(0.02 * w, jnp.bfloat16).astype(jnp.float32)
+
+
+def bits_per_weight(fmt: WeightFormat, rows: int, columns: int) -> float:
+    """Stored bits per weight value: values plus scales (and NVFP4's global scale)."""
+    leaves = jax.tree.leaves(abstract_weight(fmt, (rows, columns), jnp.bfloat16))
+    return 8 * sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) / (rows * columns)
+
+
+def weight_rows(rows: int = 4096, columns: int = 512) -> list[dict]:
+    """Each format's round-to-nearest error on each distribution: relative RMS (= the relative RMS
+    error of x @ W for x with independent unit entries) and the largest error over the weights'
+    RMS."""
+    out = []
+    for kind in ("normal", "student-t", "outlier rows"):
+        w = synthetic_weights(kind, rows, columns)
+        rms = float(jnp.sqrt(jnp.mean(w**2)))
+        for label, fmt in WEIGHT_FORMATS.items():
+            err = dequantize(quantize(w, fmt), jnp.float32) - w
+            out.append(dict(distribution=kind, format=label, bits=bits_per_weight(fmt, rows, columns),
+                            rel=float(jnp.sqrt(jnp.mean(err**2))) / rms, worst=float(jnp.max(jnp.abs(err))) / rms))
+    return out
+
+
+def weight_markdown(table: list[dict]) -> str:
+    lines = ["| weights | format | bits per weight | rel. RMS error | largest error / RMS weight |", "|" + "---|" * 5]
+    lines += [f"| {r['distribution']} | {r['format']} | {r['bits']:.3f} | {r['rel']:.4f} | {r['worst']:.3f} |"
+              for r in table]
+    return "\n".join(lines)
 
 
 def rows() -> list[dict]:
@@ -106,11 +159,17 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", action="store_true", help=f"also write {os.path.relpath(RESULT)}")
-    args = parser.parse_args()
+    parser.add_argument("--weights-only", action="store_true", help="only the synthetic weight table")
+    parser.add_argument("--rows", type=int, default=4096, help="input rows of the synthetic weights")
+    args = parser.parse_args(argv)
     start = time.time()
+    weights = weight_markdown(weight_rows(args.rows))
+    print(weights)
+    if args.weights_only:
+        return
     table = rows()
     seconds = time.time() - start
     text = markdown(table)
@@ -126,6 +185,8 @@ def main() -> None:
                     "nearly flat logits (small top-1 margins), so greedy agreement here sits far below a trained "
                     "model's: compare rows, not absolute values. The last column is GPTQ's ||X(W - Q)||^2 over "
                     "RTN's on the calibration set.\n\n")
+            f.write(f"## The formats on weight matrices ({args.rows} x 512, BF16 values, round to nearest)\n\n"
+                    + weights + "\n\n## Logits of the tiny models\n\n")
             f.write(text + "\n")
         print(f"wrote {RESULT}")
 

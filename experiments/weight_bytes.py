@@ -22,6 +22,7 @@ from models.weights import BF16, WeightFormat, WeightPlan
 GIB = 2**30
 TP = 8
 INT4_G32, INT4_G128, FP8 = WeightFormat("int4", 32), WeightFormat("int4", 128), WeightFormat("fp8_block")
+NVFP4 = WeightFormat("nvfp4")
 # label -> plan. "linear" = attention, dense MLPs, shared experts; router, norms, embeddings, lm_head stay BF16.
 PLANS = {
     "bf16": WeightPlan(),
@@ -30,6 +31,7 @@ PLANS = {
     "int4 g128 experts, rest bf16": WeightPlan(INT4_G128, BF16),
     "int4 g32 experts, rest fp8": WeightPlan(INT4_G32, FP8),
     "int4 g32 all linear": WeightPlan(INT4_G32, INT4_G32),
+    "nvfp4 experts, rest bf16": WeightPlan(NVFP4, BF16),
 }
 SEED = {"fp8 (all linear)": (705, 88), "int4 g32 experts, rest bf16": (421, 52)}  # GLM 5.2, "GB" = GiB
 RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "weight_bytes.md")
@@ -81,6 +83,10 @@ NOTES = f"""\
 - fp8: 1 byte per weight + a float32 scale per 128x128 block; int4: 0.5 byte + a bf16 scale per group
   (g32: 0.5625 byte per weight, g128: 0.5156). Router, norms, embeddings and lm_head stay BF16
   (the router and the DSA indexer's weights_proj float32).
+- nvfp4: 0.5 byte + an e4m3 scale per 16 weights (0.5625 byte, as int4 g32) + a float32 global scale per
+  matrix (per expert): the seed's next step costs the bytes of its INT4 plan, plus 4 bytes a matrix. Its
+  groups of 16 divide every preset's TP{TP} expert share (GLM-4.5's 192 rows, Air's 176), so nothing is
+  re-blocked and TP{TP} holds what EP{TP} holds.
 - Which plan is the seed's INT4? "int4 g32 experts, rest bf16" (Kimi K2 Thinking's recipe) gives
   421.2 GiB against the seed's 421; "rest fp8" would give 405.0 and int4 g128 experts 389.1.
 - Per GPU at TP{TP}: the seed's 88 / 52 are the checkpoint / 8 (704.4 / 8 = 88.1, 421.2 / 8 = 52.6).

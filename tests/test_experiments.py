@@ -659,3 +659,20 @@ def test_decode_bytes_script_runs(tmp_path):
     assert len(rows) == 2 * 5  # bytes and gain, at the seed's 5 concurrencies
     assert "| FP8 weights | 64 | 1,672 | " in out and "| FP8 KV | 64 | 2,192 | " in out  # the seed's rows
     assert (tmp_path / "b.md").read_text() in out
+
+
+def test_quant_error_weight_table_counts_bits_and_orders_the_formats(capsys):
+    """The synthetic-weight part of experiments/quant_error.py at 256 rows: NVFP4 and INT4 g32 store
+    the same 4.5 bits per weight (NVFP4 plus its one float32 global scale per matrix), g128 4.125,
+    and on every distribution FP8 errs least and INT4 g128 most (coarser groups, same grid)."""
+    from experiments.quant_error import main, weight_rows
+
+    rows = weight_rows(256)
+    bits = {r["format"]: r["bits"] for r in rows}
+    assert bits["int4 g32"] == 4.5 and bits["int4 g128"] == 4.125
+    assert bits["nvfp4"] == 4.5 + 32 / (256 * 512) and 8 < bits["fp8 block"] < 8.01
+    for kind in ("normal", "student-t", "outlier rows"):
+        err = {r["format"]: r["rel"] for r in rows if r["distribution"] == kind}
+        assert min(err, key=err.get) == "fp8 block" and max(err, key=err.get) == "int4 g128", (kind, err)
+    main(["--weights-only", "--rows", "256"])
+    assert "| outlier rows | nvfp4 | 4.500 |" in capsys.readouterr().out
