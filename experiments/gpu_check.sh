@@ -62,7 +62,7 @@ tests_rc=skipped
 if step tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false MIXSERVE_KERNEL_BACKEND="${MIXSERVE_KERNEL_BACKEND:-pallas}" \
     timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -n "${TEST_WORKERS:-4}" -m "not triton_ir" \
-    ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_tiled_fp8.py tests/test_kernels_int4.py tests/test_kernels_fp8_block.py} 2>&1 | tee "$out/gpu_tests.txt"
+    ${TESTS:-tests/test_kernels_attention.py tests/test_kernels_tiled_fp8.py tests/test_kernels_int4.py tests/test_kernels_nvfp4.py tests/test_kernels_fp8_block.py} 2>&1 | tee "$out/gpu_tests.txt"
   tests_rc=${PIPESTATUS[0]}
 fi
 

@@ -78,8 +78,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import (  # noqa: E402  (needs the repo root on sys.path)
-    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, pack_int4,
-    paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul,
+    nvfp4_matmul, pack_int4, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.paged_attention_mla import TiledLatentPages, latent_bytes_per_token  # noqa: E402
 from pallas_kernels.tiled_fp8 import quantize_tiles, tile_width  # noqa: E402
 from models import weights  # noqa: E402  (the FP8-block weight format and mixserve's XLA path for it)
@@ -549,6 +549,11 @@ def int4_rows(bench: Bench, key) -> None:
     kw, key = jax.random.split(key)
     packed, scales, w_bf16 = _int4_weights(kw, (), k, n, g)
     int4_bytes = packed.size * 4 + scales.size * 2
+    # The same weights in NVFP4 (the seed's next step; on Hopper the INT4 kernel with an e2m1 decode):
+    # the same 4.5 bits per weight as g32, so the same bytes, and 1.67x the inner-loop instructions
+    # of INT4 at M=1 in the sm_90a SASS (experiments/results/sm90_sass.md).
+    nvfp4 = weights.Nvfp4Weight.quantize(w_bf16)
+    nvfp4_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nvfp4))
     for m in cfg.matmul_ms:
         kx, key = jax.random.split(key)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
@@ -560,6 +565,10 @@ def int4_rows(bench: Bench, key) -> None:
                       args, int4_bytes, ref)
         bench.measure("INT4 matmul", shape, "xla", functools.partial(op, backend="xla"), args, int4_bytes)
         bench.measure("INT4 matmul", shape, "bf16 jnp.dot", jnp.dot, (x, w_bf16), w_bf16.size * 2, ref)
+        fp4_args = (x, nvfp4.packed_QN, nvfp4.scales_GN, nvfp4.global_scale)
+        bench.measure("NVFP4 matmul", f"M={m} K={k} N={n}", cfg.kernel_backend,
+                      functools.partial(nvfp4_matmul, backend=cfg.kernel_backend), fp4_args, nvfp4_bytes,
+                      nvfp4_matmul(*fp4_args, backend="xla"))
     # What one kernel takes just to read the bytes once (XLA's sum, 4 bytes a
     # value): the floor under each matmul at these sizes, where a kernel is a
     # few microseconds and its ramp-up counts. Goal 3.3x needs the INT4

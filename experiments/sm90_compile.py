@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.gpu_kernels import DCP, GPU, Config, tuning_label  # noqa: E402  (shapes of the benchmark)
 from experiments.sass_loop import SASS_KINDS, LoopMix, ptxas_usage  # noqa: E402
 from pallas_kernels import (  # noqa: E402
-    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul, paged_attention_gqa,
-    paged_attention_mla, sparse_paged_attention_mla)
+    AttentionTuning, Fp8BlockTuning, Int4Tuning, fp8_block_matmul, int4_matmul, moe_fp8_block_matmul, moe_int4_matmul,
+    moe_nvfp4_matmul, nvfp4_matmul, paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla)
 from pallas_kernels.backend import TritonKernelIR, triton_kernels_for_cuda  # noqa: E402
 from pallas_kernels.paged_attention_mla import TiledLatentPages  # noqa: E402
 from pallas_kernels.tiled_fp8 import tile_width  # noqa: E402
@@ -163,6 +163,15 @@ def cases(cfg: Config) -> list[Case]:
             out.append(Case("MoE INT4" + name, f"T={tokens} E={e} g={g}", moe,
                             (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
                              spec((e, k // g, n), jnp.bfloat16), spec((e,), jnp.int32))))
+    # NVFP4: the INT4 kernel with an e2m1 decode, e4m3 scales per 16 and a global scale per matrix.
+    nvfp4 = (spec((k // 8, n), jnp.int32), spec((k // 16, n), jnp.float8_e4m3fn), spec((1,), jnp.float32))
+    for m in sorted({*cfg.matmul_ms, 32}):
+        out.append(Case("NVFP4 matmul", f"M={m}", functools.partial(nvfp4_matmul, backend="pallas"),
+                        (spec((m, k), jnp.bfloat16), *nvfp4)))
+    for tokens in cfg.moe_tokens:
+        out.append(Case("MoE NVFP4", f"T={tokens} E={e}", functools.partial(moe_nvfp4_matmul, backend="pallas"),
+                        (spec((tokens, k), jnp.bfloat16), spec((e, k // 8, n), jnp.int32),
+                         spec((e, k // 16, n), jnp.float8_e4m3fn), spec((e, 1), jnp.float32), spec((e,), jnp.int32))))
     for tuning in (Fp8BlockTuning(dot_dtype="bfloat16"), Fp8BlockTuning(), Fp8BlockTuning(swap_ab=True)):
         out += _fp8_block_cases(cfg.matmul_ms, k, n, e, cfg.moe_tokens, jnp.bfloat16, tuning)
     return out
@@ -413,22 +422,25 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also compile under num_warps 4/8 x num_stages 1..4")
     parser.add_argument("--test-shapes", action="store_true", help="compile the kernel tests' shapes instead")
     parser.add_argument("--sass", action="store_true", help="report each kernel's inner-loop instruction mix instead")
+    parser.add_argument("--only", help="compile only the kernels whose name contains this (needs --out)")
     parser.add_argument("--out", type=Path)
     cli = parser.parse_args()
+    if cli.only and not cli.out:
+        parser.error("with --only, name an --out file: the default files hold every kernel")
     if triton is None:
         raise SystemExit(f"needs Triton: pip install -e '.[sm90]' ({TRITON_MISSING})")
     ptxas_version = subprocess.run([get_ptxas(ARCH).path, "--version"], capture_output=True, text=True).stdout
     ptxas_version = ptxas_version.strip().splitlines()[-1]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     flags = "".join(f" {flag}" for flag, on in (("--sweep", cli.sweep), ("--test-shapes", cli.test_shapes),
-                                                 ("--sass", cli.sass)) if on)
+                                                 ("--sass", cli.sass), (f"--only '{cli.only}'", cli.only)) if on)
     lines = [
         f"# Pallas kernels compiled for sm_90a without a GPU, {stamp}", "",
         f"Triton {triton.__version__} (pip), ptxas `{ptxas_version}`, IR from jax {jax.__version__} after XLA's TTIR passes. Shapes: "
         + ("the kernel tests' (tests/test_kernels_*.py)" if cli.test_shapes else "experiments/gpu_kernels.py (GPU config)")
         + f". Produced by `python experiments/sm90_compile.py{flags}`.", "",
     ]
-    case_list = test_cases() if cli.test_shapes else cases(GPU)
+    case_list = [c for c in (test_cases() if cli.test_shapes else cases(GPU)) if (cli.only or "") in c.kernel]
     if cli.sass:
         lines += ["Inner loop of each kernel's SASS (the longest span closed by a backward branch), at the kernel's "
                   "own warps and stages: instructions per thread per iteration; the fast path, what an iteration "

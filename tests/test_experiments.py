@@ -21,6 +21,7 @@ def test_gpu_kernels_script_runs_on_cpu(tmp_path):
     out = run("gpu_kernels.py", "--out", str(tmp_path / "k.md"))
     assert "NOT kernel performance" in out and "| MLA fp8 |" in out and "| MLA fp8 tiled |" in out
     assert "| MLA fp8, DCP8 share |" in out and "| MoE FP8-block | T=" in out and "| xla: dequantize, dot |" in out
+    assert "| NVFP4 matmul | M=" in out
     assert (tmp_path / "k.md").read_text().count("\n") > 10
 
 

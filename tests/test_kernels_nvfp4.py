@@ -1,6 +1,7 @@
-"""NVFP4 W4A16 matmuls (dense and MoE-grouped): the e2m1 decode, quantization and packing against the
-compressed-tensors package, the reference against float64 numpy, the interpret-mode kernels
-against the reference.
+"""NVFP4 W4A16 matmuls (dense and MoE-grouped): the e2m1 decode and rounding, the reference against
+float64 numpy, the interpret-mode kernels against the reference. (Quantization and packing against
+the compressed-tensors package: tests/test_quantization.py; this file also runs on the GPU machine,
+which has no compressed-tensors.)
 
 Fresh inputs every run (the seed is in every message); the interpreter NaN-fills kernel outputs,
 and idle experts get a NaN global scale, as in test_kernels_int4.py.
@@ -20,16 +21,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
-from compressed_tensors.quantization import QuantizationArgs
-from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 from conftest import KERNEL_BACKEND
 
 from pallas_kernels import Int4Tuning, dequantize_nvfp4, moe_nvfp4_matmul, nvfp4_matmul, quantize_nvfp4
-from pallas_kernels.int4_matmul import pack_nibbles, unpack_nibbles
-from pallas_kernels.nvfp4_matmul import E2M1_VALUES, _fp4_pairs, e2m1_codes, from_compressed_tensors, to_compressed_tensors
+from pallas_kernels.int4_matmul import pack_nibbles
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, _fp4_pairs, e2m1_codes
 
 U_BF16 = float(jnp.finfo(jnp.bfloat16).eps) / 2
 F32_TOL = 1e-5
@@ -88,37 +84,6 @@ def test_e2m1_rounding_is_round_to_nearest_even():
     v = np.concatenate([near, -near, np.random.default_rng(seed).uniform(-8, 8, 1000)]).astype(np.float32)
     expected = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15
     np.testing.assert_array_equal(np.asarray(e2m1_codes(jnp.asarray(v))), expected, err_msg=f"seed={seed}")
-
-
-@pytest.mark.parametrize("shape", [(64, 8), (3, 128, 24)])
-def test_quantization_and_pack_match_compressed_tensors(shape):
-    """quantize_nvfp4 against the compressed-tensors package (what llm-compressor writes), in
-    float32: the same global scale (448 * 6 / amax), the same e4m3 group scales and the same codes,
-    bit for bit; to_compressed_tensors gives its pack_fp4_to_uint8 bytes, and both unpackings agree."""
-    seed = _seed()
-    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.02
-    packed, scales, global_scale = quantize_nvfp4(jnp.asarray(w))
-    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
-                            dynamic=False, scale_dtype=torch.float8_e4m3fn)
-    for e in range(int(np.prod(shape[:-2], dtype=int))):
-        w_NK = torch.from_numpy(w.reshape(-1, *shape[-2:])[e].T.copy())
-        amax = w_NK.abs().max()
-        g = generate_gparam(-amax, amax)
-        groups = w_NK.reshape(w_NK.shape[0], -1, 16)
-        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=g)
-        q = ct_quantize(w_NK, scale, zero, args, global_scale=g)  # e2m1 values as float32
-        at = (e,) if len(shape) == 3 else ()
-        np.testing.assert_array_equal(np.asarray(global_scale)[at], g.numpy().reshape(1), err_msg=f"seed={seed}")
-        # compressed-tensors rounds its scales to e4m3 and keeps them in float32.
-        np.testing.assert_array_equal(np.asarray(scales[at].astype(jnp.float32)).T, scale.numpy(), err_msg=f"seed={seed}")
-        codes_NK = np.asarray(unpack_nibbles(packed[at])).T
-        np.testing.assert_array_equal(E2M1_VALUES[codes_NK], q.numpy(), err_msg=f"seed={seed}")
-        bytes_NH, scale_NG, g_disk = to_compressed_tensors(packed[at], scales[at], global_scale[at])
-        np.testing.assert_array_equal(bytes_NH, pack_fp4_to_uint8(q).numpy(), err_msg=f"seed={seed}")
-        unpacked = unpack_fp4_from_uint8(torch.from_numpy(bytes_NH), *w_NK.shape, dtype=torch.float32)
-        np.testing.assert_array_equal(unpacked.numpy(), q.numpy(), err_msg=f"seed={seed}")
-        back = from_compressed_tensors(bytes_NH, scale_NG, g_disk)
-        np.testing.assert_array_equal(back[0], np.asarray(packed[at]))
 
 
 def test_reference_dequantize_and_round_to_nearest():

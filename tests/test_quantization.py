@@ -1,4 +1,4 @@
-"""Quantization: the on-disk INT4 pack against compressed-tensors, GPTQ vs RTN, weight bytes vs the
+"""Quantization: the on-disk INT4 pack and NVFP4 quantization against compressed-tensors, GPTQ vs RTN, weight bytes vs the
 seed, Orbax round trip. Load-time corruption errors live in test_checkpoint.py; pack/unpack of
 the kernel layout in test_kernels_int4.py."""
 
@@ -14,7 +14,11 @@ import pytest
 
 import hf_reference as ref
 import torch
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 import mixserve
 from mixserve.gptq import Calibration, gptq_int4, reconstruction_error
 from mixserve.orbax_io import restore_params, save_params
@@ -24,6 +28,9 @@ from mixserve.safetensors_io import index_tensors, load_tensor
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
 from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, reblock
+from pallas_kernels import quantize_nvfp4
+from pallas_kernels.int4_matmul import unpack_nibbles
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, from_compressed_tensors, to_compressed_tensors
 
 GIB = 2**30
 EXPERT = "model.layers.1.mlp.experts.3.up_proj"
@@ -85,6 +92,37 @@ def test_written_int4_is_compressed_tensors_pack_quantized(bf16_dir, tmp_path):
         np.testing.assert_array_equal(pack_to_int32(torch.as_tensor(expect), 4).numpy(), packed_NQ, err_msg=unit)
         np.testing.assert_array_equal(unpack_from_int32(torch.from_numpy(packed_NQ.copy()), 4, w_NK.shape).numpy(),
                                       expect, err_msg=unit)
+
+
+@pytest.mark.parametrize("shape", [(64, 8), (3, 128, 24)])
+def test_nvfp4_quantization_and_pack_match_compressed_tensors(shape):
+    """quantize_nvfp4 against the compressed-tensors package (what llm-compressor writes), in
+    float32: the same global scale (448 * 6 / amax), the same e4m3 group scales and the same codes,
+    bit for bit; to_compressed_tensors gives its pack_fp4_to_uint8 bytes, and both unpackings agree."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.02
+    packed, scales, global_scale = quantize_nvfp4(jnp.asarray(w))
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                            dynamic=False, scale_dtype=torch.float8_e4m3fn)
+    for e in range(int(np.prod(shape[:-2], dtype=int))):
+        w_NK = torch.from_numpy(w.reshape(-1, *shape[-2:])[e].T.copy())
+        amax = w_NK.abs().max()
+        g = generate_gparam(-amax, amax)
+        groups = w_NK.reshape(w_NK.shape[0], -1, 16)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=g)
+        q = ct_quantize(w_NK, scale, zero, args, global_scale=g)  # e2m1 values as float32
+        at = (e,) if len(shape) == 3 else ()
+        np.testing.assert_array_equal(np.asarray(global_scale)[at], g.numpy().reshape(1), err_msg=f"seed={seed}")
+        # compressed-tensors rounds its scales to e4m3 and keeps them in float32.
+        np.testing.assert_array_equal(np.asarray(scales[at].astype(jnp.float32)).T, scale.numpy(), err_msg=f"seed={seed}")
+        codes_NK = np.asarray(unpack_nibbles(packed[at])).T
+        np.testing.assert_array_equal(E2M1_VALUES[codes_NK], q.numpy(), err_msg=f"seed={seed}")
+        bytes_NH, scale_NG, g_disk = to_compressed_tensors(packed[at], scales[at], global_scale[at])
+        np.testing.assert_array_equal(bytes_NH, pack_fp4_to_uint8(q).numpy(), err_msg=f"seed={seed}")
+        unpacked = unpack_fp4_from_uint8(torch.from_numpy(bytes_NH), *w_NK.shape, dtype=torch.float32)
+        np.testing.assert_array_equal(unpacked.numpy(), q.numpy(), err_msg=f"seed={seed}")
+        back = from_compressed_tensors(bytes_NH, scale_NG, g_disk)
+        np.testing.assert_array_equal(back[0], np.asarray(packed[at]))
 
 
 # ---- GPTQ ---------------------------------------------------------------------------------------
