@@ -197,16 +197,20 @@ class NibbleCode(NamedTuple):
     """How a 4-bit format's packed codes become weights inside the pair-order kernel: the INT4 one
     here, NVFP4's in nvfp4_matmul.py. Both pack as `pack_nibbles` does.
 
-    scale_rows(extra_refs, expert) -> f(scale rows [BK/8, BN] as loaded) -> the scale per packed
-      row that dequantize_pairs takes; called once per program (extra_refs: the operands after the
-      scales, whole, e.g. NVFP4's per-tensor scale).
+    scale_rows(dtype) -> f(scale rows [BK/8, BN] as loaded) -> the scale per packed row that
+      dequantize_pairs takes (dtype: that of x as the kernel reads it).
     dequantize_pairs(packed [BK/8, BN], j, scale per packed row, dtype) -> [BK/4, BN] in pair order:
       row 2i + h the weight of nibble j + 4h of packed row i.
+    prepare_x(x [M, K]) -> (x as the kernel reads it, None or a float32 factor per row [M] that
+      the result's rows are multiplied by): outside the kernel.
+    finish: weight_stream.Finish, or None (extra operands, after the scales, reach it whole).
     """
 
     name: str
     scale_rows: Callable
     dequantize_pairs: Callable
+    prepare_x: Callable = lambda x_MK: (x_MK, None)
+    finish: Callable | None = None
 
 
 def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int, tuning: Int4Tuning,
@@ -225,17 +229,23 @@ def nibble_runner(code: NibbleCode, packed_EQN: jax.Array, scales_EGN: jax.Array
 
     def run(x_MK: jax.Array, schedule: TileSchedule, block_m: int, out_rows: int, rows_read: int) -> jax.Array:
         tiling = plan_tiling(block_m, out_rows, n, k, schedule.num_tiles, tuning)
+        x_read, row_factor_M = code.prepare_x(x_MK)
         if tuning.gather_x:  # the kernel masks its reads to each tile's rows instead of padding
-            x_in = x_MK
+            x_in = x_read
         else:
             # x_pairs[j, m, 2i + h] = x[m, 8i + j + 4h] (module docstring)
-            x_in = pad_to(x_MK, rows_read).reshape(rows_read, q, 2, PAIR_DOTS).transpose(3, 0, 1, 2).reshape(
+            x_in = pad_to(x_read, rows_read).reshape(rows_read, q, 2, PAIR_DOTS).transpose(3, 0, 1, 2).reshape(
                 PAIR_DOTS, rows_read, 2 * q)
         operands = [(w, column_blocks(w, tiling.block_n)) for w in (packed_EQN, scales_EGN)]
         operands += [(extra, whole(extra)) for extra in extras]
-        return stream_tiles(x_in, operands, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
-                            make_step=functools.partial(_pair_step, code=code, group_size=group_size),
-                            interpret=interpret, name=f"{code.name}_matmul")
+        y_WMN = stream_tiles(x_in, operands, schedule, tiling, n=n, k=k, out_dtype=x_MK.dtype,
+                             make_step=functools.partial(_pair_step, code=code, group_size=group_size),
+                             interpret=interpret, name=f"{code.name}_matmul", finish=code.finish)
+        if row_factor_M is None:
+            return y_WMN
+        # Row r of tile t is x's row start_W[t] + r (rows past M are zero: any factor will do).
+        rows_WM = jnp.minimum(schedule.start_W[:, None] + jnp.arange(out_rows)[None, :], x_MK.shape[0] - 1)
+        return (y_WMN * row_factor_M[rows_WM][..., None]).astype(y_WMN.dtype)
 
     return run
 
@@ -323,14 +333,15 @@ def _pair_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: j
                code: NibbleCode, group_size: int) -> Callable:
     """step(k_block, acc) for one program (weight_stream.StepFactory).
 
-    Refs: x_pairs [4, M, K/4] (or x [M, K] with gather_x); packed
-    [E, K/8, BN]; scales [E, K/g, BN]; the code's extra operands.
+    Refs: x_pairs [4, M, K/4] (or x [M, K] with gather_x), as the code's
+    prepare_x gives it; packed [E, K/8, BN]; scales [E, K/g, BN]; then the
+    code's extra operands (its finish reads them).
     """
-    packed_ref, scales_ref, *extra_refs = operand_refs
+    packed_ref, scales_ref = operand_refs[:2]
     load_x = _x_pair_loader(x_ref, start, rows, tiling)
     packed_rows = tiling.block_k // PACK
     load_scales = _scale_row_loader(scales_ref, expert, packed_rows, group_size)
-    scale_rows = code.scale_rows(extra_refs, expert)
+    scale_rows = code.scale_rows(x_ref.dtype)
 
     def step(block, acc):
         first_row = block * packed_rows
@@ -344,4 +355,4 @@ def _pair_step(x_ref, operand_refs, expert: jax.Array, start: jax.Array, rows: j
     return step
 
 
-INT4_CODE = NibbleCode("int4", lambda extra_refs, expert: lambda scale_QN: scale_QN, _dequantize_pairs)
+INT4_CODE = NibbleCode("int4", lambda dtype: lambda scale_QN: scale_QN, _dequantize_pairs)

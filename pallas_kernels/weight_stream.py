@@ -149,6 +149,10 @@ def plan_tiling(block_m: int, out_rows: int, n: int, k: int, num_tiles: int, tun
 # make_step(x_ref, operand_refs, expert, start, rows, tiling) -> step(k_block, acc) -> acc:
 # the format's inner loop body, built once per program. It adds tile_products to acc.
 StepFactory = Callable[..., Callable[[jax.Array, jax.Array], jax.Array]]
+# finish(operand_refs, expert, x_dtype) -> f(acc [rows, BN] float32) -> acc: what a format does to
+# a program's sum before it is stored (NVFP4: its per-matrix scale). Linear, so it may act on each
+# split-K partial.
+Finish = Callable[..., Callable[[jax.Array], jax.Array]]
 
 
 def tile_product(x_MQ: jax.Array, w_QN: jax.Array, tiling: Tiling) -> jax.Array:
@@ -163,7 +167,7 @@ def row_factor(f_M: jax.Array, tiling: Tiling) -> jax.Array:
 
 
 def _stream_kernel(expert_ref, start_ref, rows_ref, x_ref, *refs, make_step: StepFactory, tiling: Tiling,
-                   blocks_per_split: int):
+                   blocks_per_split: int, finish: Finish | None):
     """One (tile, column block, split) program.
 
     Refs: expert/start/rows [1]; x (as the format's step reads it); the
@@ -190,6 +194,8 @@ def _stream_kernel(expert_ref, start_ref, rows_ref, x_ref, *refs, make_step: Ste
         # the first out_rows is exact, and at M = 1 it cuts the split-K partial
         # traffic 16x (Triton has no static value slice, but has reshape+sum).
         acc_MN = acc_MN.reshape(-1, tiling.out_rows, tiling.block_n).sum(axis=0)
+    if finish is not None:
+        acc_MN = finish(operand_refs, expert_ref[0], x_ref.dtype)(acc_MN)
     out_ref[...] = acc_MN.astype(out_ref.dtype)
 
 
@@ -204,19 +210,19 @@ def whole(array: jax.Array) -> pl.BlockSpec:
 
 def stream_tiles(x_in: jax.Array, operands: Sequence[tuple[jax.Array, pl.BlockSpec]], schedule: TileSchedule,
                  tiling: Tiling, *, n: int, k: int, out_dtype, make_step: StepFactory, interpret: bool,
-                 name: str) -> jax.Array:
+                 name: str, finish: Finish | None = None) -> jax.Array:
     """Runs the work list; returns [tiles, out_rows, N], split-K summed in f32,
     or in out_dtype straight from the kernel when there is one split.
 
     x_in reaches every program whole, in the form the format's step reads;
     operands (the weights, their scales, anything else the step reads) with
-    their block specs.
+    their block specs; finish, the format's last step on each program's sum.
     """
     kernel_dtype = out_dtype if tiling.num_splits == 1 else jnp.float32
     scalar_spec = pl.BlockSpec((1,), lambda t, c, s: (t,))
     partial_XTMN = pl.pallas_call(
         functools.partial(_stream_kernel, make_step=make_step, tiling=tiling,
-                          blocks_per_split=tiling.blocks_per_split(k)),
+                          blocks_per_split=tiling.blocks_per_split(k), finish=finish),
         grid=(schedule.num_tiles, n // tiling.block_n, tiling.num_splits),
         in_specs=[scalar_spec, scalar_spec, scalar_spec, whole(x_in)] + [spec for _, spec in operands],
         out_specs=pl.BlockSpec((None, None, tiling.out_rows, tiling.block_n), lambda t, c, s: (s, t, 0, c)),
