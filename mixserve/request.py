@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from mixserve.tokenizer import Tokenizer
+from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
 
 class TokenLogprobs(NamedTuple):
@@ -82,6 +82,7 @@ class Request:
     latencies: list[float] = dataclasses.field(default_factory=list)
     result: Result | None = None  # set once: finished, aborted or rejected
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (Result.stop_reason)
+    output_text: IncrementalDecoder | None = None  # out decoded, kept while it has stop strings to find
 
     @property
     def tokens(self) -> list[int]:
@@ -113,9 +114,22 @@ class Request:
         if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
         elif self.stop:
-            self.stop_reason = first_stop_string(tokenizer.decode(self.out), self.stop)
+            self.stop_reason = self._completed_stop_string(tokenizer)
         if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
+
+    def _completed_stop_string(self, tokenizer: Tokenizer) -> str | None:
+        """The stop string that the text of the newest token(s) completes (the earliest to start, if
+        several). Only the end of the text is searched: an earlier occurrence would have stopped
+        the request when it was completed."""
+        if self.output_text is None:  # a request handed over between engines starts a new one
+            self.output_text = IncrementalDecoder(tokenizer)
+        added = self.output_text.add(self.out)
+        if not added:
+            return None
+        text = self.output_text.text
+        since = max(0, len(text) - len(added) - max(map(len, self.stop)) + 1)
+        return first_stop_string(text[since:], self.stop)
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),

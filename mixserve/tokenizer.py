@@ -83,6 +83,32 @@ class ByteTokenizer:
         return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
+class IncrementalDecoder:
+    """A growing token list's text, extended a token at a time without decoding the whole list each
+    time (which would cost a long output quadratic time): each call decodes only the tokens since
+    the read before last, as context, with and without the new ones, and keeps the difference
+    (vLLM's prefix and read offsets). A token that ends inside a UTF-8 character adds nothing
+    until the character is complete, so `text` is tokenizer.decode(ids) less any trailing
+    replacement characters (tests/test_tokenizer.py)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.text = ""
+        self._prefix = 0  # context starts here
+        self._read = 0  # tokens already in text
+
+    def add(self, ids: list[int]) -> str:
+        """The text that ids (every token so far: those of the last call and more) add to `text`."""
+        before = self.tokenizer.decode(ids[self._prefix:self._read])
+        after = self.tokenizer.decode(ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        added = after[len(before):]
+        self._prefix, self._read = self._read, len(ids)
+        self.text += added
+        return added
+
+
 def load_tokenizer(directory: str) -> Tokenizer | None:
     if os.path.exists(path := os.path.join(directory, "tokenizer.json")):
         return HFTokenizer(path)

@@ -5,13 +5,15 @@ import base64
 import json
 import shutil
 
+import numpy as np
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import hf_reference as ref
 import mixserve
-from mixserve.tokenizer import HFTokenizer, TiktokenTokenizer
+from mixserve.request import Request
+from mixserve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -117,3 +119,72 @@ def test_tiktoken_unnamed_special_ids_decode_as_reserved_tokens(kimi_tok):
     assert kimi_tok.decode([hello, 300, first + 255]) == f"hello<|im_end|><|reserved_token_{first + 255}|>"
     # past the tokenizer (a padded model vocab): dropped, as the tokenizers library does
     assert kimi_tok.decode([hello, first + 256, 10**6]) == "hello"
+
+
+# --- incremental decoding (stop strings) -----------------------------------------------------------
+
+
+def metaspace_bpe() -> HFTokenizer:
+    """SentencePiece-style: words carry a leading "▁" that decodes to a space, except at the start
+    of a text, so a token's text depends on what precedes it."""
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(TEXTS * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
+    wrapped = HFTokenizer.__new__(HFTokenizer)
+    wrapped._tok = tok
+    return wrapped
+
+
+class Counting:
+    """A tokenizer that counts the ids it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tok.decode(ids)
+
+
+def assert_incremental_text_follows_decode(tok, ids):
+    inc = IncrementalDecoder(tok)
+    for n in range(1, len(ids) + 1):
+        added = inc.add(ids[:n])
+        full = tok.decode(ids[:n])
+        assert inc.text == full.rstrip("\ufffd") and inc.text.endswith(added), (n, inc.text, full)
+    assert inc.text == tok.decode(ids).rstrip("\ufffd")
+
+
+def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_tok):
+    """Token by token, for byte-level BPE, SentencePiece-style BPE (context-dependent leading
+    spaces), Kimi's tiktoken (CJK and emoji bytes split across tokens) and UTF-8 bytes (random
+    ones too): the text is decode(all ids) at every step, less a character not yet complete."""
+    hf = mixserve.load(checkpoint_with(model_dir, tmp_path, tokenizer__json=byte_level_bpe_json()),
+                       dtype="float32", progress=False).tokenizer
+    for tok in (hf, metaspace_bpe(), kimi_tok, ByteTokenizer()):
+        for text in TEXTS:
+            assert_incremental_text_follows_decode(tok, tok.encode(text))
+    rng = np.random.default_rng(0)
+    for tok in (kimi_tok, ByteTokenizer()):  # random bytes: invalid UTF-8 in the middle of the text
+        assert_incremental_text_follows_decode(tok, [int(t) for t in rng.integers(0, 256, 300)])
+
+
+def test_stop_strings_cost_linear_decoding():
+    """A request with stop strings decodes a bounded number of ids per token, not its whole output
+    each time (quadratic): 3000 tokens decode under 6 ids each, where decoding the output at every
+    token would decode 4.5 million."""
+    tok = Counting(ByteTokenizer())
+    r = Request(0, [1], max_new_tokens=3000, temperature=0.0, top_p=1.0, seed=0, stop=("zz",))
+    text = "the cheapest token is the one you never compute; " * 62
+    for token in text.encode()[:3000]:
+        r.accept(token, 0.0, (), None, tok)
+    assert r.result is not None and r.stop_reason is None and len(r.out) == 3000
+    assert tok.decoded < 6 * 3000
+    # and the string is still found, here where it first completes
+    r = Request(1, [1], max_new_tokens=3000, temperature=0.0, top_p=1.0, seed=0, stop=("never", "you"))
+    for token in text.encode():
+        r.accept(token, 0.0, (), None, tok)
+        if r.result:
+            break
+    assert r.stop_reason == "you" and bytes(r.out).decode() == text[:text.find("you") + 3]
