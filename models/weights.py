@@ -125,19 +125,33 @@ class Fp8BlockWeight:
         return pallas_kernels.dequantize_fp8_block(self.values_KN, self.scale_inv_kn, dtype, self.scale_block)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Int4Weight:
-    """packed_QN int32 [..., K/8, N]; scales_GN [..., K/group, N]. group_size is static."""
-
-    packed_QN: jax.Array
-    scales_GN: jax.Array
-    group_size: int = dataclasses.field(metadata=dict(static=True))
+class _PackedNibbles:
+    """What the 4-bit formats share: eight values per int32 of packed_QN [..., K/8, N], a scale
+    per group_size of them along K (one column each)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         *lead, q, n = self.packed_QN.shape
         return (*lead, q * 8, n)
+
+    @property
+    def values_per_scale(self) -> tuple[int, int]:
+        """Stored rows and columns per scale: packed rows of one group, one column."""
+        return self.group_size // 8, 1
+
+    @property
+    def kernel_args(self) -> dict:
+        return {"group_size": self.group_size}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int4Weight(_PackedNibbles):
+    """packed_QN int32 [..., K/8, N]; scales_GN [..., K/group, N]. group_size is static."""
+
+    packed_QN: jax.Array
+    scales_GN: jax.Array
+    group_size: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
     def quantize(cls, w_KN: jax.Array, group_size: int) -> "Int4Weight":
@@ -163,22 +177,13 @@ class Int4Weight:
 
     per_tensor = ()
 
-    @property
-    def values_per_scale(self) -> tuple[int, int]:
-        """Stored rows and columns per scale: packed rows of one group, one column."""
-        return self.group_size // 8, 1
-
-    @property
-    def kernel_args(self) -> dict:
-        return {"group_size": self.group_size}
-
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_int4(self.packed_QN, self.scales_GN, self.group_size, dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Nvfp4Weight:
+class Nvfp4Weight(_PackedNibbles):
     """packed_QN int32 [..., K/8, N] of e2m1 codes; scales_GN float8_e4m3fn [..., K/16, N];
     global_scale float32 [..., 1], which divides (pallas_kernels/nvfp4_matmul.py). group_size is
     16, or 8 where tensor parallelism re-blocks it (split_for_tp)."""
@@ -187,11 +192,6 @@ class Nvfp4Weight:
     scales_GN: jax.Array
     global_scale: jax.Array
     group_size: int = dataclasses.field(default=NVFP4_GROUP, metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        *lead, q, n = self.packed_QN.shape
-        return (*lead, q * 8, n)
 
     @classmethod
     def quantize(cls, w_KN: jax.Array) -> "Nvfp4Weight":
@@ -212,14 +212,6 @@ class Nvfp4Weight:
                     per_tensor: tuple | None = None) -> "Nvfp4Weight":
         (global_scale,) = per_tensor or self.per_tensor
         return Nvfp4Weight(values, scales, global_scale, _nibble_group(values_per_scale, self.group_size))
-
-    @property
-    def values_per_scale(self) -> tuple[int, int]:
-        return self.group_size // 8, 1
-
-    @property
-    def kernel_args(self) -> dict:
-        return {"group_size": self.group_size}
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_nvfp4(self.packed_QN, self.scales_GN, self.global_scale, dtype)
