@@ -1,5 +1,5 @@
 """Quantization error on tiny random models of the three families: logits of INT4 (RTN and GPTQ,
-g32 and g128, routed experts only or all linear layers), NVFP4 (RTN) and FP8-block against the
+g32 and g128, routed experts only or all linear layers), NVFP4 (RTN and GPTQ) and FP8-block against the
 BF16 model, on held-out tokens, with greedy-token agreement, as a markdown table. Before it, the
 formats' error on weight matrices of three distributions (normal, heavy-tailed, outlier rows), with
 bits per weight: INT4 g32 and NVFP4 both spend 4.5.
@@ -72,7 +72,8 @@ def variants():
         for group in (32, 128):
             for method in ("rtn", "gptq"):
                 yield f"int4 g{group}", scope, method, WeightFormat("int4", group)
-        yield "nvfp4", scope, "rtn", WeightFormat("nvfp4")
+        for method in ("rtn", "gptq"):
+            yield "nvfp4", scope, method, WeightFormat("nvfp4")
 
 
 WEIGHT_FORMATS = {"fp8 block": WeightFormat("fp8_block"), "int4 g32": WeightFormat("int4", 32),

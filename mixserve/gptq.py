@@ -1,19 +1,23 @@
-"""GPTQ (Frantar et al., 2022) into the INT4 format that round-to-nearest writes.
+"""GPTQ (Frantar et al., 2022) into the 4-bit formats that round-to-nearest writes (INT4, NVFP4).
 
 Per linear layer, with X its calibration inputs [n, K] and W its weight [K, N]:
 
     H = 2/n X^T X + damp * mean(diag H) * I            (damp = 1% by default)
     U = upper Cholesky factor of H^-1                    (H^-1 = U^T U)
     for k in 0..K-1 (input rows of W, the columns of HF's [out, in]):
-        at a group's first row: scale_N = absmax(current rows of the group) / 7.5, in bf16
-        q_N = clamp(round(W[k] / scale), -8, 7)
-        err_N = (W[k] - q * scale) / U[k, k]
+        at a group's first row: scale_N = the format's scale of the current rows of the group
+        q_N = the nearest value of W[k] under that scale
+        err_N = (W[k] - q) / U[k, k]
         W[k+1:] -= U[k, k+1:]^T err                       (error feedback to the rows not yet rounded)
+
+The scales (_Grid): INT4's absmax / 7.5 in bf16 and values clamp(round(W / scale), -8, 7); NVFP4's
+e4m3 group scales under a global scale fixed from the weight before any feedback (as
+llm-compressor fixes it), values the nearest e2m1 code.
 
 The group scale is decided when the group's first row is reached, from the rows as they are then
 (with the error of earlier groups folded in): reference GPTQ without static groups, except that
 it reads all rows of the group with the feedback so far (the reference reads rows of a later lazy
-block without the current block's updates). The scale rule is Int4Weight.quantize's, so the
+block without the current block's updates). The scale rules are round-to-nearest's, so the
 result is the same on-disk format as RTN; with H = I there is no feedback and GPTQ equals RTN
 bit for bit. Updates are applied to all remaining rows each step (no lazy blocks): O(K^2 N) per
 matrix, fine for the small models this runs on. Inputs nobody fed (diag H = 0) get H_kk = 1 and
@@ -32,18 +36,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels
 from models.attention import LatentUpProjection
 from models.layers import Linear
 from models.moe import RoutedExperts
 from models.transformer import Transformer
-from models.weights import QUANTIZED, Int4Weight, WeightPlan
+from models.weights import QUANTIZED, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan, quantize
+from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_codes, nvfp4_global_scale, nvfp4_group_scales
+from pallas_kernels.int4_matmul import pack_nibbles
 
 log = logging.getLogger(__name__)
 Path = tuple[str, ...]
@@ -102,18 +108,47 @@ class LayerReport:
 # ---- the algorithm ---------------------------------------------------------------------------------
 
 
-def _round_to_grid(row_N: jax.Array, scale_N: jax.Array) -> jax.Array:
-    """Int4Weight.quantize's rounding for one row under fixed group scales -> int8 [N]."""
-    safe = jnp.maximum(scale_N.astype(jnp.float32), jnp.finfo(jnp.float32).tiny)
-    return jnp.clip(jnp.round(row_N / safe), -8, 7).astype(jnp.int8)
+class _Grid(NamedTuple):
+    """A 4-bit format as GPTQ rounds into it: a row at a time, under scales fixed per group."""
+
+    group_size: int
+    scale_dtype: object
+    group_scale: Callable  # the group's rows as they are now [g, N] -> its scale [N]
+    round_row: Callable  # (row [N], scale [N]) -> (stored code [N] uint8, value [N] float32)
+    build: Callable  # (codes [K, N] uint8, scales [K/g, N]) -> the weight
 
 
-@functools.partial(jax.jit, static_argnames=("group_size",))
-def gptq_int4(w_KN: jax.Array, h_KK: jax.Array, group_size: int, damp: float = 0.01) -> Int4Weight:
-    """GPTQ of one weight [K, N] under Hessian [K, K] -> Int4Weight (scales bf16 [K/group, N])."""
+def _grid(fmt: WeightFormat, w_KN: jax.Array) -> _Grid:
+    g = fmt.group_size
+    if fmt.kind == "int4":
+        def round_int4(row_N, scale_N):
+            scale = scale_N.astype(jnp.float32)
+            q = jnp.clip(jnp.round(row_N / jnp.maximum(scale, jnp.finfo(jnp.float32).tiny)), -8, 7)
+            return (q + 8).astype(jnp.uint8), q * scale
+
+        return _Grid(g, jnp.bfloat16, lambda rows: Int4Weight.quantize(rows, g).scales_GN[0], round_int4,
+                     lambda codes, scales: Int4Weight(pack_nibbles(codes), scales, g))
+    if fmt.kind == "nvfp4":
+        global_1 = nvfp4_global_scale(w_KN)
+
+        def round_fp4(row_N, scale_N):
+            codes = nvfp4_codes(row_N, scale_N, global_1)
+            return codes, jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)] * (scale_N.astype(jnp.float32) / global_1)
+
+        return _Grid(g, jnp.float8_e4m3fn,
+                     lambda rows: nvfp4_group_scales(jnp.max(jnp.abs(rows), axis=0), global_1), round_fp4,
+                     lambda codes, scales: Nvfp4Weight(pack_nibbles(codes), scales, global_1))
+    raise ValueError(f"GPTQ rounds into int4 or nvfp4, not {fmt}")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def gptq_quantize(w_KN: jax.Array, h_KK: jax.Array, fmt: WeightFormat, damp: float = 0.01) -> Int4Weight | Nvfp4Weight:
+    """GPTQ of one weight [K, N] under Hessian [K, K] into fmt (int4 or nvfp4)."""
     k, n = w_KN.shape
-    if k % group_size:
-        raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
+    w_KN = w_KN.astype(jnp.float32)
+    grid = _grid(fmt, w_KN)
+    if k % grid.group_size:
+        raise ValueError(f"{fmt.kind} group_size {grid.group_size} does not divide the input dimension {k}")
     h = h_KK.astype(jnp.float32)
     h = h + jnp.diag(jnp.where(jnp.diagonal(h) == 0, 1.0, 0.0))  # dead inputs
     h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(k, dtype=jnp.float32)
@@ -122,22 +157,22 @@ def gptq_int4(w_KN: jax.Array, h_KK: jax.Array, group_size: int, damp: float = 0
     u_KK = jax.scipy.linalg.cholesky(h_inv, lower=False)
 
     def step(i, carry):
-        w, values, scales, scale = carry
-        group = jax.lax.dynamic_slice_in_dim(w, i, group_size, axis=0)
-        fresh = Int4Weight.quantize(group, group_size).scales_GN[0]  # unused (and clamped) off a group start
-        scale = jnp.where(i % group_size == 0, fresh, scale)
-        q = _round_to_grid(w[i], scale)
-        err = (w[i] - q.astype(jnp.float32) * scale.astype(jnp.float32)) / u_KK[i, i]
+        w, codes, scales, scale = carry
+        group = jax.lax.dynamic_slice_in_dim(w, i, grid.group_size, axis=0)
+        fresh = grid.group_scale(group)  # unused (and clamped) off a group start
+        scale = jnp.where(i % grid.group_size == 0, fresh.astype(jnp.float32), scale.astype(jnp.float32)).astype(scale.dtype)
+        code, value = grid.round_row(w[i], scale)
+        err = (w[i] - value) / u_KK[i, i]
         w = w - u_KK[i][:, None] * err[None, :]  # U is upper triangular: rows <= i are done
-        return w, values.at[i].set(q), scales.at[i // group_size].set(scale), scale
+        return w, codes.at[i].set(code), scales.at[i // grid.group_size].set(scale), scale
 
-    init = (w_KN.astype(jnp.float32), jnp.zeros((k, n), jnp.int8),
-            jnp.zeros((k // group_size, n), jnp.bfloat16), jnp.zeros((n,), jnp.bfloat16))
-    _, values, scales, _ = jax.lax.fori_loop(0, k, step, init)
-    return Int4Weight(pallas_kernels.pack_int4(values), scales, group_size)
+    init = (w_KN, jnp.zeros((k, n), jnp.uint8), jnp.zeros((k // grid.group_size, n), grid.scale_dtype),
+            jnp.zeros((n,), grid.scale_dtype))
+    _, codes, scales, _ = jax.lax.fori_loop(0, k, step, init)
+    return grid.build(codes, scales)
 
 
-def reconstruction_error(w_KN: jax.Array, q: Int4Weight, xtx_KK: jax.Array) -> jax.Array:
+def reconstruction_error(w_KN: jax.Array, q: Int4Weight | Nvfp4Weight, xtx_KK: jax.Array) -> jax.Array:
     """||X W - X Q||_F^2 = tr(D^T X^T X D), D = W - dequant(Q); stacked [E, ...] inputs give [E]."""
     d = w_KN.astype(jnp.float32) - q.dequantize(jnp.float32)
     return jnp.sum(d * jnp.matmul(xtx_KK, d, precision=HIGHEST), axis=(-2, -1))
@@ -230,16 +265,18 @@ def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8)
 # ---- the whole model ------------------------------------------------------------------------------
 
 
-def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *, damp: float = 0.01) -> tuple[dict[Path, Int4Weight], list[LayerReport]]:
-    """GPTQ of every weight that `plan` puts in int4, from a float model run over ids_BT.
+def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *,
+                 damp: float = 0.01) -> tuple[dict[Path, Int4Weight | Nvfp4Weight], list[LayerReport]]:
+    """GPTQ of every weight that `plan` puts in int4 or nvfp4, from a float model run over ids_BT.
 
-    model: a mixserve Model with plain (unquantized) weights. Returns ({param path: Int4Weight},
+    model: a mixserve Model with plain (unquantized) weights. Returns ({param path: weight},
     [LayerReport]); paths are those of Transformer(cfg, plan) (experts stacked [E, K, N]).
     """
     source = flat_params(model.params)
     require_unquantized(source)
     layout = flat_params(abstract_params(model.config, plan, model.dtype))
-    targets = {p: leaf.group_size for p, leaf in layout.items() if isinstance(leaf, Int4Weight)}
+    targets = {p: plan.experts if "experts" in p else plan.linear
+               for p, leaf in layout.items() if isinstance(leaf, (Int4Weight, Nvfp4Weight))}
     grams = collect_grams(model, set(targets), ids_BT)
     weights, reports = {}, []
     for path in sorted(targets):
@@ -248,15 +285,15 @@ def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *, damp: float = 0
     return weights, reports
 
 
-def _gptq_weight(path: Path, w, group_size: int, gram: Gram | None, damp: float) -> tuple[Int4Weight, LayerReport]:
+def _gptq_weight(path: Path, w, fmt: WeightFormat, gram: Gram | None, damp: float) -> tuple[Int4Weight | Nvfp4Weight, LayerReport]:
     name = "/".join(path)
     w = w.astype(jnp.float32)
     if gram is None:  # the forward never called this layer
         log.warning("%s: no calibration input reached it; RTN", name)
-        return Int4Weight.quantize(w, group_size), LayerReport(name, 0, float("nan"), float("nan"))
-    fn = functools.partial(gptq_int4, group_size=group_size, damp=damp)
+        return quantize(w, fmt), LayerReport(name, 0, float("nan"), float("nan"))
+    fn = functools.partial(gptq_quantize, fmt=fmt, damp=damp)
     q = jax.vmap(fn)(w, gram.hessian) if w.ndim == 3 else fn(w, gram.hessian)
-    rtn = Int4Weight.quantize(w, group_size)
+    rtn = quantize(w, fmt)
     empty = [int(e) for e in np.flatnonzero(np.asarray(gram.count) == 0)] if w.ndim == 3 else []
     if empty:  # their Hessian is the identity, under which GPTQ is RTN
         log.warning("%s: experts %s got no calibration tokens; RTN for them", name, empty)

@@ -12,9 +12,9 @@ nvfp4-pack-quantized, weights only (llm-compressor's NVFP4A16); fp8 writes the D
 ships); "all" also quantizes attention, dense MLPs and shared experts. Router, norms, embeddings,
 lm_head and the DSA indexer's weights_proj always stay as they are.
 
-Methods: rtn rounds each weight to nearest; gptq (mixserve/gptq.py, int4 only) first loads the
+Methods: rtn rounds each weight to nearest; gptq (mixserve/gptq.py, int4 and nvfp4) first loads the
 whole source model in float32 and runs it over calibration tokens, so it is for models that fit in
-host memory; its int4 tensors are in the same format as RTN's. `quantize_model` does the same in
+host memory; its tensors are in the same format as RTN's. `quantize_model` does the same in
 memory, to a Model.
 """
 
@@ -87,7 +87,7 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
                    calibration: Calibration | np.ndarray | None = None) -> tuple[Model, list[LayerReport]]:
     """A float model's weights converted into `plan` in memory -> (Model, GPTQ layer reports).
 
-    method "rtn": every quantized weight rounded to nearest. "gptq": the int4 weights by GPTQ over
+    method "rtn": every quantized weight rounded to nearest. "gptq": the int4 and nvfp4 weights by GPTQ over
     the calibration tokens (fp8 ones still RTN). Unquantized weights are cast to the model dtype.
     """
     _check_method(method, plan)
@@ -131,12 +131,12 @@ def require_finite_targets(source: dict, abstract) -> None:
 def _check_method(method: str, plan: WeightPlan) -> None:
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
-    if method == "gptq" and "int4" not in (plan.experts.kind, plan.linear.kind):
-        raise ValueError(f"GPTQ quantizes int4 weights and the plan ({plan}) has none; use method='rtn'")
+    if method == "gptq" and not {"int4", "nvfp4"} & {plan.experts.kind, plan.linear.kind}:
+        raise ValueError(f"GPTQ quantizes int4 and nvfp4 weights and the plan ({plan}) has none; use method='rtn'")
 
 
-def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Int4Weight], list[LayerReport]]:
-    """GPTQ of the source checkpoint -> {bare HF unit name: Int4Weight [in, out]}, one per expert."""
+def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Quantized], list[LayerReport]]:
+    """GPTQ of the source checkpoint -> {bare HF unit name: weight [in, out]}, one per expert."""
     model = load(src, dtype="float32", progress=False)
     require_finite_targets(flat_params(model.params), abstract_params(model.config, plan, model.dtype))
     weights, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))

@@ -75,19 +75,35 @@ def quantize_nvfp4(w_KN: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     if k % GROUP:
         raise ValueError(f"NVFP4 groups of {GROUP} inputs do not divide the input dimension {k}")
     w = w_KN.astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(w), axis=(-2, -1))[..., None], jnp.finfo(jnp.float32).tiny)
-    # 2688 times the reciprocal, as torch evaluates compressed-tensors' `2688 / amax` (one float32
-    # ulp from a division at times); an amax so small that this overflows (an all-zero matrix) keeps
-    # global_scale 1, as there.
-    global_scale = E4M3_MAX * E2M1_MAX * (1.0 / amax)
-    global_scale = jnp.where(jnp.isfinite(global_scale), global_scale, 1.0)
+    global_scale = nvfp4_global_scale(w)
     groups = w.reshape(*lead, k // GROUP, GROUP, n)
-    group_max = jnp.max(jnp.abs(groups), axis=-2)
+    scales = nvfp4_group_scales(jnp.max(jnp.abs(groups), axis=-2), global_scale[..., None])
+    codes = nvfp4_codes(groups, scales[..., None, :], global_scale[..., None, None])
+    return pack_nibbles(codes.reshape(*lead, k, n)), scales, global_scale
+
+
+def nvfp4_global_scale(w_KN: jax.Array) -> jax.Array:
+    """float32 [..., 1]: 448 * 6 times the reciprocal of the matrix's largest magnitude, as torch
+    evaluates compressed-tensors' `2688 / amax` (one float32 ulp from a division at times); an
+    amax so small that this overflows (an all-zero matrix) gives 1, as there."""
+    amax = jnp.maximum(jnp.max(jnp.abs(w_KN.astype(jnp.float32)), axis=(-2, -1))[..., None],
+                       jnp.finfo(jnp.float32).tiny)
+    global_scale = E4M3_MAX * E2M1_MAX * (1.0 / amax)
+    return jnp.where(jnp.isfinite(global_scale), global_scale, 1.0)
+
+
+def nvfp4_group_scales(group_max: jax.Array, global_scale: jax.Array) -> jax.Array:
+    """The e4m3 scale of groups whose largest magnitude is group_max: group_max / 6 * global_scale,
+    saturating at 448."""
     limit = float(jnp.finfo(jnp.float8_e4m3fn).max)
-    scales = jnp.clip(group_max / E2M1_MAX * global_scale[..., None], -limit, limit).astype(jnp.float8_e4m3fn)
-    step = scales.astype(jnp.float32) / global_scale[..., None]  # divided, as compressed-tensors does
-    scaled = jnp.where(step[..., None, :] > 0, groups / jnp.where(step > 0, step, 1.0)[..., None, :], 0.0)
-    return pack_nibbles(e2m1_codes(scaled).reshape(*lead, k, n)), scales, global_scale.astype(jnp.float32)
+    return jnp.clip(group_max / E2M1_MAX * global_scale, -limit, limit).astype(jnp.float8_e4m3fn)
+
+
+def nvfp4_codes(w: jax.Array, scales: jax.Array, global_scale: jax.Array) -> jax.Array:
+    """The nearest codes of weights w under their (broadcast) scales: e2m1(w / (scale / global)),
+    divided as compressed-tensors does; a zero scale gives code 0."""
+    step = scales.astype(jnp.float32) / global_scale
+    return e2m1_codes(jnp.where(step > 0, w / jnp.where(step > 0, step, 1.0), 0.0))
 
 
 def e2m1_codes(v: jax.Array) -> jax.Array:

@@ -20,14 +20,14 @@ from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 import mixserve
-from mixserve.gptq import Calibration, gptq_int4, reconstruction_error
+from mixserve.gptq import Calibration, gptq_quantize, reconstruction_error
 from mixserve.orbax_io import restore_params, save_params
 from mixserve.quantize import main as quantize_main
 from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import index_tensors, load_tensor
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
-from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, reblock
+from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, quantize, reblock
 from pallas_kernels import quantize_nvfp4
 from pallas_kernels.int4_matmul import unpack_nibbles
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, from_compressed_tensors, to_compressed_tensors
@@ -128,16 +128,17 @@ def test_nvfp4_quantization_and_pack_match_compressed_tensors(shape):
 # ---- GPTQ ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_gptq_with_identity_hessian_is_rtn(group_size):
+@pytest.mark.parametrize("fmt", [WeightFormat("int4", 32), WeightFormat("int4", 128), WeightFormat("nvfp4")], ids=str)
+def test_gptq_with_identity_hessian_is_rtn(fmt):
     """No input correlation, no error feedback: GPTQ must reduce to RTN exactly (same scales, same
-    rounding). A zero Hessian (inputs never seen) counts as the identity."""
+    rounding, NVFP4's global scale too). A zero Hessian (inputs never seen) counts as the identity."""
     w_KN = jax.random.normal(jax.random.key(1), (256, 48), jnp.float32)
-    rtn = Int4Weight.quantize(w_KN, group_size)
+    rtn = quantize(w_KN, fmt)
     for h_KK in (jnp.eye(256), jnp.zeros((256, 256))):
-        q = gptq_int4(w_KN, h_KK, group_size)
-        np.testing.assert_array_equal(np.asarray(q.packed_QN), np.asarray(rtn.packed_QN))
-        np.testing.assert_array_equal(np.asarray(q.scales_GN).view(np.uint16), np.asarray(rtn.scales_GN).view(np.uint16))
+        q = gptq_quantize(w_KN, h_KK, fmt)
+        assert type(q) is type(rtn)
+        for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(rtn), strict=True):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=str(fmt))
 
 
 def test_reconstruction_error_is_the_output_error():
@@ -148,11 +149,11 @@ def test_reconstruction_error_is_the_output_error():
     np.testing.assert_allclose(float(reconstruction_error(w_KN, q, x_MK.T @ x_MK)), float(direct), rtol=1e-4)
 
 
-@pytest.mark.parametrize("group_size", [32, 128])
-def test_gptq_beats_rtn(wide_model, group_size):
+@pytest.mark.parametrize("fmt", [WeightFormat("int4", 32), WeightFormat("int4", 128), WeightFormat("nvfp4")], ids=str)
+def test_gptq_beats_rtn(wide_model, fmt):
     """Same calibration tokens for both; GPTQ must lower every layer's ||X(W - Q)||^2 on them and the
     logit error against the float model on held-out tokens."""
-    plan = WeightPlan(experts=WeightFormat("int4", group_size))
+    plan = WeightPlan(experts=fmt)
     calibration = Calibration(tokens=1024, seq_len=64, seed=0)
     held_out = Calibration(tokens=256, seq_len=64, seed=1).token_ids(wide_model.config.vocab_size)
     rtn, _ = quantize_model(wide_model, plan)
@@ -164,7 +165,7 @@ def test_gptq_beats_rtn(wide_model, group_size):
     rtn_logits, gptq_logits = rtn.logits(held_out), gptq.logits(held_out)
     rtn_err, gptq_err = (float(jnp.mean((x - base) ** 2)) for x in (rtn_logits, gptq_logits))
     agree = lambda x: float(jnp.mean(jnp.argmax(x, -1) == jnp.argmax(base, -1)))
-    print(f"g{group_size}: logit MSE RTN {rtn_err:.3g} GPTQ {gptq_err:.3g}; greedy agreement {agree(rtn_logits):.3f} / {agree(gptq_logits):.3f}")
+    print(f"{fmt}: logit MSE RTN {rtn_err:.3g} GPTQ {gptq_err:.3g}; greedy agreement {agree(rtn_logits):.3f} / {agree(gptq_logits):.3f}")
     assert gptq_err < 0.9 * rtn_err
 
 
