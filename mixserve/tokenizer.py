@@ -87,26 +87,52 @@ class IncrementalDecoder:
     """A growing token list's text, extended a token at a time without decoding the whole list each
     time (which would cost a long output quadratic time): each call decodes only the tokens since
     the read before last, as context, with and without the new ones, and keeps the difference
-    (vLLM's prefix and read offsets). A token that ends inside a UTF-8 character adds nothing
-    until the character is complete, so `text` is tokenizer.decode(ids) less any trailing
-    replacement characters (tests/test_tokenizer.py)."""
+    (vLLM's prefix and read offsets).
+
+    Text that ends inside a UTF-8 character (a token holding the first bytes of one) is held back
+    until the character completes; `visible` adds the complete characters in front of it, so
+    `visible` is tokenizer.decode(ids) less its trailing replacement characters
+    (tests/test_tokenizer.py). A character is at most 4 bytes, and a token holds at least one
+    unless it decodes to nothing (an id past the tokenizer's vocabulary): one still unfinished
+    after MAX_HELD held tokens is taken to have started in the last MAX_HELD - 1, and everything
+    before them is committed, as decode shows it. So no run of tokens (invalid bytes, ids that
+    decode to nothing) makes a call decode more than about MAX_HELD of them.
+
+    A decoder whose later tokens rewrite earlier text breaks the invariant: with a ByteFallback
+    decoder (Llama-style tokenizer.json) a byte token "/" followed by a stray continuation byte
+    becomes a replacement character in decode(ids) but stays "/" in `text`. A stop string is
+    still found at the token that completes it, where decode(ids) shows it too."""
+
+    MAX_HELD = 16  # tokens; a character spans at most 4 that hold bytes
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.text = ""
+        self.text = ""  # committed
+        self.held = ""  # complete characters after `text`, in front of an unfinished one
         self._prefix = 0  # context starts here
-        self._read = 0  # tokens already in text
+        self._read = 0  # tokens in text
 
-    def add(self, ids: list[int]) -> str:
-        """The text that ids (every token so far: those of the last call and more) add to `text`."""
+    @property
+    def visible(self) -> str:
+        return self.text + self.held
+
+    def add(self, ids: list[int]) -> None:
+        """Extend by the tokens of ids (every token so far: those of the last call and more)."""
         before = self.tokenizer.decode(ids[self._prefix:self._read])
-        after = self.tokenizer.decode(ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""
-        added = after[len(before):]
-        self._prefix, self._read = self._read, len(ids)
-        self.text += added
-        return added
+        new = self.tokenizer.decode(ids[self._prefix:])[len(before):]
+        if not new.endswith("\ufffd"):
+            self._commit(new, len(ids))
+            return
+        if len(ids) - self._read >= self.MAX_HELD:
+            keep = len(ids) - (self.MAX_HELD - 1)
+            self._commit(self.tokenizer.decode(ids[self._prefix:keep])[len(before):], keep)
+            before = self.tokenizer.decode(ids[self._prefix:self._read])
+            new = self.tokenizer.decode(ids[self._prefix:])[len(before):]
+        self.held = new.rstrip("\ufffd")
+
+    def _commit(self, new: str, read: int) -> None:
+        self.text, self.held = self.text + new, ""
+        self._prefix, self._read = self._read, read
 
 
 def load_tokenizer(directory: str) -> Tokenizer | None:

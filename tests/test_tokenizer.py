@@ -150,41 +150,74 @@ class Counting:
 def assert_incremental_text_follows_decode(tok, ids):
     inc = IncrementalDecoder(tok)
     for n in range(1, len(ids) + 1):
-        added = inc.add(ids[:n])
+        inc.add(ids[:n])
         full = tok.decode(ids[:n])
-        assert inc.text == full.rstrip("\ufffd") and inc.text.endswith(added), (n, inc.text, full)
-    assert inc.text == tok.decode(ids).rstrip("\ufffd")
+        # visible: decode(ids) less what is held back, replacement characters only
+        assert full.startswith(inc.visible) and set(full[len(inc.visible):]) <= {"\ufffd"}, (n, inc.visible, full)
+        assert inc.visible.startswith(inc.text)
+    if not tok.decode(ids).endswith("\ufffd"):
+        assert inc.text == tok.decode(ids)
 
 
 def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_tok):
     """Token by token, for byte-level BPE, SentencePiece-style BPE (context-dependent leading
-    spaces), Kimi's tiktoken (CJK and emoji bytes split across tokens) and UTF-8 bytes (random
-    ones too): the text is decode(all ids) at every step, less a character not yet complete."""
+    spaces), Kimi's tiktoken (CJK and emoji bytes split across tokens) and UTF-8 bytes: the text is
+    decode(all ids) at every step, less a character not yet complete. Random ids too (invalid
+    UTF-8 in the middle, ids past the vocabulary)."""
     hf = mixserve.load(checkpoint_with(model_dir, tmp_path, tokenizer__json=byte_level_bpe_json()),
                        dtype="float32", progress=False).tokenizer
     for tok in (hf, metaspace_bpe(), kimi_tok, ByteTokenizer()):
         for text in TEXTS:
             assert_incremental_text_follows_decode(tok, tok.encode(text))
     rng = np.random.default_rng(0)
-    for tok in (kimi_tok, ByteTokenizer()):  # random bytes: invalid UTF-8 in the middle of the text
-        assert_incremental_text_follows_decode(tok, [int(t) for t in rng.integers(0, 256, 300)])
+    for tok, vocab in ((hf, 400), (kimi_tok, 263), (ByteTokenizer(), 256)):
+        for _ in range(40):
+            assert_incremental_text_follows_decode(tok, [int(t) for t in rng.integers(0, vocab + 10, 40)])
+
+
+class PieceTokenizer:
+    """Ids are byte strings (a byte-level vocabulary in miniature): one may end a character and
+    start the next, as b"!\xf0\x9f" does."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return b"".join(self.pieces[i] for i in ids if 0 <= i < len(self.pieces)).decode("utf-8", errors="replace")
+
+
+def serve(tok, tokens, stop, max_new_tokens=3000):
+    r = Request(0, [1], max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0, stop=stop)
+    for token in tokens:
+        r.accept(token, 0.0, (), None, tok)
+        if r.result:
+            break
+    return r
+
+
+def test_a_stop_string_is_found_at_the_token_that_completes_it():
+    """Also when that token starts the next character: "Hi" + "!\xf0\x9f" shows "Hi!" and an
+    unfinished emoji; the request stops there (not one token later, when the emoji completes, or
+    never, at max_new_tokens = 2)."""
+    tok = PieceTokenizer([b"Hi", b"!\xf0\x9f", b"\x98\x80", b" there"])
+    for max_new in (4, 2):
+        r = serve(tok, [0, 1, 2, 3], ("!",), max_new)
+        assert r.stop_reason == "!" and r.out == [0, 1], max_new
+    r = serve(tok, [0, 1, 2, 3], ("\U0001F600 th",))  # a stop string with the emoji, across three tokens
+    assert r.stop_reason == "\U0001F600 th" and r.out == [0, 1, 2, 3]
 
 
 def test_stop_strings_cost_linear_decoding():
     """A request with stop strings decodes a bounded number of ids per token, not its whole output
-    each time (quadratic): 3000 tokens decode under 6 ids each, where decoding the output at every
-    token would decode 4.5 million."""
-    tok = Counting(ByteTokenizer())
-    r = Request(0, [1], max_new_tokens=3000, temperature=0.0, top_p=1.0, seed=0, stop=("zz",))
+    each time (quadratic): 3000 tokens decode under 6 ids each (where decoding the output at every
+    token would decode 4.5 million), and under 60 each in runs that add no text (ids past the
+    vocabulary) or only text held back (lone UTF-8 continuation bytes)."""
     text = "the cheapest token is the one you never compute; " * 62
-    for token in text.encode()[:3000]:
-        r.accept(token, 0.0, (), None, tok)
-    assert r.result is not None and r.stop_reason is None and len(r.out) == 3000
-    assert tok.decoded < 6 * 3000
+    for tokens, per_token in ((list(text.encode()[:3000]), 6), ([300] * 3000, 6), ([0x80] * 3000, 60)):
+        tok = Counting(ByteTokenizer())
+        r = serve(tok, tokens, ("zz",))
+        assert r.result is not None and r.stop_reason is None and len(r.out) == 3000
+        assert tok.decoded < per_token * 3000, (tokens[0], tok.decoded)
     # and the string is still found, here where it first completes
-    r = Request(1, [1], max_new_tokens=3000, temperature=0.0, top_p=1.0, seed=0, stop=("never", "you"))
-    for token in text.encode():
-        r.accept(token, 0.0, (), None, tok)
-        if r.result:
-            break
+    r = serve(ByteTokenizer(), text.encode(), ("never", "you"))
     assert r.stop_reason == "you" and bytes(r.out).decode() == text[:text.find("you") + 3]
