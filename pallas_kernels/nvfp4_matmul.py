@@ -24,7 +24,10 @@ Quantizing (quantize_nvfp4, round to nearest as llm-compressor does):
   global_scale = 448 * 6 * (1 / amax(w)), so that the largest group scale is e4m3's largest, 448;
   scale = e4m3(amax(group) / 6 * global_scale), saturating;
   code = e2m1(w / (scale / global_scale)): nearest, ties to even, saturating at 6.
-  Tested bit for bit against the compressed-tensors package (tests/test_quantization.py).
+  Tested bit for bit against the compressed-tensors package on float32 weights
+  (tests/test_quantization.py); it differs in the bytes, not the weights, for a group whose
+  scale rounds to 0 (it stores scale 0.125 and keeps -0 codes) and above amax 2**126 (torch's
+  reciprocal is subnormal there).
 
 The kernel's decode (_fp4_pairs) puts a code's three magnitude bits into float16's exponent and
 mantissa (bits 9-11) and its sign into float16's sign: float16's exponent bias is 14 more than
@@ -38,13 +41,15 @@ holds exactly. With bf16 x the kernel's dots are float16 tensor-core dots:
   * weights: the decoded float16 times (scale * 2**6), one float16 multiply per two weights,
     e2m1 * scale * 2**-8 exactly (its 6 significant bits never fall below float16's subnormal
     step: the least product, 0.5 * 2**-9 * 2**-8, is 2**-18);
-  * x: each row times a power of two that puts its largest magnitude in [2**14, 2**15), then
-    float16 (exact for every value above 2**-28 of the row's largest: float16 has bf16's 8
+  * x: each row times a power of two that puts its largest finite magnitude in [2**14, 2**15),
+    then float16 (exact for every value above 2**-28 of the row's largest: float16 has bf16's 8
     significant bits and more); the result's row is multiplied back (exact, a power of two);
   * finish: the sum times 2**8 / global_scale.
-With float32 x, the weights are float32 (e2m1 * scale, exact) and so are the dots.
-Against the reference (weights e2m1 * (scale / global) rounded to x's dtype), the kernel's weights
-carry no rounding at all; its sum is rounded once more, by the finish.
+With float32 x, the weights are float32 (e2m1 * scale, exact) and so are the dots; x's rows are
+scaled the same way, so that weights up to 2688 (before the global scale) cannot overflow a sum
+the reference (weights already divided by it) computes finitely.
+Against the reference (weights e2m1 * (scale / global) rounded to float32, a float32 dot), the
+kernel's weights carry no rounding at all; its sum is rounded once more, by the finish.
 The sm_90a SASS of the inner loop (experiments/results/sm90_sass.md): 665 instructions per 256
 inputs at M=1 (float32 weights and dots, before: 817; INT4: 489), 1315 at M=64 (1619; 984).
 """
@@ -88,7 +93,10 @@ def nvfp4_global_scale(w_KN: jax.Array) -> jax.Array:
     amax so small that this overflows (an all-zero matrix) gives 1, as there."""
     amax = jnp.maximum(jnp.max(jnp.abs(w_KN.astype(jnp.float32)), axis=(-2, -1))[..., None],
                        jnp.finfo(jnp.float32).tiny)
-    global_scale = E4M3_MAX * E2M1_MAX * (1.0 / amax)
+    # Above 2**126 the reciprocal is subnormal, which XLA's CPU flushes to 0: scaling amax down and
+    # the 2688 down by the same power of two gives the same product, rounded the same.
+    down = jnp.where(amax > 1, 2.0**-64, 1.0)
+    global_scale = (1.0 / (amax * down)) * (E4M3_MAX * E2M1_MAX * down)
     return jnp.where(jnp.isfinite(global_scale), global_scale, 1.0)
 
 
@@ -268,15 +276,16 @@ def _fp4_pairs(packed_QN: jax.Array, j: int, scale_QN: jax.Array, dtype) -> jax.
     return w_QN2.transpose(0, 2, 1).reshape(2 * q, n)
 
 
-def _x_in_float16(x_MK: jax.Array):
-    """bf16 x -> (x times a power of two per row, in float16; the powers' inverses) (module
-    docstring). float32 x stays as it is (its 24 significant bits would not fit float16)."""
-    if x_MK.dtype != jnp.bfloat16:
-        return x_MK, None
+def _x_rows_scaled(x_MK: jax.Array):
+    """x -> (x times a power of two per row, in float16 if x is bf16; the powers' inverses)
+    (module docstring). float32 x stays float32 (its 24 significant bits would not fit float16).
+    Infinities and NaNs pass through: the largest magnitude is taken over finite values."""
     x = x_MK.astype(jnp.float32)
-    _, top_M = jnp.frexp(jnp.max(jnp.abs(x), axis=-1))  # |x| < 2**top (frexp(0) = (0, 0))
+    finite_M = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), axis=-1)
+    _, top_M = jnp.frexp(finite_M)  # |x| < 2**top (frexp(0) = (0, 0))
     shift_M = _X_F16_TOP - jnp.maximum(top_M, -100)  # no float32 overflow for rows of tiny values
-    return jnp.ldexp(x, shift_M[:, None]).astype(jnp.float16), jnp.ldexp(jnp.float32(1), -shift_M)
+    scaled = jnp.ldexp(x, shift_M[:, None])
+    return (scaled.astype(jnp.float16) if x_MK.dtype == jnp.bfloat16 else scaled), jnp.ldexp(jnp.float32(1), -shift_M)
 
 
 def _times_global(operand_refs, expert, dtype):
@@ -288,4 +297,4 @@ def _times_global(operand_refs, expert, dtype):
     return lambda acc_MN: acc_MN * factor_11
 
 
-NVFP4_CODE = NibbleCode("nvfp4", _scale_rows, _fp4_pairs, _x_in_float16, _times_global)
+NVFP4_CODE = NibbleCode("nvfp4", _scale_rows, _fp4_pairs, _x_rows_scaled, _times_global)

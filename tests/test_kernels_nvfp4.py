@@ -10,8 +10,9 @@ Bounds, with W the dequantized weights and A = |x| @ |W| in float64 (test_kernel
 derivation, with two changes). An NVFP4 weight e2m1 * (scale / global) is not exact in float32
 (2 + 24 significant bits): the reference's weights carry one float32 rounding, 2**-24 relative,
 which the 1e-5 * A float32 slack covers. The kernel's weights (e2m1 * scale, the global scale applied
-to each sum) are exact, and so is its float16 copy of bf16 x (all but values below 2**-28 of a row's
-largest); it rounds each sum once more (the global scale, 2**-24). So kernel against reference is
+to each sum) are exact, and so are its float16 copy of bf16 x and its scaled copy of float32 x
+(all but values below 2**-28 of a row's largest); it rounds each sum once more (the global scale,
+2**-24). So kernel against reference is
 still 1e-5 * A with float32 x, and 3 bf16 roundings (3 * 2**-8) * A plus 1e-5 * A with bf16 x.
 """
 
@@ -149,21 +150,28 @@ def test_nvfp4_matmul_kernel_matches_reference(shape, tuning, x_dtype):
     assert rel < 1e-2, f"relative error {rel:.3g}, seed={seed}"
 
 
-def test_bf16_rows_of_any_magnitude_keep_their_precision():
-    """bf16 x reaches the kernel's float16 dots scaled row by row (a power of two each): rows far
-    outside float16's range (1e-30, 1e6, 1e30) and a zero row give what the reference gives, within
-    the bf16 bound. Without the scaling 1e6 would overflow float16 and 1e-30 would flush to zero."""
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_of_any_magnitude_keep_their_precision(x_dtype):
+    """x reaches the kernel's dots scaled row by row (a power of two each; bf16 x in float16):
+    rows far outside float16's range (1e-30, 1e6, 1e30) and a zero row give what the reference
+    gives, within the bound. Without the scaling, in float16, 1e6 would overflow and 1e-30 flush to
+    zero. A row with an infinity gives the reference's infinities (its largest finite value sets
+    the scale)."""
     seed = _seed()
     rng = np.random.default_rng(seed)
     codes, scales, global_scale = _weights(rng, (), 256, 32)
     packed = pack_nibbles(jnp.asarray(codes))
     magnitudes = np.array([1e-30, 1e-3, 1.0, 1e6, 1e30, 0.0])[:, None]
-    x = jnp.asarray(rng.standard_normal((6, 256)) * magnitudes, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((6, 256)) * magnitudes, x_dtype)
     w = _dequant_f64(codes, scales, global_scale)
     ref = nvfp4_matmul(x, packed, scales, global_scale, backend="xla")
     got = nvfp4_matmul(x, packed, scales, global_scale, backend=KERNEL_BACKEND)
-    _check(got, _f64(ref), np.abs(_f64(x)) @ np.abs(w), BF16_TOL, seed, "rows of spread magnitudes")
+    bound = BF16_TOL if x_dtype == jnp.bfloat16 else F32_TOL
+    _check(got, _f64(ref), np.abs(_f64(x)) @ np.abs(w), bound, seed, "rows of spread magnitudes")
     assert np.all(np.abs(_f64(got)[:5]) > 0) and np.all(_f64(got)[5] == 0), f"seed={seed}"
+    x_inf = x.at[2, 7].set(jnp.inf)
+    ref, got = (_f64(nvfp4_matmul(x_inf, packed, scales, global_scale, backend=b))[2] for b in ("xla", KERNEL_BACKEND))
+    np.testing.assert_array_equal(got, ref, err_msg=f"seed={seed}")
 
 
 MOE_CASES = [((0, 1, 0, 0, 2, 0, 0, 1), 256, 32), ((37, 0, 5, 70, 1), 128, 48), ((3, 0, 2), 32, 16)]
