@@ -223,7 +223,7 @@ def int4_runner(packed_EQN: jax.Array, scales_EGN: jax.Array, *, group_size: int
 def nibble_runner(code: NibbleCode, packed_EQN: jax.Array, scales_EGN: jax.Array, extras: tuple[jax.Array, ...], *,
                   group_size: int, tuning: Int4Tuning, interpret: bool) -> TileRunner:
     """The pair-order kernel of a 4-bit format over a work list (weight_stream.TileRunner).
-    extras: further operands that every program reads whole (code.scale_rows takes them)."""
+    extras: further operands that every program reads whole (code.finish reads them)."""
     q, n = packed_EQN.shape[-2:]
     k = q * PACK
 
