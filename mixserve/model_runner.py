@@ -67,6 +67,9 @@ class Sampling(NamedTuple):
                    xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
 
 
+VOCAB_BLOCK = 4096  # vocabulary entries per block of prompt logprobs (blocked_logprobs)
+
+
 class Logprobs(NamedTuple):
     """One step's logprobs per row under the raw logits (all zeros when no row asked: the step
     skips them)."""
@@ -265,12 +268,23 @@ class ModelRunner:
             positions_RC = start_R[:, None] + jnp.arange(C)
             valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
             last_R = jnp.maximum(step.count_B - 1, 0)
-            logits = module.apply({"params": params}, tokens_RC, positions_RC, kv,
-                                  logits_at=None if targets_RC is not None else last_R, valid_BT=valid_RC)
             prompt_logprobs = None
-            if targets_RC is not None:  # rows flattened: position j of row r is row r * C + j
+            if targets_RC is None:
+                logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
+                                      valid_BT=valid_RC)
+            elif self.cfg.mesh is not None:  # each device holds its share of the vocabulary's logits
+                logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC)
                 prompt_logprobs = logprobs_of(logits.reshape(R * C, -1), targets_RC.reshape(-1), c.max_logprobs)
                 logits = jnp.take_along_axis(logits, last_R[:, None, None], axis=1)
+            else:  # rows flattened: position j of row r is row r * C + j
+
+                def project(x_RCD, head_DV):
+                    x_last = jnp.take_along_axis(x_RCD, last_R[:, None, None], axis=1)
+                    return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
+                            blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), c.max_logprobs))
+
+                logits, prompt_logprobs = module.apply({"params": params}, tokens_RC, positions_RC, kv,
+                                                       valid_BT=valid_RC, project=project)
             tokens_R = sample(logits[:, 0], sampling)
             return (self._placed(kv.new_pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs),
                     prompt_logprobs, ok_R)
@@ -381,6 +395,52 @@ def logprobs_of(logits_BV, tokens_B, n: int) -> Logprobs:
     rank_B = 1 + jnp.sum(logits_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
     top_BN, ids_BN = jax.lax.top_k(logits_BV, n) if n else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
     return Logprobs(chosen_B - norm_B, rank_B, ids_BN.astype(jnp.int32), top_BN - norm_B[:, None])
+
+
+def blocked_logprobs(x_ND: jax.Array, head_DV: jax.Array, tokens_N: jax.Array, n: int,
+                     block: int = VOCAB_BLOCK) -> Logprobs:
+    """logprobs_of(x @ head, tokens, n), a vocabulary block at a time: [rows, block] float32 logits
+    at once, not [rows, vocab] (Kimi's 163,840-entry vocabulary over 8 rows of 64 prompt positions
+    would be 335 MB). One pass keeps a running log-sum-exp, the token's logit and the n likeliest;
+    a second counts the logits above the token's for its rank (the same products, so the same
+    values). The head is read twice. (Under tensor parallelism the prefill keeps whole logits
+    instead: each device holds only its share of the vocabulary, and blocks would cut across the
+    shares.)"""
+    rows, vocab = x_ND.shape[0], head_DV.shape[1]
+    block = min(block, vocab)
+    blocks = -(-vocab // block)
+
+    def logits_of(b):
+        # The last block ends at the vocabulary's end, overlapping the one before: its columns
+        # already counted read as -inf. (No padded copy of the head.)
+        start = jnp.minimum(b * block, vocab - block)
+        w = jax.lax.dynamic_slice_in_dim(head_DV, start, block, axis=1)
+        logits = jnp.dot(x_ND, w, preferred_element_type=jnp.float32)
+        return jnp.where(start + jnp.arange(block) >= b * block, logits, -jnp.inf)
+
+    def first(b, carry):
+        peak_N, total_N, chosen_N, top_NK, ids_NK = carry
+        logits = logits_of(b)
+        new_peak = jnp.maximum(peak_N, jnp.max(logits, axis=-1))
+        total_N = total_N * jnp.exp(peak_N - new_peak) + jnp.sum(jnp.exp(logits - new_peak[:, None]), axis=-1)
+        start = jnp.minimum(b * block, vocab - block)
+        offset = tokens_N - start
+        inside = (tokens_N >= b * block) & (offset < block)
+        chosen_N = jnp.where(inside, jnp.take_along_axis(logits, jnp.clip(offset, 0, block - 1)[:, None], -1)[:, 0],
+                             chosen_N)
+        if n:
+            top_NK, at = jax.lax.top_k(jnp.concatenate([top_NK, logits], axis=-1), n)
+            ids = jnp.concatenate([ids_NK, start + jnp.broadcast_to(jnp.arange(block), logits.shape)], axis=-1)
+            ids_NK = jnp.take_along_axis(ids, at, axis=-1)
+        return new_peak, total_N, chosen_N, top_NK, ids_NK
+
+    start = (jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros(rows), jnp.full((rows, n), -jnp.inf),
+             jnp.zeros((rows, n), jnp.int32))
+    peak_N, total_N, chosen_N, top_NK, ids_NK = jax.lax.fori_loop(0, blocks, first, start)
+    rank_N = 1 + jax.lax.fori_loop(0, blocks, lambda b, r: r + jnp.sum(logits_of(b) > chosen_N[:, None], axis=-1,
+                                                                       dtype=jnp.int32), jnp.zeros(rows, jnp.int32))
+    norm_N = peak_N + jnp.log(total_N)
+    return Logprobs(chosen_N - norm_N, rank_N, ids_NK.astype(jnp.int32), top_NK - norm_N[:, None])
 
 
 def _token_logprobs(host: Logprobs, row: int, n: int) -> TokenLogprobs:

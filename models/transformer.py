@@ -59,6 +59,9 @@ class Transformer(nn.Module):
     `valid_BT` (optional bool) marks the real tokens of a padded batch: padding tokens take no
     routed expert, so they cannot make the INT4 MoE kernel read experts no real token chose.
     `expert_parallel`: the routed experts run per device on the experts each holds (models/moe.py).
+    `project` (optional): project(x_BTD, head_DV) -> anything, in place of the vocabulary
+    projection x @ head (float32 logits), for a caller that must not hold [B, T, vocab] logits
+    (prompt logprobs take them a vocabulary block at a time: mixserve.model_runner).
     """
 
     cfg: ModelConfig
@@ -68,7 +71,7 @@ class Transformer(nn.Module):
     expert_parallel: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None):
+    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None, project=None):
         cfg = self.cfg
         kv = NoCache() if kv is None else kv
         if positions_BT is None:
@@ -88,9 +91,14 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         if cfg.tie_word_embeddings:
-            return embed.attend(x).astype(jnp.float32)
-        head = self.param(
-            "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
-            (cfg.hidden_size, cfg.vocab_size), self.dtype,
-        )
+            if project is None:
+                return embed.attend(x).astype(jnp.float32)
+            head = embed.embedding.T
+        else:
+            head = self.param(
+                "lm_head", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "vocab")),
+                (cfg.hidden_size, cfg.vocab_size), self.dtype,
+            )
+        if project is not None:
+            return project(x, head)
         return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)

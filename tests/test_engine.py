@@ -13,7 +13,7 @@ import mixserve
 from mixserve import faults
 from mixserve.engine import Engine
 from mixserve.kv_cache import quantize_for_pool
-from mixserve.model_runner import Sampling, _kept_by_top_k_top_p, sample
+from mixserve.model_runner import Sampling, _kept_by_top_k_top_p, blocked_logprobs, logprobs_of, sample
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 
@@ -641,6 +641,24 @@ def assert_prompt_logprobs(model, prompt, got, n):
         ids = [i for i, _ in lp.top]
         np.testing.assert_allclose([v for _, v in lp.top], want_V[ids], atol=1e-5)
         np.testing.assert_allclose(np.sort(want_V)[::-1][:n], want_V[ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab, block, n", [(1000, 256, 5), (1024, 256, 0), (300, 512, 3), (70, 16, 20)])
+def test_blocked_logprobs_equal_those_of_the_whole_logits(vocab, block, n):
+    """Prompt logprobs a vocabulary block at a time (a last block cut short, one block, more top
+    tokens than a block holds) against logprobs_of the whole [rows, vocab] logits: the same ranks
+    and top ids, log-probabilities within float32 summation order (1e-5); the first and last
+    vocabulary entries as targets."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((9, 32)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((32, vocab)), jnp.float32)
+    tokens = jnp.asarray([0, vocab - 1, *rng.integers(0, vocab, 7)], jnp.int32)
+    want = logprobs_of(jnp.dot(x, head, preferred_element_type=jnp.float32), tokens, n)
+    got = blocked_logprobs(x, head, tokens, n, block)
+    np.testing.assert_array_equal(np.asarray(got.rank_B), np.asarray(want.rank_B))
+    np.testing.assert_array_equal(np.asarray(got.top_ids_BN), np.asarray(want.top_ids_BN))
+    np.testing.assert_allclose(np.asarray(got.token_B), np.asarray(want.token_B), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.top_BN), np.asarray(want.top_BN), atol=1e-5)
 
 
 def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt():
