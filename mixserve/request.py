@@ -124,12 +124,12 @@ class Request:
         the request when it was completed."""
         if self.output_text is None:  # a request handed over between engines starts a new one
             self.output_text = IncrementalDecoder(tokenizer)
-        searched = len(self.output_text.visible)
+        searched = len(self.output_text)
         self.output_text.add(self.out)
-        text = self.output_text.visible
-        if len(text) == searched:
+        grown = len(self.output_text) - searched
+        if grown <= 0:
             return None
-        return first_stop_string(text[max(0, searched - max(map(len, self.stop)) + 1):], self.stop)
+        return first_stop_string(self.output_text.tail(grown + max(map(len, self.stop)) - 1), self.stop)
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
         self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),

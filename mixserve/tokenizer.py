@@ -107,14 +107,34 @@ class IncrementalDecoder:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.text = ""  # committed
-        self.held = ""  # complete characters after `text`, in front of an unfinished one
+        self._pieces: list[str] = []  # the committed text, as added (joined only on request)
+        self._committed = 0  # its length
+        self.held = ""  # complete characters after the committed text, in front of an unfinished one
         self._prefix = 0  # context starts here
-        self._read = 0  # tokens in text
+        self._read = 0  # tokens committed
+
+    @property
+    def text(self) -> str:
+        return "".join(self._pieces)
 
     @property
     def visible(self) -> str:
         return self.text + self.held
+
+    def __len__(self) -> int:
+        """Characters of `visible`."""
+        return self._committed + len(self.held)
+
+    def tail(self, n: int) -> str:
+        """The last n characters of `visible`, without joining the rest (a long output's text is
+        not copied per token)."""
+        parts, size = [self.held], len(self.held)
+        for piece in reversed(self._pieces):
+            if size >= n:
+                break
+            parts.append(piece)
+            size += len(piece)
+        return "".join(reversed(parts))[-n:] if n > 0 else ""
 
     def add(self, ids: list[int]) -> None:
         """Extend by the tokens of ids (every token so far: those of the last call and more)."""
@@ -131,7 +151,10 @@ class IncrementalDecoder:
         self.held = new.rstrip("\ufffd")
 
     def _commit(self, new: str, read: int) -> None:
-        self.text, self.held = self.text + new, ""
+        if new:
+            self._pieces.append(new)
+            self._committed += len(new)
+        self.held = ""
         self._prefix, self._read = self._read, read
 
 

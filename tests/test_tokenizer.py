@@ -154,7 +154,8 @@ def assert_incremental_text_follows_decode(tok, ids):
         full = tok.decode(ids[:n])
         # visible: decode(ids) less what is held back, replacement characters only
         assert full.startswith(inc.visible) and set(full[len(inc.visible):]) <= {"\ufffd"}, (n, inc.visible, full)
-        assert inc.visible.startswith(inc.text)
+        assert inc.visible.startswith(inc.text) and len(inc) == len(inc.visible)
+        assert all(inc.tail(k) == inc.visible[max(0, len(inc.visible) - k):] for k in (0, 1, 5, 100))
     if not tok.decode(ids).endswith("\ufffd"):
         assert inc.text == tok.decode(ids)
 
