@@ -45,7 +45,9 @@ def _weights(rng, lead, k, n):
     """Random codes (all 16, -0 included), positive e4m3 scales over several binades (normal and
     subnormal), and a global scale per matrix that is no power of two."""
     codes = rng.integers(0, 16, (*lead, k, n)).astype(np.uint8)
-    scales = jnp.asarray(rng.uniform(2.0**-8, 300.0, (*lead, k // 16, n)), jnp.float8_e4m3fn)
+    # log-uniform over e4m3's range, 2**-9 (its least subnormal) to 2**8.8 (448): a uniform draw
+    # would give a subnormal (below 2**-6) about once in 20,000 scales
+    scales = jnp.asarray(2.0 ** rng.uniform(-9, 8.8, (*lead, k // 16, n)), jnp.float8_e4m3fn)
     global_scale = jnp.asarray(rng.uniform(50.0, 3000.0, (*lead, 1)), jnp.float32)
     return codes, scales, global_scale
 
