@@ -9,7 +9,10 @@ On-disk formats of a linear weight ("unit"), told apart by which tensors exist:
   fp8_block  `weight` (float8_e4m3fn) + `weight_scale_inv` (float32, 128x128 blocks)
   int4       `weight_packed` (int32 [out, in/8]) + `weight_scale` [out, in/group] + `weight_shape`
   nvfp4      `weight_packed` (uint8 [out, in/2]) + `weight_scale` (float8_e4m3fn [out, in/16])
-             + `weight_global_scale` (float32 [1])
+             + `weight_global_scale` (float32 [1]), as compressed-tensors writes it; NVIDIA ModelOpt
+             writes the same pack as `weight` and the reciprocal of the global scale as
+             `weight_scale_2` (float32 []): read as compressed-tensors' own converter maps them
+             (modelopt_names)
 Routed experts and the other linear layers each get one format (a WeightPlan); if a checkpoint
 mixes formats inside one of these, that part is dequantized to the model dtype on load.
 Any other part beside these (zero points, group indices, a bias the config does not declare) and a
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import flax.linen as nn
@@ -35,7 +39,8 @@ from models.transformer import Transformer
 from models.weights import BF16, FP8_BLOCK, NVFP4_GROUP, Fp8BlockWeight, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan
 from pallas_kernels.nvfp4_matmul import from_compressed_tensors as nvfp4_from_compressed_tensors
 
-QUANT_PARTS = {"weight_scale_inv", "weight_packed", "weight_scale", "weight_shape", "weight_global_scale"}
+QUANT_PARTS = {"weight_scale_inv", "weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
+               "weight_scale_2"}
 # Tensors that real checkpoints carry but the text model does not use.
 SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
 LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed",
@@ -43,11 +48,17 @@ LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "pack
 # The parts each on-disk format of a linear weight consists of; any other part of a known unit is refused.
 STORED_PARTS = {"dense": {"weight"}, "fp8_block": {"weight", "weight_scale_inv"},
                 "int4": {"weight_packed", "weight_scale", "weight_shape"},
-                "nvfp4": {"weight_packed", "weight_scale", "weight_global_scale", "weight_shape"}}
+                "nvfp4": {"weight_packed", "weight_scale", "weight_global_scale", "weight_scale_2", "weight_shape"}}
 # The dtypes (safetensors names) of the packed formats' parts: a uint8 NVFP4 pack without its global
 # scale must not pass for an INT4 one.
 PART_DTYPES = {"int4": {"weight_packed": "I32"},
-               "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"}}
+               "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32",
+                         "weight_scale_2": "F32"}}
+# Calibration scales of a quantized KV cache (compressed-tensors kv_cache_scheme, ModelOpt
+# kv_cache_quant_algo): not read; the KV format is chosen when serving (Engine kv_format, k_scale).
+KV_SCALE_PARTS = {"k_scale", "v_scale"}
+# Static input scales of NVFP4 activations (W4A4), which mixserve serves weight-only.
+NVFP4_INPUT_PARTS = {"input_global_scale", "input_scale"}
 # Parts that quantization schemes mixserve does not implement add to a unit: named in the error.
 UNSUPPORTED_PARTS = {
     "weight_zero_point": "zero points of asymmetric quantization (mixserve's INT4 is symmetric)",
@@ -62,12 +73,44 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{directory}: no config.json")
     with open(path) as f:
         raw = json.load(f)
-    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    quant = (raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+             or _modelopt_quant_config(directory))
     generation_eos = None  # generate() also stops on generation_config.json's eos ids (a chat model's end of turn)
     if os.path.exists(generation := os.path.join(directory, "generation_config.json")):
         with open(generation) as f:
             generation_eos = json.load(f).get("eos_token_id")
     return ModelConfig.from_hf(raw, generation_eos), quant
+
+
+def _modelopt_quant_config(directory: str) -> dict:
+    """ModelOpt's hf_quant_config.json as a quantization_config (ModelOpt before 0.29 wrote none into
+    config.json; later exports write both)."""
+    path = os.path.join(directory, "hf_quant_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {"quant_method": "modelopt", **(json.load(f).get("quantization") or {})}
+
+
+def served_tensors(infos: dict[str, TensorInfo], quant: dict) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors under the names the loader reads. ModelOpt's NVFP4 pack (a uint8
+    `weight` beside a `weight_scale_2`) is renamed `weight_packed`, as compressed-tensors' ModelOpt
+    converter renames it. Left out: the scales of what mixserve does not quantize, where the
+    quantization_config declares them (NVFP4 activations, a quantized KV cache); anywhere else
+    _check refuses them."""
+    dropped = (NVFP4_INPUT_PARTS if _nvfp4_activations(quant) else set()) | (KV_SCALE_PARTS if _kv_scheme(quant) else set())
+    out = {}
+    for name, info in infos.items():
+        unit, part = split_unit(name)
+        if part in dropped:
+            continue
+        out[f"{unit}.weight_packed" if part == "weight" and f"{unit}.weight_scale_2" in infos else name] = info
+    return out
+
+
+def checkpoint_index(directory: str, quant: dict) -> dict[str, TensorInfo]:
+    """The shards' headers (no tensor data), named as the loader reads them (served_tensors)."""
+    return served_tensors(index_tensors(directory), quant)
 
 
 def text_prefix(infos: dict[str, TensorInfo]) -> str:
@@ -93,7 +136,7 @@ def is_mtp_layer(unit: str, cfg: ModelConfig) -> bool:
 
 
 def _stored_kind(parts) -> str:
-    if "weight_global_scale" in parts:
+    if "weight_global_scale" in parts or "weight_scale_2" in parts:
         return "nvfp4"
     if "weight_packed" in parts:
         return "int4"
@@ -115,7 +158,8 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
         found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
-    check_quantization_config(quant)
+    for notice in check_quantization_config(quant):
+        warnings.warn(notice, stacklevel=3)
     _check_group_size(found, quant)
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
@@ -127,7 +171,7 @@ def _int4_group(unit: str, infos: dict[str, TensorInfo]) -> int:
         raise CheckpointError(f"{unit}.weight_scale is missing (needed with weight_packed)")
     if (dtype := infos[unit + ".weight_packed"].dtype) != PART_DTYPES["int4"]["weight_packed"]:
         raise CheckpointError(f"tensor {unit}.weight_packed is {dtype}, where int4 stores I32 "
-                              "(a uint8 pack is NVFP4's, which needs its weight_global_scale)")
+                              "(a uint8 pack is NVFP4's, which needs its weight_global_scale or weight_scale_2)")
     packed, scale = infos[unit + ".weight_packed"].shape, infos[unit + ".weight_scale"].shape
     in_dim = packed[1] * 8
     group = in_dim // scale[1]
@@ -145,16 +189,21 @@ def is_quantizable_unit(unit: str) -> bool:
     return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
 
 
-def check_quantization_config(quant: dict) -> None:
+def check_quantization_config(quant: dict) -> list[str]:
     """Refuse, before any tensor is read, a quantization_config whose tensors would load but mean
-    something else: asymmetric or reordered INT4, other bit widths, activation or KV quantization,
+    something else: asymmetric or reordered INT4, other bit widths, integer or FP8 activations,
     sparsity or rotation transforms. Accepted: DeepSeek-style block FP8 (quant_method "fp8", e4m3,
-    128 x 128 blocks, dynamic activations), compressed-tensors pack-quantized, symmetric 4-bit int
-    weights by group or channel, and compressed-tensors nvfp4-pack-quantized (4-bit float weights in
-    groups of 16, a global scale per tensor), activations unquantized (W4A16)."""
+    128 x 128 blocks, dynamic activations), compressed-tensors pack-quantized (symmetric 4-bit int
+    weights by group or channel) and nvfp4-pack-quantized (4-bit float weights in groups of 16, a
+    global scale per tensor), and ModelOpt NVFP4 (quant_method "modelopt", the same weights).
+
+    Returns notices of what is served otherwise than declared: NVFP4 activations (W4A4) are served
+    weight-only (W4A16), as vLLM serves them on GPUs without FP4 math (Hopper: Marlin), so the
+    activations stay in the model dtype; a declared KV cache scheme's calibrated scales are not read
+    (the KV format is chosen when serving)."""
     if not quant:
-        return
-    method, problems = quant.get("quant_method"), []
+        return []
+    method, problems, notices = quant.get("quant_method"), [], []
     if method == "fp8":
         if quant.get("fmt", "e4m3") != "e4m3":
             problems.append(f"fmt {quant['fmt']!r} (only e4m3 weights)")
@@ -168,18 +217,53 @@ def check_quantization_config(quant: dict) -> None:
         sparsity = quant.get("sparsity_config") or {}
         if sparsity.get("format", "dense") != "dense":  # llm-compressor writes format "dense" for none
             problems.append(f"sparsity_config {sparsity!r}")
-        problems += [f"{key} {quant[key]!r}" for key in ("kv_cache_scheme", "transform_config") if quant.get(key)]
+        if quant.get("transform_config"):
+            problems.append(f"transform_config {quant['transform_config']!r}")
         for name, group in (quant.get("config_groups") or {}).items():
             problems += [f"config_groups.{name}: {p}" for p in _unsupported_group(group, quant.get("format"))]
+    elif method == "modelopt":
+        if quant.get("quant_algo") != "NVFP4":
+            problems.append(f"quant_algo {quant.get('quant_algo')!r} (mixserve reads ModelOpt 'NVFP4')")
+        weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+        groups = {quant.get("group_size", NVFP4_GROUP)} | {w.get("group_size", NVFP4_GROUP) for w in weights}
+        if groups != {NVFP4_GROUP}:
+            problems.append(f"group_size {sorted(groups)} (NVFP4 groups are {NVFP4_GROUP})")
     else:
-        problems.append(f"quant_method {method!r} (mixserve reads 'fp8' block checkpoints and 'compressed-tensors' INT4 "
-                        "and NVFP4)")
+        problems.append(f"quant_method {method!r} (mixserve reads 'fp8' block checkpoints, 'compressed-tensors' INT4 "
+                        "and NVFP4, and 'modelopt' NVFP4)")
     if problems:
         raise CheckpointError("unsupported quantization_config: " + "; ".join(problems))
+    if _nvfp4_activations(quant):
+        notices.append("the checkpoint quantizes activations to NVFP4 (W4A4); mixserve serves it weight-only "
+                       "(W4A16), as vLLM does on GPUs without FP4 math: activations stay in the model dtype and "
+                       "the input scales are not read")
+    if _kv_scheme(quant):
+        notices.append(f"the checkpoint declares a quantized KV cache ({_kv_scheme(quant)}); its k_scale/v_scale "
+                       "are not read: the KV cache format is chosen when serving (kv_cache_dtype)")
+    return notices
+
+
+def _nvfp4_activations(quant: dict) -> bool:
+    """Does the checkpoint declare NVFP4 activations (W4A4)? ModelOpt's NVFP4 always does."""
+    if quant.get("quant_method") == "modelopt":
+        return quant.get("quant_algo") == "NVFP4"
+    return any(_is_nvfp4_activation(group.get("input_activations"))
+               for group in (quant.get("config_groups") or {}).values())
+
+
+def _is_nvfp4_activation(args: dict | None) -> bool:
+    return bool(args) and all(args.get(k) == v for k, v in
+                              {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_GROUP}.items())
+
+
+def _kv_scheme(quant: dict):
+    """The declared KV cache quantization (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo)."""
+    return quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo")
 
 
 def _unsupported_group(group: dict, default_format) -> list[str]:
-    """What a compressed-tensors config group declares beyond symmetric W4A16 pack-quantized or NVFP4A16."""
+    """What a compressed-tensors config group declares beyond symmetric W4A16 pack-quantized or NVFP4
+    (whose NVFP4 activations are served weight-only)."""
     weights, problems = group.get("weights") or {}, []
     fmt = group.get("format", default_format)
     if fmt == "nvfp4-pack-quantized":
@@ -194,7 +278,9 @@ def _unsupported_group(group: dict, default_format) -> list[str]:
     problems += [f"weights.{k} {weights.get(k)!r} (expected {v!r})" for k, v in expected.items() if weights.get(k) != v]
     if weights.get("actorder") in ("group", "dynamic", True):
         problems.append(f"weights.actorder {weights['actorder']!r} (group indices; 'weight' or none is supported)")
-    problems += [f"{k} {group[k]!r} (W4A16 only)" for k in ("input_activations", "output_activations") if group.get(k)]
+    served = fmt == "nvfp4-pack-quantized" and _is_nvfp4_activation(group.get("input_activations"))
+    problems += [f"{k} {group[k]!r} (W4A16, or NVFP4 served as W4A16)" for k in ("input_activations", "output_activations")
+                 if group.get(k) and not (k == "input_activations" and served)]
     return problems
 
 
@@ -264,7 +350,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     placement(abstract params, their logical axes) -> a tree of functions that put each leaf where
     it goes (mixserve.sharding.placement); each leaf is placed as soon as it is read, so host
     memory holds one unit (or one stack of experts) at a time. None: the default device."""
-    infos = index_tensors(directory) if infos is None else infos
+    infos = checkpoint_index(directory, read_config(directory)[1]) if infos is None else infos
     prefix = text_prefix(infos)
     boxed = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
@@ -349,7 +435,12 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 expected = _disk_shape(leaves[i])
                 if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
                     expected = (*expected[:-1], expected[-1] * 4)
-                if tuple(stored[part].shape) != expected:
+                if part == "weight_global_scale":  # [1] from llm-compressor, [] from ModelOpt and its converter
+                    part = "weight_scale_2" if "weight_scale_2" in stored else part
+                    expected = tuple(stored[part].shape) if part in stored and stored[part].shape in ((), (1,)) else (1,)
+                if part not in stored:
+                    missing.append(f"{name}.{part} (expected shape {expected})")
+                elif tuple(stored[part].shape) != expected:
                     wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
         else:  # quantized on disk, dense in the plan: check the logical shape
             for part, i in unit.leaves.items():
@@ -391,6 +482,10 @@ def _disk_shape(leaf: _Leaf) -> tuple[int, ...]:
 def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str, np.ndarray]:
     """HF parts -> our parts (still HF orientation); dequantizes when the plan keeps the unit dense."""
     if _stored_kind(parts) == "nvfp4":
+        if "weight_scale_2" in parts:  # ModelOpt multiplies by it: compressed-tensors' converter inverts it
+            scale_2 = np.asarray(parts["weight_scale_2"], np.float32)
+            parts = {k: v for k, v in parts.items() if k != "weight_scale_2"} | {"weight_global_scale": 1 / scale_2}
+        parts["weight_global_scale"] = np.asarray(parts["weight_global_scale"], np.float32).reshape(1)
         packed, scales, global_scale = nvfp4_from_compressed_tensors(
             parts["weight_packed"], parts["weight_scale"], parts["weight_global_scale"])
         if target.target == "dense":

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mixserve import sharding
-from mixserve.checkpoint import detect_plan, load_params, read_config
-from mixserve.safetensors_io import index_tensors
+from mixserve.checkpoint import checkpoint_index, detect_plan, load_params, read_config
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.presets import FULL_PRESETS, get_preset
@@ -75,7 +74,7 @@ def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int):
 
 def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPlan | None = None,
          backend: str = "xla", progress: bool = True, mesh=None, expert_parallel: bool = False) -> Model:
-    """A directory loads an HF checkpoint (BF16, FP8 block or INT4 compressed-tensors);
+    """A directory loads an HF checkpoint (BF16, FP8 block, compressed-tensors INT4 or NVFP4, ModelOpt NVFP4);
     a preset name builds randomly initialised weights (tiny presets only).
 
     mesh: place the parameters on it as they are read (tensor parallelism over its "model" axis,
@@ -85,7 +84,7 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
-        infos = index_tensors(path_or_preset)
+        infos = checkpoint_index(path_or_preset, quant)
         stored = detect_plan(config, infos, quant)
         plan = stored if plan is None else plan
         sharding.check_mesh(mesh, config.n_routed_experts, expert_parallel)

@@ -36,9 +36,9 @@ CONFIGS = {
 }
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, **overrides):
     cls_name, kwargs = CONFIGS[name]
-    config = getattr(transformers, cls_name)(**kwargs)
+    config = getattr(transformers, cls_name)(**{**kwargs, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))(config).eval()

@@ -216,10 +216,10 @@ def test_corrupt_nvfp4_pack_is_named(nvfp4_dir, tmp_path, edit, error):
 
 @pytest.mark.parametrize("edit,error", [
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 4, "type": "float"}),
-     r"input_activations .* \(W4A16 only\)"),
+     r"input_activations .* \(W4A16, or NVFP4 served as W4A16\)"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32), r"weights\.group_size 32 \(expected 16\)"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int"), r"weights\.type 'int' \(expected 'float'\)"),
-], ids=["w4a4", "group-32", "int-type"])
+], ids=["fp4-acts-not-nvfp4", "group-32", "int-type"])
 def test_unsupported_nvfp4_quantization_config_is_refused(nvfp4_dir, tmp_path, edit, error):
     d = _copy(nvfp4_dir, tmp_path / "c")
     _edit_quant_config(d, edit)
@@ -257,18 +257,32 @@ def _weights(quant):
     (lambda q: _weights(q).update(num_bits=8), r"weights\.num_bits 8 \(expected 4\)"),
     (lambda q: _weights(q).update(strategy="tensor"), r"weights\.strategy 'tensor'"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int"}),
-     r"input_activations .* \(W4A16 only\)"),
+     r"input_activations .* \(W4A16, or NVFP4 served as W4A16\)"),
     (lambda q: q.update(format="int-quantized"), r"format 'int-quantized'"),
-    (lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme"),
     (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), r"sparsity_config"),
     (lambda q: q.update(quant_method="awq"), r"quant_method 'awq'"),
-], ids=["actorder-group", "asymmetric", "8-bit", "per-tensor", "w4a8", "int-quantized", "kv-scheme", "sparse-24", "awq"])
+], ids=["actorder-group", "asymmetric", "8-bit", "per-tensor", "w4a8", "int-quantized", "sparse-24", "awq"])
 def test_unsupported_int4_quantization_config_is_refused(int4_dir, tmp_path, edit, error):
     """Each of these checkpoints' tensors would load, but mean other weights than mixserve computes."""
     d = _copy(int4_dir, tmp_path / "c")
     _edit_quant_config(d, edit)
     with pytest.raises(CheckpointError, match="unsupported quantization_config: .*" + error):
         mixserve.load(str(d), progress=False)
+
+
+def test_kv_cache_scheme_is_a_notice(int4_dir, tmp_path):
+    """A declared kv_cache_scheme (FP8 KV calibration) changes no weight: the checkpoint loads, its
+    attention-level k_scale/v_scale are left out, and a notice says so (the KV format is chosen when
+    serving). Undeclared, the same tensors are refused."""
+    d = _copy(int4_dir, tmp_path / "c")
+    _rewrite(d, lambda t: t.update({f"model.layers.{i}.self_attn.{kv}_scale": np.array(0.25, np.float32)
+                                    for i in range(3) for kv in "kv"}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) .*self_attn\.k_scale"):
+        mixserve.load(str(d), progress=False)
+    _edit_quant_config(d, lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}))
+    with pytest.warns(UserWarning, match=r"declares a quantized KV cache .*k_scale/v_scale are not read"):
+        model = mixserve.load(str(d), progress=False)
+    assert model.plan == plan_for(WeightFormat("int4", 32), "experts")
 
 
 def test_supported_int4_config_variants_load(int4_dir, tmp_path):
