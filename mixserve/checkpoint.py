@@ -12,7 +12,9 @@ On-disk formats of a linear weight ("unit"), told apart by which tensors exist:
              + `weight_global_scale` (float32 [1]), as compressed-tensors writes it; NVIDIA ModelOpt
              writes the same pack as `weight` and the reciprocal of the global scale as
              `weight_scale_2` (float32 []): read as compressed-tensors' own converter maps them
-             (modelopt_names)
+             (served_tensors, _convert). A W4A4 checkpoint's input scales (`input_global_scale`,
+             ModelOpt's reciprocal `input_scale`) are read when the plan quantizes activations
+             (WeightFormat w4a4), else left out.
 Routed experts and the other linear layers each get one format (a WeightPlan); if a checkpoint
 mixes formats inside one of these, that part is dequantized to the model dtype on load.
 Any other part beside these (zero points, group indices, a bias the config does not declare) and a
@@ -44,7 +46,11 @@ QUANT_PARTS = {"weight_scale_inv", "weight_packed", "weight_scale", "weight_shap
 # Tensors that real checkpoints carry but the text model does not use.
 SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
 LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed",
-                "scales_GN": "weight_scale", "global_scale": "weight_global_scale"}
+                "scales_GN": "weight_scale", "global_scale": "weight_global_scale",
+                "input_global_scale": "input_global_scale"}
+PER_MATRIX_PARTS = {"weight_global_scale", "input_global_scale"}  # [1] (llm-compressor) or [] (ModelOpt and its converter)
+# ModelOpt's per-matrix scales multiply where compressed-tensors' divide: read as their reciprocals.
+MODELOPT_RECIPROCALS = {"weight_global_scale": "weight_scale_2", "input_global_scale": "input_scale"}
 # The parts each on-disk format of a linear weight consists of; any other part of a known unit is refused.
 STORED_PARTS = {"dense": {"weight"}, "fp8_block": {"weight", "weight_scale_inv"},
                 "int4": {"weight_packed", "weight_scale", "weight_shape"},
@@ -92,25 +98,30 @@ def _modelopt_quant_config(directory: str) -> dict:
         return {"quant_method": "modelopt", **(json.load(f).get("quantization") or {})}
 
 
-def served_tensors(infos: dict[str, TensorInfo], quant: dict) -> dict[str, TensorInfo]:
+def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations: bool = False) -> dict[str, TensorInfo]:
     """The checkpoint's tensors under the names the loader reads. ModelOpt's NVFP4 pack (a uint8
     `weight` beside a `weight_scale_2`) is renamed `weight_packed`, as compressed-tensors' ModelOpt
-    converter renames it. Left out: the scales of what mixserve does not quantize, where the
-    quantization_config declares them (NVFP4 activations, a quantized KV cache); anywhere else
-    _check refuses them."""
-    dropped = (NVFP4_INPUT_PARTS if _nvfp4_activations(quant) else set()) | (KV_SCALE_PARTS if _kv_scheme(quant) else set())
+    converter renames it. Left out, where the quantization_config declares them: the input scales
+    of NVFP4 layers that run weight-only (all of them unless nvfp4_activations; those that stay in
+    the model dtype, e.g. weights_proj, always), and the scales of a quantized KV cache on the
+    attention modules. Any other such tensor stays, and _check refuses it."""
+    kv_scales = KV_SCALE_PARTS if _kv_scheme(quant) else set()
+    input_scales = NVFP4_INPUT_PARTS if _nvfp4_activations(quant) else set()
     out = {}
     for name, info in infos.items():
         unit, part = split_unit(name)
-        if part in dropped:
+        nvfp4 = any(f"{unit}.{p}" in infos for p in ("weight_scale_2", "weight_global_scale"))
+        if part in input_scales and nvfp4 and not (nvfp4_activations and is_quantizable_unit(unit)):
+            continue
+        if part in kv_scales and re.search(r"\.self_attn(\.[kv]_proj)?$", unit):
             continue
         out[f"{unit}.weight_packed" if part == "weight" and f"{unit}.weight_scale_2" in infos else name] = info
     return out
 
 
-def checkpoint_index(directory: str, quant: dict) -> dict[str, TensorInfo]:
+def checkpoint_index(directory: str, quant: dict, nvfp4_activations: bool = False) -> dict[str, TensorInfo]:
     """The shards' headers (no tensor data), named as the loader reads them (served_tensors)."""
-    return served_tensors(index_tensors(directory), quant)
+    return served_tensors(index_tensors(directory), quant, nvfp4_activations)
 
 
 def text_prefix(infos: dict[str, TensorInfo]) -> str:
@@ -143,8 +154,11 @@ def _stored_kind(parts) -> str:
     return "fp8_block" if "weight_scale_inv" in parts else "dense"
 
 
-def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> WeightPlan:
-    """The formats stored on disk, per category (routed experts / other linear layers)."""
+def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
+                nvfp4_activations: bool = False) -> WeightPlan:
+    """The formats stored on disk, per category (routed experts / other linear layers).
+    nvfp4_activations: the NVFP4 formats as W4A4 (the checkpoint must declare NVFP4 activations,
+    and hold each category's NVFP4 layers alone, so that none is dequantized on load)."""
     prefix = text_prefix(infos)
     units: dict[str, set[str]] = {}
     for name in infos:
@@ -158,9 +172,19 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict) -> 
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
         found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
-    for notice in check_quantization_config(quant):
+    for notice in check_quantization_config(quant, nvfp4_activations):
         warnings.warn(notice, stacklevel=3)
     _check_group_size(found, quant)
+    if nvfp4_activations:
+        nvfp4 = WeightFormat("nvfp4")
+        if not _nvfp4_activations(quant):
+            raise CheckpointError("nvfp4_activations: the checkpoint declares no NVFP4 activations (W4A4), so it has "
+                                  "no input scales to quantize them with")
+        if mixed := sorted(c for c, fmts in found.items() if nvfp4 in fmts and len(fmts) > 1):
+            raise CheckpointError(f"nvfp4_activations: the {' and '.join(mixed)} layers mix NVFP4 with "
+                                  f"{sorted(str(f) for c in mixed for f in found[c] if f != nvfp4)}, so they load "
+                                  "dequantized and could not quantize their inputs")
+        found = {c: {WeightFormat("nvfp4", w4a4=True) if f == nvfp4 else f for f in fmts} for c, fmts in found.items()}
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
 
@@ -189,7 +213,7 @@ def is_quantizable_unit(unit: str) -> bool:
     return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
 
 
-def check_quantization_config(quant: dict) -> list[str]:
+def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> list[str]:
     """Refuse, before any tensor is read, a quantization_config whose tensors would load but mean
     something else: asymmetric or reordered INT4, other bit widths, integer or FP8 activations,
     sparsity or rotation transforms. Accepted: DeepSeek-style block FP8 (quant_method "fp8", e4m3,
@@ -199,8 +223,9 @@ def check_quantization_config(quant: dict) -> list[str]:
 
     Returns notices of what is served otherwise than declared: NVFP4 activations (W4A4) are served
     weight-only (W4A16), as vLLM serves them on GPUs without FP4 math (Hopper: Marlin), so the
-    activations stay in the model dtype; a declared KV cache scheme's calibrated scales are not read
-    (the KV format is chosen when serving)."""
+    activations stay in the model dtype, unless nvfp4_activations (then kv_b_proj alone runs
+    weight-only: absorbed MLA never multiplies the latent by it); a declared KV cache scheme's
+    calibrated scales are not read (the KV format is chosen when serving)."""
     if not quant:
         return []
     method, problems, notices = quant.get("quant_method"), [], []
@@ -233,10 +258,10 @@ def check_quantization_config(quant: dict) -> list[str]:
                         "and NVFP4, and 'modelopt' NVFP4)")
     if problems:
         raise CheckpointError("unsupported quantization_config: " + "; ".join(problems))
-    if _nvfp4_activations(quant):
+    if _nvfp4_activations(quant) and not nvfp4_activations:
         notices.append("the checkpoint quantizes activations to NVFP4 (W4A4); mixserve serves it weight-only "
                        "(W4A16), as vLLM does on GPUs without FP4 math: activations stay in the model dtype and "
-                       "the input scales are not read")
+                       "the input scales are not read (nvfp4_activations=True quantizes them, as Blackwell does)")
     if _kv_scheme(quant):
         notices.append(f"the checkpoint declares a quantized KV cache ({_kv_scheme(quant)}); its k_scale/v_scale "
                        "are not read: the KV cache format is chosen when serving (kv_cache_dtype)")
@@ -328,7 +353,7 @@ def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
     part, transpose = "weight", True
     if names[-1] in LEAF_TO_PART:  # a field of a quantized weight
         part = LEAF_TO_PART[names.pop()]
-        transpose = part != "weight_global_scale"  # [1] per matrix
+        transpose = part not in PER_MATRIX_PARTS
     last = names[-1]
     if last == "kernel":
         names.pop()
@@ -350,7 +375,8 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     placement(abstract params, their logical axes) -> a tree of functions that put each leaf where
     it goes (mixserve.sharding.placement); each leaf is placed as soon as it is read, so host
     memory holds one unit (or one stack of experts) at a time. None: the default device."""
-    infos = checkpoint_index(directory, read_config(directory)[1]) if infos is None else infos
+    w4a4 = plan.experts.w4a4 or plan.linear.w4a4
+    infos = checkpoint_index(directory, read_config(directory)[1], w4a4) if infos is None else infos
     prefix = text_prefix(infos)
     boxed = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
@@ -435,8 +461,8 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 expected = _disk_shape(leaves[i])
                 if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
                     expected = (*expected[:-1], expected[-1] * 4)
-                if part == "weight_global_scale":  # [1] from llm-compressor, [] from ModelOpt and its converter
-                    part = "weight_scale_2" if "weight_scale_2" in stored else part
+                if part in PER_MATRIX_PARTS:
+                    part = MODELOPT_RECIPROCALS[part] if MODELOPT_RECIPROCALS[part] in stored else part
                     expected = tuple(stored[part].shape) if part in stored and stored[part].shape in ((), (1,)) else (1,)
                 if part not in stored:
                     missing.append(f"{name}.{part} (expected shape {expected})")
@@ -464,7 +490,8 @@ def _allowed_parts(unit: _Unit, stored: dict[str, TensorInfo]) -> set[str]:
     """The parts a unit may have on disk: its leaves; a linear weight's in the format it is stored in."""
     if unit.target == "plain":
         return set(unit.leaves)
-    return {p for p in unit.leaves if p != "weight" and p not in QUANT_PARTS} | STORED_PARTS[_stored_kind(stored)]
+    inputs = {"input_scale"} if "input_global_scale" in unit.leaves else set()  # ModelOpt's, for a W4A4 plan
+    return {p for p in unit.leaves if p != "weight" and p not in QUANT_PARTS} | STORED_PARTS[_stored_kind(stored)] | inputs
 
 
 def _logical_shape(stored: dict[str, TensorInfo]) -> tuple[int, ...]:
@@ -482,10 +509,10 @@ def _disk_shape(leaf: _Leaf) -> tuple[int, ...]:
 def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str, np.ndarray]:
     """HF parts -> our parts (still HF orientation); dequantizes when the plan keeps the unit dense."""
     if _stored_kind(parts) == "nvfp4":
-        if "weight_scale_2" in parts:  # ModelOpt multiplies by it: compressed-tensors' converter inverts it
-            scale_2 = np.asarray(parts["weight_scale_2"], np.float32)
-            parts = {k: v for k, v in parts.items() if k != "weight_scale_2"} | {"weight_global_scale": 1 / scale_2}
-        parts["weight_global_scale"] = np.asarray(parts["weight_global_scale"], np.float32).reshape(1)
+        for ours, theirs in MODELOPT_RECIPROCALS.items():  # compressed-tensors' converter inverts them too
+            if theirs in parts:
+                parts = {k: v for k, v in parts.items() if k != theirs} | {ours: 1 / np.asarray(parts[theirs], np.float32)}
+        parts |= {p: np.asarray(parts[p], np.float32).reshape(1) for p in PER_MATRIX_PARTS if p in parts}
         packed, scales, global_scale = nvfp4_from_compressed_tensors(
             parts["weight_packed"], parts["weight_scale"], parts["weight_global_scale"])
         if target.target == "dense":

@@ -73,19 +73,24 @@ def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int):
 
 
 def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPlan | None = None,
-         backend: str = "xla", progress: bool = True, mesh=None, expert_parallel: bool = False) -> Model:
+         backend: str = "xla", progress: bool = True, mesh=None, expert_parallel: bool = False,
+         nvfp4_activations: bool = False) -> Model:
     """A directory loads an HF checkpoint (BF16, FP8 block, compressed-tensors INT4 or NVFP4, ModelOpt NVFP4);
     a preset name builds randomly initialised weights (tiny presets only).
 
     mesh: place the parameters on it as they are read (tensor parallelism over its "model" axis,
     expert_parallel: routed experts by expert), as Engine(model, mesh=mesh) would place them, but
     without a whole copy of each parameter on one device first: how a model larger than one
-    device's memory loads (of the full presets only GLM-4.5-Air in FP8 or INT4 fits one H200)."""
+    device's memory loads (of the full presets only GLM-4.5-Air in FP8 or INT4 fits one H200).
+
+    nvfp4_activations: a W4A4 NVFP4 checkpoint's layers quantize their inputs under its calibrated
+    input scales, as an FP4 tensor-core GPU (Blackwell) computes them (WeightFormat w4a4); by
+    default NVFP4 is served weight-only, as on Hopper."""
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
-        infos = checkpoint_index(path_or_preset, quant)
-        stored = detect_plan(config, infos, quant)
+        infos = checkpoint_index(path_or_preset, quant, nvfp4_activations)
+        stored = detect_plan(config, infos, quant, nvfp4_activations)
         plan = stored if plan is None else plan
         sharding.check_mesh(mesh, config.n_routed_experts, expert_parallel)
         if plan != stored:
@@ -101,6 +106,8 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
             "Use count_params/weight_bytes with it, or load a checkpoint directory."
         )
+    if nvfp4_activations:
+        raise ValueError("nvfp4_activations needs a W4A4 checkpoint's calibrated input scales; a preset has none")
     config = get_preset(path_or_preset)
     plan = plan or WeightPlan()
     model = Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)

@@ -129,6 +129,9 @@ def require_finite_targets(source: dict, abstract) -> None:
 
 
 def _check_method(method: str, plan: WeightPlan) -> None:
+    if plan.experts.w4a4 or plan.linear.w4a4:  # placeholder input scales would pass for calibrated ones
+        raise ValueError(f"mixserve quantizes weights only; W4A4 ({plan}) needs input scales calibrated on "
+                         "activations (llm-compressor, ModelOpt): load such a checkpoint with nvfp4_activations=True")
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
     if method == "gptq" and not {"int4", "nvfp4"} & {plan.experts.kind, plan.linear.kind}:

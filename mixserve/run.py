@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_DTYPES,
                    help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
                         "pages are converted to the decode pool's format as they are handed over")
+    p.add_argument("--nvfp4-activations", action="store_true",
+                   help="a W4A4 NVFP4 checkpoint (ModelOpt, llm-compressor NVFP4): quantize each NVFP4 layer's input "
+                        "under its calibrated scale, as Blackwell's FP4 tensor cores compute it; by default NVFP4 is "
+                        "served weight-only (W4A16), as on Hopper")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
                    help="kernels for paged decode attention and INT4/NVFP4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
@@ -182,7 +186,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     """Load the model, convert its weight sets and build the engine, as the flags say."""
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
-                          expert_parallel=args.expert_parallel)
+                          expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations)
     if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
         model = dataclasses.replace(model, tokenizer=ByteTokenizer())
     prefill_model = with_weights(model, args.prefill_weights)

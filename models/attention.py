@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, weight_param
-from models.weights import BF16, WeightFormat, dequantize, matmul
+from models.weights import BF16, WeightFormat, dequantize, matmul, weight_only
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 
@@ -87,7 +87,9 @@ class MLAAttention(nn.Module):
 
 class LatentUpProjection(nn.Module):
     """kv_b_proj: latent c_kv [L] -> per-head (k_nope, v). Besides applying it (prefill, the
-    'naive' form), decode absorbs its weight into q and the output (`dense_kernel`)."""
+    'naive' form), decode absorbs its weight into q and the output (`dense_kernel`). An NVFP4 W4A4
+    kv_b_proj runs weight-only in both: absorbed decode never multiplies the latent by it, and
+    prefill must compute what decode does (vLLM's FP4 prefill quantizes the latent, its decode not)."""
 
     in_features: int
     features: int
@@ -100,7 +102,7 @@ class LatentUpProjection(nn.Module):
                                    (self.in_features, self.features))
 
     def __call__(self, c_kv):
-        return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend, axes=("kv_lora", "heads"))
+        return matmul(c_kv.astype(self.dtype), weight_only(self.kernel), backend=self.backend, axes=("kv_lora", "heads"))
 
     def dense_kernel(self):
         return dequantize(self.kernel, self.dtype)

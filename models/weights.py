@@ -15,7 +15,9 @@ Formats (on-disk names in brackets):
   nvfp4      4-bit floats (e2m1) in INT4's packed layout, a float8_e4m3fn scale per 16 inputs and a
              float32 global scale per matrix (per expert) [compressed-tensors nvfp4-pack-quantized:
              `weight_packed` uint8, `weight_scale`, `weight_global_scale`]; real = e2m1 * scale /
-             global_scale. See pallas_kernels/nvfp4_matmul.py.
+             global_scale. See pallas_kernels/nvfp4_matmul.py. nvfp4-w4a4 also quantizes the
+             layer's input to NVFP4 under a calibrated `input_global_scale` [..., 1], as an FP4
+             tensor-core GPU computes a W4A4 checkpoint's layers (matmul: w4a4_operands).
 Tensor parallelism may hold either with finer scale blocks (their scales repeated: the same
 weight), where a device's share would cut the stored ones (split_for_tp): FP8 scale_block (64, 128)
 or an INT4 group of 64 for GLM-4.5's 192-row expert shares at TP8.
@@ -45,17 +47,22 @@ NVFP4_GROUP = pallas_kernels.NVFP4_GROUP
 class WeightFormat:
     kind: FormatKind = "bf16"
     group_size: int = 32  # int4 only (nvfp4's is 16)
+    # nvfp4 only: also quantize each layer's input to NVFP4 (W4A4) under the checkpoint's calibrated
+    # input scales, as Blackwell computes it; off, NVFP4 is weight-only (W4A16), as on Hopper.
+    w4a4: bool = False
 
     def __post_init__(self):
         if self.kind not in ("bf16", "fp8_block", "int4", "nvfp4"):
             raise ValueError(f"unknown weight format {self.kind!r}; expected bf16, fp8_block, int4 or nvfp4")
+        if self.w4a4 and self.kind != "nvfp4":
+            raise ValueError(f"w4a4 (NVFP4 activations) is an nvfp4 option, not {self.kind}'s")
         if self.kind == "int4" and (self.group_size <= 0 or self.group_size % 8):
             raise ValueError(f"int4 group_size must be a positive multiple of 8, got {self.group_size}")
         if self.kind == "nvfp4":
             object.__setattr__(self, "group_size", NVFP4_GROUP)
 
     def __str__(self) -> str:
-        return f"int4-g{self.group_size}" if self.kind == "int4" else self.kind
+        return f"int4-g{self.group_size}" if self.kind == "int4" else self.kind + "-w4a4" * self.w4a4
 
 
 BF16 = WeightFormat("bf16")
@@ -186,17 +193,22 @@ class Int4Weight(_PackedNibbles):
 class Nvfp4Weight(_PackedNibbles):
     """packed_QN int32 [..., K/8, N] of e2m1 codes; scales_GN float8_e4m3fn [..., K/16, N];
     global_scale float32 [..., 1], which divides (pallas_kernels/nvfp4_matmul.py). group_size is
-    16, or 8 where tensor parallelism re-blocks it (split_for_tp)."""
+    16, or 8 where tensor parallelism re-blocks it (split_for_tp). input_global_scale float32
+    [..., 1] (W4A4 only, else None): the calibrated global scale of the layer's NVFP4 input."""
 
     packed_QN: jax.Array
     scales_GN: jax.Array
     global_scale: jax.Array
     group_size: int = dataclasses.field(default=NVFP4_GROUP, metadata=dict(static=True))
+    input_global_scale: jax.Array | None = None
 
     @classmethod
-    def quantize(cls, w_KN: jax.Array) -> "Nvfp4Weight":
-        """Round to nearest (ties to even) under llm-compressor's scales: nvfp4_matmul.quantize_nvfp4."""
-        return cls(*pallas_kernels.quantize_nvfp4(w_KN))
+    def quantize(cls, w_KN: jax.Array, w4a4: bool = False) -> "Nvfp4Weight":
+        """Round to nearest (ties to even) under llm-compressor's scales: nvfp4_matmul.quantize_nvfp4.
+        w4a4: with an input global scale of 1 (inputs up to 6 * 448), a placeholder that only a
+        checkpoint's calibrated scale should replace (mixserve.load refuses W4A4 without one)."""
+        packed, scales, global_scale = pallas_kernels.quantize_nvfp4(w_KN)
+        return cls(packed, scales, global_scale, NVFP4_GROUP, jnp.ones_like(global_scale) if w4a4 else None)
 
     @property
     def stored(self) -> tuple[jax.Array, jax.Array]:
@@ -204,14 +216,15 @@ class Nvfp4Weight(_PackedNibbles):
         return self.packed_QN, self.scales_GN
 
     @property
-    def per_tensor(self) -> tuple[jax.Array]:
+    def per_tensor(self) -> tuple[jax.Array, ...]:
         """The arrays with one entry per matrix, [..., 1]: split only as the leading (expert) axes are."""
-        return (self.global_scale,)
+        return (self.global_scale,) if self.input_global_scale is None else (self.global_scale, self.input_global_scale)
 
     def with_stored(self, values, scales, values_per_scale: tuple[int, int] | None = None,
                     per_tensor: tuple | None = None) -> "Nvfp4Weight":
-        (global_scale,) = per_tensor or self.per_tensor
-        return Nvfp4Weight(values, scales, global_scale, _nibble_group(values_per_scale, self.group_size))
+        global_scale, *input_scale = per_tensor or self.per_tensor
+        return Nvfp4Weight(values, scales, global_scale, _nibble_group(values_per_scale, self.group_size),
+                           *input_scale)
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return pallas_kernels.dequantize_nvfp4(self.packed_QN, self.scales_GN, self.global_scale, dtype)
@@ -244,7 +257,7 @@ def quantize(w: jax.Array, fmt: WeightFormat) -> Weight:
     if fmt.kind == "int4":
         return Int4Weight.quantize(w, fmt.group_size)
     if fmt.kind == "nvfp4":
-        return Nvfp4Weight.quantize(w)
+        return Nvfp4Weight.quantize(w, fmt.w4a4)
     return w
 
 
@@ -256,6 +269,8 @@ def matmul(x: jax.Array, w: Weight, *, backend: str | None = "xla", axes: tuple[
     """x [..., K] @ w [K, N] -> [..., N] in x's dtype, float32 accumulation. axes: w's logical
     axis names, which say how a kernel splits under tensor parallelism (_per_device_kernel)."""
     backend = pallas_kernels.resolve_backend(backend)
+    if isinstance(w, Nvfp4Weight) and w.input_global_scale is not None:
+        x, w = w4a4_operands(x, w, w.input_global_scale)
     if isinstance(w, Int4Weight):
         kernel = functools.partial(pallas_kernels.int4_matmul, backend=backend)
     elif isinstance(w, Nvfp4Weight):
@@ -273,6 +288,9 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
                   axes: tuple[str, str, str] | None = None) -> jax.Array:
     """Rows of x sorted by expert, group_sizes_E rows per expert; w [E, K, N] -> [T, N]."""
     backend = pallas_kernels.resolve_backend(backend)
+    if isinstance(w, Nvfp4Weight) and w.input_global_scale is not None:  # each row under its expert's scale
+        expert_T = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(x_TK.shape[0]), side="right")
+        x_TK, w = w4a4_operands(x_TK, w, w.input_global_scale[jnp.minimum(expert_T, w.input_global_scale.shape[0] - 1)])
     if isinstance(w, Int4Weight):
         kernel = functools.partial(pallas_kernels.moe_int4_matmul, backend=backend)
     elif isinstance(w, Nvfp4Weight):
@@ -284,6 +302,20 @@ def expert_matmul(x_TK: jax.Array, w: Weight, group_sizes_E: jax.Array, *, backe
         y = jax.lax.ragged_dot(x_TK, w, group_sizes_E, preferred_element_type=jnp.float32)
         return y.astype(x_TK.dtype)
     return _per_device_kernel(kernel, x_TK, w, axes, backend, group_sizes_E)
+
+
+def w4a4_operands(x: jax.Array, w: Nvfp4Weight, input_global_scale_M1: jax.Array) -> tuple[jax.Array, Nvfp4Weight]:
+    """A W4A4 layer as W4A16 operands that compute the same products: x quantized to NVFP4
+    (e2m1 * e4m3 scale, exact in x's dtype: quantize_nvfp4_activations) and w with its global scale
+    times the input's, so each output is divided by input_global_scale * global_scale once, as FP4
+    GEMMs scale their float32 sums (vLLM's alpha)."""
+    x_q = pallas_kernels.quantize_nvfp4_activations(x, input_global_scale_M1)
+    return x_q, Nvfp4Weight(w.packed_QN, w.scales_GN, w.global_scale * w.input_global_scale, w.group_size)
+
+
+def weight_only(w: Weight) -> Weight:
+    """w without its activation quantization (a W4A4 weight as W4A16)."""
+    return dataclasses.replace(w, input_global_scale=None) if isinstance(w, Nvfp4Weight) else w
 
 
 def _per_device_kernel(kernel, x_MK, w: Quantized, axes, backend, *replicated):
@@ -352,9 +384,10 @@ def abstract_weight(fmt: WeightFormat, shape: tuple[int, ...], dtype) -> Weight:
     if k % fmt.group_size:
         raise ValueError(f"{fmt.kind} group_size {fmt.group_size} does not divide the input dimension {k}")
     if fmt.kind == "nvfp4":
+        per_matrix = jax.ShapeDtypeStruct((*lead, 1), jnp.float32)
         return Nvfp4Weight(jax.ShapeDtypeStruct((*lead, k // 8, n), jnp.int32),
                            jax.ShapeDtypeStruct((*lead, k // fmt.group_size, n), jnp.float8_e4m3fn),
-                           jax.ShapeDtypeStruct((*lead, 1), jnp.float32))
+                           per_matrix, fmt.group_size, per_matrix if fmt.w4a4 else None)
     return Int4Weight(
         jax.ShapeDtypeStruct((*lead, k // 8, n), jnp.int32),
         jax.ShapeDtypeStruct((*lead, k // fmt.group_size, n), jnp.bfloat16),

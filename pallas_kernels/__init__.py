@@ -46,7 +46,8 @@ from pallas_kernels.int4_matmul import (
     unpack_int4)
 from pallas_kernels.moe_int4_matmul import moe_int4_matmul
 from pallas_kernels.nvfp4_matmul import GROUP as NVFP4_GROUP
-from pallas_kernels.nvfp4_matmul import dequantize_nvfp4, moe_nvfp4_matmul, nvfp4_matmul, quantize_nvfp4
+from pallas_kernels.nvfp4_matmul import (dequantize_nvfp4, moe_nvfp4_matmul, nvfp4_matmul, quantize_nvfp4,
+                                         quantize_nvfp4_activations)
 from pallas_kernels.paged_attention_gqa import paged_attention_gqa
 from pallas_kernels.paged_attention_mla import TiledLatentPages, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles
@@ -75,6 +76,7 @@ __all__ = [
     "paged_attention_gqa",
     "paged_attention_mla",
     "quantize_nvfp4",
+    "quantize_nvfp4_activations",
     "quantize_tiles",
     "resolve_backend",
     "sparse_paged_attention_mla",

@@ -142,6 +142,29 @@ def dequantize_nvfp4(packed_QN: jax.Array, scales_GN: jax.Array, global_scale: j
     return (values * jnp.repeat(step, group, axis=-2)).astype(dtype)
 
 
+def quantize_nvfp4_activations(x_MK: jax.Array, input_global_scale: jax.Array) -> jax.Array:
+    """Rows x [..., M, K] as an FP4 tensor-core GPU (Blackwell) takes a W4A4 layer's input: each
+    row's groups of 16 inputs get an e4m3 scale, amax(group) / 6 * input_global_scale, computed as
+    the row arrives (dynamic), and the nearest e2m1 values under it, both as compressed-tensors
+    computes them for weights (nvfp4_group_scales, nvfp4_codes). input_global_scale: float32,
+    calibrated (static), broadcasting against [..., M, 1]: one per matrix, or per row where rows
+    belong to different experts.
+
+    Returns e2m1 * e4m3 scale in x's dtype, without the division by input_global_scale: 2 + 4
+    significant bits and at most 6 * 448 in magnitude, which bfloat16 holds exactly, so a W4A16
+    matmul of it computes the FP4 products exactly; the division belongs with the weight's global
+    scale (1 / (input_global_scale * global_scale) per output, as vLLM's FP4 GEMMs take it)."""
+    *lead, k = x_MK.shape
+    if k % GROUP:
+        raise ValueError(f"NVFP4 groups of {GROUP} inputs do not divide the input dimension {k}")
+    groups = x_MK.astype(jnp.float32).reshape(*lead, k // GROUP, GROUP)
+    g = jnp.asarray(input_global_scale, jnp.float32)[..., None]  # [..., M, 1, 1]
+    scales = nvfp4_group_scales(jnp.max(jnp.abs(groups), axis=-1, keepdims=True), g)
+    codes = nvfp4_codes(groups, scales, g)
+    values = jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)] * scales.astype(jnp.float32)
+    return values.reshape(x_MK.shape).astype(x_MK.dtype)
+
+
 def from_compressed_tensors(weight_packed_NH, weight_scale_NG, weight_global_scale):
     """compressed-tensors nvfp4-pack-quantized (..., uint8 [N, K/2], e4m3 [N, K/16], float32 [1])
     -> (packed_QN, scales_GN, global_scale). numpy in, numpy out (a checkpoint is read on the host)."""

@@ -12,6 +12,8 @@ import os
 import re
 import subprocess
 import sys
+import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,12 @@ import transformers
 
 import hf_reference as ref
 import mixserve
+from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from mixserve.quantize import quantize_checkpoint
 from mixserve.safetensors_io import CheckpointError, index_tensors, load_tensor
+from models.weights import WeightFormat, WeightPlan
 from pallas_kernels.nvfp4_matmul import dequantize_nvfp4, from_compressed_tensors
 from test_checkpoint import _copy, _rewrite
 from test_model_parity import TOL, rel_err, tie_free_ids
@@ -162,3 +169,135 @@ def test_modelopt_pack_without_its_scale_2_is_named(tmp_path_factory, tmp_path):
     _rewrite(d, lambda t: t.pop(f"{unit}.weight_scale_2"))
     with pytest.raises(CheckpointError, match=rf"{unit}"):
         mixserve.load(str(d), progress=False)
+
+
+# ---- W4A4: NVFP4 activations, as an FP4 tensor-core GPU computes them ------------------------------
+
+_NVFP4_ACTS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                               dynamic="local", scale_dtype=torch.float8_e4m3fn)
+
+
+def ct_fake_quantize(x: torch.Tensor, input_global_scale: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' own NVFP4 activation quantization (W4A4 as llm-compressor simulates it):
+    e4m3 scales from each token's groups of 16, under the calibrated global scale."""
+    flat = x.reshape(-1, x.shape[-1])
+    groups = flat.reshape(flat.shape[0], -1, 16)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), _NVFP4_ACTS, global_scale=input_global_scale)
+    return fake_quantize(flat, scale, zero, _NVFP4_ACTS, global_scale=input_global_scale).reshape(x.shape)
+
+
+def _quantized_experts_forward(gate_up_g_E, down_g_E):
+    """transformers' fused-experts forward with each expert's inputs fake-quantized under its scales."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = ct_fake_quantize(hidden_states[token_idx], gate_up_g_E[e])
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = ct_fake_quantize(self.act_fn(gate) * up, down_g_E[e])
+            y = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+    return forward
+
+
+def w4a4_reference(out: str):
+    """transformers on ModelOpt's dequantized weights, each quantized layer's input fake-quantized by
+    compressed-tensors under the checkpoint's input scale (1 / input_scale, as its converter maps
+    it), except what mixserve keeps weight-only: kv_b_proj (absorbed MLA) and weights_proj."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "dequantized"), dtype=torch.float32).eval()
+    hf.config._attn_implementation = "eager"
+    disk = {k: np.asarray(load_tensor(v)) for k, v in index_tensors(os.path.join(out, "modelopt")).items()
+            if k.endswith(".input_scale")}
+    g = {k.removesuffix(".input_scale"): torch.tensor(1 / v.reshape(1)) for k, v in disk.items()}
+    for name, module in hf.named_modules():
+        if name in g and not name.endswith(("kv_b_proj", "weights_proj")):
+            module.register_forward_pre_hook(lambda m, args, s=g[name]: (ct_fake_quantize(args[0], s),))
+        if name.endswith("mlp.experts"):
+            stack = lambda proj: [g[f"{name}.{e}.{proj}"] for e in range(module.num_experts)]
+            assert all(torch.equal(a, b) for a, b in zip(stack("gate_proj"), stack("up_proj")))  # one input
+            module.forward = types.MethodType(_quantized_experts_forward(stack("gate_proj"), stack("down_proj")), module)
+    return hf
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_nvfp4_activations_match_compressed_tensors_w4a4(name, tmp_path_factory):
+    """load(nvfp4_activations=True) computes what compressed-tensors' W4A4 simulation computes on the
+    same checkpoint, within the float32 parity bound. Served weight-only, the same checkpoint is far
+    from it (0.1 in these models), so the bound tells the two apart."""
+    out = exported(name, tmp_path_factory)
+    hf = w4a4_reference(out)
+    ids = tie_free_ids(hf, name)
+    want = ref.reference_logits(hf, ids)
+    notices = (KV,) if FAMILIES[name] else ()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        w4a4 = mixserve.load(os.path.join(out, "modelopt"), dtype="float32", progress=False, nvfp4_activations=True)
+    messages = [str(w.message) for w in record if str(w.message).startswith("the checkpoint ")]
+    assert len(messages) == len(notices) and all(re.search(n, m) for n, m in zip(notices, messages)), messages
+    assert str(w4a4.plan) == "experts=nvfp4-w4a4, linear=nvfp4-w4a4"
+    assert rel_err(w4a4.logits(jnp.asarray(ids)), want) < TOL
+    weight_only = load(os.path.join(out, "modelopt"), *((W4A4, KV) if FAMILIES[name] else (W4A4,)))
+    assert rel_err(weight_only.logits(jnp.asarray(ids)), want) > 100 * TOL
+
+
+def test_nvfp4_activations_need_declared_input_scales(tmp_path_factory, tmp_path):
+    """Nothing to quantize activations with: a preset, a W4A16 checkpoint, or a category whose NVFP4
+    layers load dequantized (beside another format) is refused by name."""
+    out = exported("glm4-qknorm-bias", tmp_path_factory)
+    with pytest.raises(ValueError, match="a preset has none"):
+        mixserve.load("tiny-glm4", nvfp4_activations=True)
+    w4a16 = str(tmp_path / "w4a16")
+    quantize_checkpoint(os.path.join(out, "plain"), w4a16, WeightPlan(experts=WeightFormat("nvfp4")))
+    with pytest.raises(CheckpointError, match="declares no NVFP4 activations"):
+        mixserve.load(w4a16, progress=False, nvfp4_activations=True)
+    mixed = _copy(os.path.join(out, "modelopt"), tmp_path / "mixed")
+    unit = "model.layers.0.self_attn.o_proj"
+    dense = load_tensor(index_tensors(os.path.join(out, "dequantized"))[f"{unit}.weight"])
+    _rewrite(mixed, lambda t: ([t.pop(f"{unit}.{p}") for p in ("weight_scale", "weight_scale_2", "input_scale")],
+                               t.__setitem__(f"{unit}.weight", np.array(dense))))
+    with pytest.raises(CheckpointError, match=r"the linear layers mix NVFP4 with \['bf16'\]"):
+        mixserve.load(str(mixed), progress=False, nvfp4_activations=True)
+    assert str(load(str(mixed), W4A4).plan) == "experts=nvfp4, linear=bf16"  # weight-only: dequantized, as before
+
+
+W4A4_SHARDED = """
+import sys
+model = mixserve.load(sys.argv[1], dtype="float32", progress=False, nvfp4_activations=True)
+ids = np.asarray([prompts[3]]) % 160  # the tiny export's vocabulary
+rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - b) / np.linalg.norm(b))
+one = np.asarray(model.logits(ids))
+assert rel(mixserve.load(sys.argv[1], dtype="float32", progress=False).logits(ids), one) > 0.01  # weight-only
+mesh = sharding.tp_mesh(4)
+for ep in (False, True):
+    placed = sharding.shard_model(dataclasses.replace(model, backend="interpret"), mesh, ep)
+    down = placed.params["layers_1"]["mlp"]["experts"]["down_proj"]
+    assert down.group_size == (16 if ep else 8)  # TP4: 8-row shares, so activation groups span two devices
+    assert down.input_global_scale.addressable_shards[0].data.shape == ((2, 1) if ep else (8, 1))
+    with jax.set_mesh(mesh):
+        assert rel(placed.logits(ids), one) < 1e-5, ep
+print("ok")
+"""
+
+
+def test_nvfp4_activations_under_tensor_and_expert_parallelism(tmp_path_factory):
+    """The W4A4 Kimi export placed on 4 of 8 CPU devices, through the Pallas kernels per device
+    (interpret), gives one device's logits within float32 rounding (1e-5; served weight-only they
+    differ by more than 1e-2, so the check can tell): at TP4, where down_proj's groups of 16 are cut
+    to 8 a device (the activations are quantized before the split), and at EP4, each device's
+    experts with their own input scales."""
+    from test_sharding import run_on_8_devices
+
+    run_on_8_devices(W4A4_SHARDED, os.path.join(exported("kimi-yarn-groups", tmp_path_factory), "modelopt"))
+
+
+def test_run_serves_nvfp4_activations(tmp_path_factory):
+    """`python -m mixserve.run --nvfp4-activations` serves a W4A4 checkpoint with them."""
+    from mixserve import run
+
+    model = os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt")
+    report = run.main(["--model", model, "--nvfp4-activations", "--max-new-tokens", "2", "--json", "--prompt", "hi"])
+    assert report["weight_sets"]["prefill"][0] == "experts=nvfp4-w4a4, linear=nvfp4-w4a4"
+    assert all(r["status"] == "ok" and len(r["tokens"]) == 2 for r in report["requests"])

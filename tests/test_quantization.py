@@ -27,8 +27,9 @@ from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
 from mixserve.safetensors_io import index_tensors, load_tensor
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
-from models.weights import BF16, Fp8BlockWeight, Int4Weight, WeightFormat, WeightPlan, quantize, reblock
-from pallas_kernels import quantize_nvfp4
+from models.weights import (BF16, Fp8BlockWeight, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan, expert_matmul,
+                            matmul, quantize, reblock)
+from pallas_kernels import quantize_nvfp4, quantize_nvfp4_activations
 from pallas_kernels.int4_matmul import unpack_nibbles
 from pallas_kernels.nvfp4_matmul import E2M1_VALUES, from_compressed_tensors, to_compressed_tensors
 
@@ -123,6 +124,74 @@ def test_nvfp4_quantization_and_pack_match_compressed_tensors(shape):
         np.testing.assert_array_equal(unpacked.numpy(), q.numpy(), err_msg=f"seed={seed}")
         back = from_compressed_tensors(bytes_NH, scale_NG, g_disk)
         np.testing.assert_array_equal(back[0], np.asarray(packed[at]))
+
+
+_NVFP4_ACTS = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                               dynamic="local", scale_dtype=torch.float8_e4m3fn)
+
+
+def _ct_nvfp4_activations(x_MK: np.ndarray, g: float) -> tuple[np.ndarray, np.ndarray]:
+    """compressed-tensors' NVFP4 activation quantization of rows x (W4A4, dynamic 'local' group
+    scales under a static global scale g): (e2m1 values, e4m3 scales as float32 [M, K/16])."""
+    x = torch.from_numpy(x_MK)
+    groups = x.reshape(x.shape[0], -1, 16)
+    global_scale = torch.tensor([g], dtype=torch.float32)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), _NVFP4_ACTS, global_scale=global_scale)
+    return ct_quantize(x, scale, zero, _NVFP4_ACTS, global_scale=global_scale).numpy(), scale.numpy()
+
+
+def test_nvfp4_activation_quantization_matches_compressed_tensors():
+    """quantize_nvfp4_activations gives compressed-tensors' e2m1 values times its e4m3 scales, bit for
+    bit, on rows spread over 40 binades (scales saturated at 448, subnormal and zero), a zero row, and
+    a row with an infinity (its scale saturates, its values clamp at 6: e4m3fn and e2m1 have no
+    infinity), in float32 and, for bf16 rows, exactly representable in bf16."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, 96)) * 2.0 ** rng.uniform(-20, 20, (6, 1))).astype(np.float32)
+    x[4] = 0
+    x[5, 3] = np.inf
+    g = float(rng.uniform(1, 3000))
+    values, scales = _ct_nvfp4_activations(x, g)
+    want = values * np.repeat(scales, 16, axis=-1)
+    got = np.asarray(quantize_nvfp4_activations(jnp.asarray(x), jnp.float32(g)))
+    np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
+    assert np.all(np.isfinite(got)) and np.any(scales == 448) and np.any(got[:4] == 0), f"seed={seed}"
+    as_bf16 = jnp.asarray(x, jnp.bfloat16)
+    values, scales = _ct_nvfp4_activations(np.asarray(as_bf16, np.float32), g)
+    got = quantize_nvfp4_activations(as_bf16, jnp.float32(g))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), values * np.repeat(scales, 16, axis=-1), err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_w4a4_matmuls_compute_the_fp4_products(backend):
+    """A W4A4 weight's matmul (dense) and grouped matmul (experts, each with its own input scale,
+    ragged groups, an empty one) against float64: compressed-tensors' quantized rows times the
+    dequantized weights, divided by the input scale. The kernels see e2m1 * e4m3 operands (exact
+    in float32) and one division of each sum by input * weight global scale, so the float32 bound of
+    test_kernels_nvfp4 (1e-5 of |x_q| @ |W|) holds."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    k, n, sizes = 64, 24, (5, 0, 9, 2)
+    w = Nvfp4Weight(*quantize_nvfp4(jnp.asarray(rng.standard_normal((len(sizes), k, n)), jnp.float32)))
+    g_E1 = rng.uniform(100, 2000, (len(sizes), 1)).astype(np.float32)
+    w4a4 = Nvfp4Weight(w.packed_QN, w.scales_GN, w.global_scale, input_global_scale=jnp.asarray(g_E1))
+    x = (rng.standard_normal((sum(sizes), k)) * 2.0 ** rng.uniform(-4, 4, (sum(sizes), 1))).astype(np.float32)
+    w_f64 = np.asarray(w.dequantize(jnp.float32), np.float64)
+    expected, magnitude, row = np.zeros((x.shape[0], n)), np.zeros((x.shape[0], n)), 0
+    for e, size in enumerate(sizes):
+        if not size:
+            continue
+        values, scales = _ct_nvfp4_activations(x[row:row + size], float(g_E1[e, 0]))
+        x_q = values.astype(np.float64) * np.repeat(scales, 16, axis=-1) / g_E1[e, 0]
+        expected[row:row + size], magnitude[row:row + size] = x_q @ w_f64[e], np.abs(x_q) @ np.abs(w_f64[e])
+        row += size
+    got = np.asarray(expert_matmul(jnp.asarray(x), w4a4, jnp.asarray(sizes, jnp.int32), backend=backend), np.float64)
+    assert np.all(np.abs(got - expected) <= 1e-5 * magnitude), f"seed={seed}"
+    one = Nvfp4Weight(w.packed_QN[2], w.scales_GN[2], w.global_scale[2], input_global_scale=jnp.asarray(g_E1[2]))
+    rows = slice(sizes[0], sizes[0] + sizes[2])
+    got = np.asarray(matmul(jnp.asarray(x[rows]), one, backend=backend), np.float64)
+    assert np.all(np.abs(got - expected[rows]) <= 1e-5 * magnitude[rows]), f"seed={seed}"
 
 
 # ---- GPTQ ---------------------------------------------------------------------------------------
