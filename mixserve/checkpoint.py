@@ -63,6 +63,7 @@ PART_DTYPES = {"int4": {"weight_packed": "I32"},
 # Calibration scales of a quantized KV cache (compressed-tensors kv_cache_scheme, ModelOpt
 # kv_cache_quant_algo): not read; the KV format is chosen when serving (Engine kv_format, k_scale).
 KV_SCALE_PARTS = {"k_scale", "v_scale"}
+MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo for NVFP4 weights with and without NVFP4 activations
 # Static input scales of NVFP4 activations (W4A4), which mixserve serves weight-only.
 NVFP4_INPUT_PARTS = {"input_global_scale", "input_scale"}
 # Parts that quantization schemes mixserve does not implement add to a unit: named in the error.
@@ -115,7 +116,9 @@ def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations:
             continue
         if part in kv_scales and re.search(r"\.self_attn(\.[kv]_proj)?$", unit):
             continue
-        out[f"{unit}.weight_packed" if part == "weight" and f"{unit}.weight_scale_2" in infos else name] = info
+        modelopt_pack = (part == "weight" and info.dtype == "U8" and f"{unit}.weight_scale_2" in infos
+                         and f"{unit}.weight_packed" not in infos)
+        out[f"{unit}.weight_packed" if modelopt_pack else name] = info
     return out
 
 
@@ -247,10 +250,15 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> l
         for name, group in (quant.get("config_groups") or {}).items():
             problems += [f"config_groups.{name}: {p}" for p in _unsupported_group(group, quant.get("format"))]
     elif method == "modelopt":
-        if quant.get("quant_algo") != "NVFP4":
-            problems.append(f"quant_algo {quant.get('quant_algo')!r} (mixserve reads ModelOpt 'NVFP4')")
-        weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
-        groups = {quant.get("group_size", NVFP4_GROUP)} | {w.get("group_size", NVFP4_GROUP) for w in weights}
+        if quant.get("quant_algo") not in MODELOPT_ALGOS:
+            problems.append(f"quant_algo {quant.get('quant_algo')!r} (mixserve reads ModelOpt {' and '.join(MODELOPT_ALGOS)})")
+        groups = {quant.get("group_size", NVFP4_GROUP)}
+        for name, group in (quant.get("config_groups") or {}).items():
+            for key in ("weights", "input_activations"):
+                args = group.get(key) or {}
+                groups.add(args.get("group_size", NVFP4_GROUP))
+                problems += [f"config_groups.{name}.{key}.{k} {args[k]!r} (expected {v!r})"
+                             for k, v in {"num_bits": 4, "type": "float"}.items() if k in args and args[k] != v]
         if groups != {NVFP4_GROUP}:
             problems.append(f"group_size {sorted(groups)} (NVFP4 groups are {NVFP4_GROUP})")
     else:
@@ -264,12 +272,13 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> l
                        "the input scales are not read (nvfp4_activations=True quantizes them, as Blackwell does)")
     if _kv_scheme(quant):
         notices.append(f"the checkpoint declares a quantized KV cache ({_kv_scheme(quant)}); its k_scale/v_scale "
-                       "are not read: the KV cache format is chosen when serving (kv_cache_dtype)")
+                       "are not read: the KV cache format is chosen when serving (kv_cache_dtype), and Engine(k_scale=, "
+                       "v_scale=) takes calibrated scales")
     return notices
 
 
 def _nvfp4_activations(quant: dict) -> bool:
-    """Does the checkpoint declare NVFP4 activations (W4A4)? ModelOpt's NVFP4 always does."""
+    """Does the checkpoint declare NVFP4 activations (W4A4)? ModelOpt's NVFP4 does (W4A16_NVFP4 not)."""
     if quant.get("quant_method") == "modelopt":
         return quant.get("quant_algo") == "NVFP4"
     return any(_is_nvfp4_activation(group.get("input_activations"))
@@ -446,6 +455,16 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                     wrong.append(f"tensor {name}.{part} has shape {tuple(stored[part].shape)}, expected {expected}")
             continue
         kind = _stored_kind(stored)
+        if kind == "dense" and stored["weight"].dtype == "U8":
+            missing.append(f"{name}.weight_scale_2 or .weight_global_scale (its weight is U8: a packed NVFP4 weight)")
+            continue
+        if kind == "nvfp4" and "weight_packed" not in stored:
+            missing.append(f"{name}.weight_packed (its weight is {stored['weight'].dtype} beside a weight_scale_2, "
+                           "where ModelOpt's NVFP4 pack is U8)")
+            continue
+        if kind == "nvfp4" and (problems := _nvfp4_problems(name, stored)):
+            wrong += problems
+            continue
         wrong += [f"tensor {name}.{part} is {stored[part].dtype}, where {kind} stores {dtype}"
                   for part, dtype in PART_DTYPES.get(kind, {}).items() if part in stored and stored[part].dtype != dtype]
         if kind != unit.target and unit.target != "dense":
@@ -461,9 +480,9 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 expected = _disk_shape(leaves[i])
                 if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
                     expected = (*expected[:-1], expected[-1] * 4)
-                if part in PER_MATRIX_PARTS:
+                if part in PER_MATRIX_PARTS:  # shape and value: _nvfp4_problems
                     part = MODELOPT_RECIPROCALS[part] if MODELOPT_RECIPROCALS[part] in stored else part
-                    expected = tuple(stored[part].shape) if part in stored and stored[part].shape in ((), (1,)) else (1,)
+                    expected = tuple(stored[part].shape) if part in stored else (1,)
                 if part not in stored:
                     missing.append(f"{name}.{part} (expected shape {expected})")
                 elif tuple(stored[part].shape) != expected:
@@ -484,6 +503,31 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                               + "".join(f"; {w}" for w in why))
     if wrong:
         raise CheckpointError("; ".join(wrong[:8]))
+
+
+def _nvfp4_problems(name: str, stored: dict[str, TensorInfo]) -> list[str]:
+    """What makes an NVFP4 unit other weights than its format says, found before its pack is read
+    (the per-matrix scales, a few bytes each, are read here)."""
+    problems = []
+    if "weight_scale_2" in stored and "weight_global_scale" in stored:
+        problems.append(f"{name} has both weight_scale_2 (ModelOpt) and weight_global_scale (compressed-tensors)")
+    out, half = stored["weight_packed"].shape
+    if "weight_scale" in stored and tuple(stored["weight_scale"].shape) != (out, 2 * half // NVFP4_GROUP):
+        problems.append(f"tensor {name}.weight_scale has shape {tuple(stored['weight_scale'].shape)} where "
+                        f"{name}.weight_packed {(out, half)} holds {2 * half} inputs a row: expected "
+                        f"{(out, 2 * half // NVFP4_GROUP)} (an e4m3 scale per {NVFP4_GROUP} inputs)")
+    for part in sorted((PER_MATRIX_PARTS | set(MODELOPT_RECIPROCALS.values())) & set(stored)):
+        info = stored[part]
+        if tuple(info.shape) not in ((), (1,)):
+            problems.append(f"tensor {name}.{part} has shape {tuple(info.shape)}, expected () or (1,)")
+        elif info.dtype == "F32" and not _valid_per_matrix(part, float(load_tensor(info).reshape(()))):
+            problems.append(f"tensor {name}.{part} is {float(load_tensor(info).reshape(())):g}: a per-matrix scale is "
+                            "finite and positive (ModelOpt writes weight_scale_2 = 0 for an all-zero weight)")
+    return problems
+
+
+def _valid_per_matrix(part: str, value: float) -> bool:
+    return np.isfinite(value) and (value > 0 or value == 0 and part == "weight_scale_2")
 
 
 def _allowed_parts(unit: _Unit, stored: dict[str, TensorInfo]) -> set[str]:
@@ -509,6 +553,11 @@ def _disk_shape(leaf: _Leaf) -> tuple[int, ...]:
 def _convert(unit: str, parts: dict[str, np.ndarray], target: _Unit) -> dict[str, np.ndarray]:
     """HF parts -> our parts (still HF orientation); dequantizes when the plan keeps the unit dense."""
     if _stored_kind(parts) == "nvfp4":
+        if "weight_scale_2" in parts and not np.any(parts["weight_scale_2"]):
+            # amax 0, the weight all zero: ModelOpt stores NaN scales (0 / 0) and saturated codes then
+            parts = parts | {"weight_scale": np.zeros_like(parts["weight_scale"]), "weight_scale_2": np.float32(1)}
+        if np.isnan(np.asarray(parts["weight_scale"], np.float32)).any():
+            raise CheckpointError(f"tensor {unit}.weight_scale holds NaN (e4m3fn's only non-finite value)")
         for ours, theirs in MODELOPT_RECIPROCALS.items():  # compressed-tensors' converter inverts them too
             if theirs in parts:
                 parts = {k: v for k, v in parts.items() if k != theirs} | {ours: 1 / np.asarray(parts[theirs], np.float32)}

@@ -141,7 +141,7 @@ def _edit_both_configs(directory, edit):
 
 
 @pytest.mark.parametrize("edit,error", [
-    (lambda q: q.update(quant_algo="FP8"), r"quant_algo 'FP8' \(mixserve reads ModelOpt 'NVFP4'\)"),
+    (lambda q: q.update(quant_algo="FP8"), r"quant_algo 'FP8' \(mixserve reads ModelOpt NVFP4 and W4A16_NVFP4\)"),
     (lambda q: q.update(quant_algo="NVFP4_AWQ"), r"quant_algo 'NVFP4_AWQ'"),
     (lambda q: q.update(quant_algo="MIXED_PRECISION"), r"quant_algo 'MIXED_PRECISION'"),
     (lambda q: q.update(group_size=32), r"group_size \[16, 32\] \(NVFP4 groups are 16\)"),
@@ -162,12 +162,95 @@ def test_undeclared_scales_are_refused(tmp_path_factory, tmp_path):
         mixserve.load(str(d), progress=False)
 
 
-def test_modelopt_pack_without_its_scale_2_is_named(tmp_path_factory, tmp_path):
-    """A uint8 `weight` whose weight_scale_2 is missing is not read as a dense weight."""
+_UNIT = "model.layers.1.mlp.experts.3.up_proj"
+_NORM = "model.layers.1.input_layernorm"
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(name, np.asarray(value, np.float32))
+
+
+def _dense_beside_scale_2(t):
+    t[f"{_UNIT}.weight"] = np.ones((32, 64), np.float32)
+    del t[f"{_UNIT}.weight_scale"]
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: t.pop(f"{_UNIT}.weight_scale_2"), rf"{_UNIT}\.weight_scale_2 or \.weight_global_scale \(its weight is U8"),
+    (_dense_beside_scale_2, rf"{_UNIT}\.weight_packed \(its weight is F32 beside a weight_scale_2"),
+    (_set(f"{_UNIT}.weight_scale_2", np.inf), rf"{_UNIT}\.weight_scale_2 is inf: a per-matrix scale is finite and positive"),
+    (_set(f"{_UNIT}.weight_scale_2", np.nan), rf"{_UNIT}\.weight_scale_2 is nan"),
+    (_set(f"{_UNIT}.weight_scale_2", -1e-4), rf"{_UNIT}\.weight_scale_2 is -0.0001"),
+    (_set(f"{_UNIT}.weight_scale_2", [[1e-4]]), rf"{_UNIT}\.weight_scale_2 has shape \(1, 1\), expected \(\) or \(1,\)"),
+    (_set(f"{_UNIT}.weight_global_scale", [1.0]), rf"{_UNIT} has both weight_scale_2 \(ModelOpt\) and weight_global_scale"),
+    (lambda t: t.__setitem__(f"{_UNIT}.weight_scale", t[f"{_UNIT}.weight_scale"][:, :2]),
+     rf"{_UNIT}\.weight_scale has shape \(32, 2\) where {_UNIT}\.weight_packed \(32, 32\) holds 64 inputs"),
+    (lambda t: t.__setitem__(f"{_UNIT}.weight_packed", t[f"{_UNIT}.weight"]), rf"unexpected tensor.*{_UNIT}\.weight'"),
+    (_set(f"{_NORM}.input_scale", 1.0), rf"unexpected tensor.*{_NORM}\.input_scale"),  # dropped only on NVFP4 layers
+    (_set("model.layers.1.mlp.shared_experts.up_proj.k_scale", 1.0), r"unexpected tensor.*shared_experts\.up_proj\.k_scale"),
+], ids=["no-scale-2", "dense-weight", "inf", "nan", "negative", "shape-1x1", "both-globals", "scale-shape",
+        "pack-twice", "norm-input-scale", "kv-scale-off-attention"])
+def test_inconsistent_modelopt_tensors_are_named(tmp_path_factory, tmp_path, edit, error):
+    """Each of these would load as other weights than ModelOpt's (or as NaN): refused before the
+    packs are read, naming the tensor."""
     d = _copy(os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt"), tmp_path / "c")
-    unit = "model.layers.1.mlp.experts.3.up_proj"
-    _rewrite(d, lambda t: t.pop(f"{unit}.weight_scale_2"))
-    with pytest.raises(CheckpointError, match=rf"{unit}"):
+    _edit_both_configs(d, lambda q: q.update(kv_cache_quant_algo="FP8"))
+    _rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=error):
+        mixserve.load(str(d), progress=False)
+
+
+def test_scales_are_checked_where_a_unit_loads_dequantized(tmp_path_factory, tmp_path):
+    """With one attention projection kept dense, the other linear layers load dequantized: their
+    scales' shapes are checked as on the NVFP4 path."""
+    out = exported("glm4-qknorm-bias", tmp_path_factory)
+    d = _copy(os.path.join(out, "modelopt"), tmp_path / "c")
+    dense = "model.layers.0.self_attn.o_proj"
+    weight = np.array(load_tensor(index_tensors(os.path.join(out, "dequantized"))[f"{dense}.weight"]))
+    unit = "model.layers.0.self_attn.q_proj"
+    _rewrite(d, lambda t: ([t.pop(f"{dense}.{p}") for p in ("weight_scale", "weight_scale_2", "input_scale")],
+                           t.__setitem__(f"{dense}.weight", weight),
+                           t.__setitem__(f"{unit}.weight_scale", t[f"{unit}.weight_scale"][:, :2])))
+    with pytest.raises(CheckpointError, match=rf"{unit}\.weight_scale has shape \(64, 2\)"):
+        mixserve.load(str(d), progress=False)
+
+
+def test_an_all_zero_weight_loads_as_zeros(tmp_path_factory, tmp_path):
+    """ModelOpt exports a weight whose largest magnitude is 0 with weight_scale_2 = 0, NaN e4m3
+    scales (0 / 0) and codes saturated at 6 (what ModelOpt 0.47 wrote for an all-zero expert): it
+    loads as the zeros it was, where ModelOpt's own dequantization gives NaN. A NaN scale beside a
+    positive weight_scale_2 has no such reading and is refused."""
+    d = _copy(os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt"), tmp_path / "c")
+    nan_scales = lambda t: np.full(t[f"{_UNIT}.weight_scale"].shape, np.nan, np.float32).astype(
+        t[f"{_UNIT}.weight_scale"].dtype)
+    _rewrite(d, lambda t: t.update({f"{_UNIT}.weight_scale_2": np.float32(0), f"{_UNIT}.weight_scale": nan_scales(t),
+                                    f"{_UNIT}.weight": np.full_like(t[f"{_UNIT}.weight"], 0x77)}))
+    model = load(str(d), W4A4)
+    up = model.params["layers_1"]["mlp"]["experts"]["up_proj"].dequantize(jnp.float32)
+    assert np.all(np.asarray(up[3]) == 0) and np.any(np.asarray(up[2]) != 0)
+    assert np.all(np.isfinite(np.asarray(model.logits(jnp.asarray([[1, 2, 3]])))))
+    _rewrite(d, lambda t: t.update({f"{_UNIT}.weight_scale_2": np.float32(1e-4)}))
+    with pytest.raises(CheckpointError, match=rf"{_UNIT}\.weight_scale holds NaN"):
+        mixserve.load(str(d), progress=False)
+
+
+def test_weight_only_modelopt_nvfp4_loads(tmp_path_factory, tmp_path):
+    """ModelOpt's W4A16_NVFP4 (NVFP4 weights, activations unquantized: no input scales) loads as the
+    same weights, with no W4A4 notice; NVFP4 activations cannot be asked of it."""
+    src = os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt")
+    d = _copy(src, tmp_path / "c")
+    _edit_both_configs(d, lambda q: (q.update(quant_algo="W4A16_NVFP4"),
+                                     [g.pop("input_activations") for g in q.get("config_groups", {}).values()]))
+    _rewrite(d, lambda t: [t.pop(k) for k in list(t) if k.endswith(".input_scale")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a = mixserve.load(str(d), dtype="float32", progress=False)
+    b = load(src, W4A4)
+    assert a.plan == b.plan and all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)))
+    with pytest.raises(CheckpointError, match="declares no NVFP4 activations"):
+        mixserve.load(str(d), progress=False, nvfp4_activations=True)
+    _edit_both_configs(d, lambda q: [g["weights"].update(num_bits=8) for g in q.get("config_groups", {}).values()])
+    with pytest.raises(CheckpointError, match=r"config_groups\.group_0\.weights\.num_bits 8 \(expected 4\)"):
         mixserve.load(str(d), progress=False)
 
 
