@@ -1,5 +1,6 @@
 """Quantization error on tiny random models of the three families: logits of INT4 (RTN and GPTQ,
-g32 and g128, routed experts only or all linear layers), NVFP4 (RTN and GPTQ) and FP8-block against the
+g32 and g128, routed experts only or all linear layers), NVFP4 (RTN and GPTQ; weight-only, and W4A4 with
+input scales calibrated on the calibration tokens, as Blackwell computes it) and FP8-block against the
 BF16 model, on held-out tokens, with greedy-token agreement, as a markdown table. Before it, the
 formats' error on weight matrices of three distributions (normal, heavy-tailed, outlier rows), with
 bits per weight: INT4 g32 and NVFP4 both spend 4.5.
@@ -74,6 +75,8 @@ def variants():
                 yield f"int4 g{group}", scope, method, WeightFormat("int4", group)
         for method in ("rtn", "gptq"):
             yield "nvfp4", scope, method, WeightFormat("nvfp4")
+        for method in ("rtn", "gptq"):
+            yield "nvfp4 w4a4", scope, method, WeightFormat("nvfp4", w4a4=True)
 
 
 WEIGHT_FORMATS = {"fp8 block": WeightFormat("fp8_block"), "int4 g32": WeightFormat("int4", 32),
@@ -185,7 +188,10 @@ def main(argv=None) -> None:
                     "linear layer except router, norms, embeddings, lm_head, weights_proj. Random models have "
                     "nearly flat logits (small top-1 margins), so greedy agreement here sits far below a trained "
                     "model's: compare rows, not absolute values. The last column is GPTQ's ||X(W - Q)||^2 over "
-                    "RTN's on the calibration set.\n\n")
+                    "RTN's on the calibration set (weights only: W4A4's GPTQ minimizes the same weight error). "
+                    "\"nvfp4 w4a4\" also quantizes every NVFP4 layer's input (input global scales calibrated on the "
+                    "calibration tokens, group scales per token as it comes), as Blackwell's FP4 tensor cores "
+                    "compute it; \"nvfp4\" is weight-only, as on Hopper.\n\n")
             f.write(f"## The formats on weight matrices ({args.rows} x 512, BF16 values, round to nearest)\n\n"
                     + weights + "\n\n## Logits of the tiny models\n\n")
             f.write(text + "\n")

@@ -48,7 +48,8 @@ from models.layers import Linear
 from models.moe import RoutedExperts
 from models.transformer import Transformer
 from models.weights import QUANTIZED, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan, quantize
-from pallas_kernels.nvfp4_matmul import E2M1_VALUES, nvfp4_codes, nvfp4_global_scale, nvfp4_group_scales
+from pallas_kernels.nvfp4_matmul import (E2M1_VALUES, global_scale_of_amax, nvfp4_codes, nvfp4_global_scale,
+                                         nvfp4_group_scales)
 from pallas_kernels.int4_matmul import pack_nibbles
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,15 @@ class Calibration:
 
 @dataclasses.dataclass
 class Gram:
-    """Running sum of x x^T over calibration inputs: xtx_KK [..., K, K] and count [...] (per expert if stacked)."""
+    """Running sum of x x^T over calibration inputs: xtx_KK [..., K, K], count [...] and the largest
+    |x| seen, amax [...] (per expert if stacked): GPTQ's Hessian and a W4A4 input scale."""
 
     xtx: jax.Array
     count: jax.Array
+    amax: jax.Array
 
-    def add(self, xtx, count) -> None:
-        self.xtx, self.count = self.xtx + xtx, self.count + count
+    def add(self, xtx, count, amax) -> None:
+        self.xtx, self.count, self.amax = self.xtx + xtx, self.count + count, jnp.maximum(self.amax, amax)
 
     @property
     def hessian(self) -> jax.Array:
@@ -209,8 +212,13 @@ def _xtx(x_MK: jax.Array) -> jax.Array:
     return jnp.matmul(x.T, x, precision=HIGHEST)
 
 
-def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """Per-expert x^T x of the gate/up inputs (tokens routed to e) and of the down inputs."""
+def _input_stats(x_MK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x^T x, rows, max |x|) of a layer's inputs."""
+    return _xtx(x_MK), jnp.float32(np.prod(x_MK.shape[:-1])), jnp.max(jnp.abs(x_MK.astype(jnp.float32)))
+
+
+def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Per-expert x^T x, rows and max |x| of the gate/up inputs (tokens routed to e) and of the down inputs."""
     params = mod.variables["params"]
     x = x_TD.astype(jnp.float32)
     routed_TE = jax.nn.one_hot(experts_TK, mod.cfg.n_routed_experts, dtype=jnp.float32).sum(1)  # 0/1: top-k is distinct
@@ -220,18 +228,21 @@ def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.A
     count_E = routed_TE.sum(0)
     xtx_in = jnp.einsum("te,td,tc->edc", routed_TE, x, x, precision=HIGHEST)
     xtx_down = jnp.einsum("te,tef,teg->efg", routed_TE, h_TEF, h_TEF, precision=HIGHEST)
-    return {"gate_proj": (xtx_in, count_E), "up_proj": (xtx_in, count_E), "down_proj": (xtx_down, count_E)}
+    amax_in = jnp.max(routed_TE * jnp.max(jnp.abs(x), axis=-1, keepdims=True), axis=0)
+    amax_down = jnp.max(routed_TE * jnp.max(jnp.abs(h_TEF), axis=-1), axis=0)
+    return {"gate_proj": (xtx_in, count_E, amax_in), "up_proj": (xtx_in, count_E, amax_in),
+            "down_proj": (xtx_down, count_E, amax_down)}
 
 
 @functools.partial(jax.jit, static_argnames=("module", "targets"))
-def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path]) -> dict[str, tuple[jax.Array, jax.Array]]:
-    """One forward of a batch -> {"/".join(path): (x^T x, rows)} for the target weights it reached."""
-    found: dict[Path, tuple[jax.Array, jax.Array]] = {}  # filled while tracing, returned as outputs
+def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path]) -> dict[str, tuple]:
+    """One forward of a batch -> {"/".join(path): (x^T x, rows, max |x|)} for the target weights it reached."""
+    found: dict[Path, tuple[jax.Array, jax.Array, jax.Array]] = {}  # filled while tracing, returned as outputs
 
-    def add(path, xtx, count):
+    def add(path, xtx, count, amax):
         if path in targets:
-            old = found.get(path, (0.0, 0.0))
-            found[path] = (old[0] + xtx, old[1] + count)
+            old = found.get(path, (0.0, 0.0, 0.0))
+            found[path] = (old[0] + xtx, old[1] + count, jnp.maximum(old[2], amax))
 
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
@@ -239,11 +250,11 @@ def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path
         if context.method_name != "__call__":
             return out
         if isinstance(mod, (Linear, LatentUpProjection)):
-            add((*mod.path, "kernel"), _xtx(args[0]), jnp.float32(np.prod(args[0].shape[:-1])))
+            add((*mod.path, "kernel"), *_input_stats(args[0]))
         elif isinstance(mod, RoutedExperts):
             x_TD, _, experts_TK, *_ = args  # calibration batches hold no padding (valid_T is None)
-            for proj, (xtx, count) in _expert_grams(mod, x_TD, experts_TK).items():
-                add((*mod.path, proj), xtx, count)
+            for proj, stats in _expert_grams(mod, x_TD, experts_TK).items():
+                add((*mod.path, proj), *stats)
         return out
 
     with nn.intercept_methods(interceptor):
@@ -257,9 +268,31 @@ def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8)
     ids = np.asarray(ids_BT, np.int32)
     for start in range(0, len(ids), batch):
         found = _batch_grams(model.params, jnp.asarray(ids[start:start + batch]), module=model.module, targets=frozenset(targets))
-        for name, (xtx, count) in found.items():
-            grams.setdefault(tuple(name.split("/")), Gram(jnp.zeros_like(xtx), jnp.zeros_like(count))).add(xtx, count)
+        for name, (xtx, count, amax) in found.items():
+            zeros = Gram(jnp.zeros_like(xtx), jnp.zeros_like(count), jnp.zeros_like(amax))
+            grams.setdefault(tuple(name.split("/")), zeros).add(xtx, count, amax)
     return grams
+
+
+def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray) -> dict[Path, jax.Array]:
+    """The NVFP4 input global scale [..., 1] of every weight that `plan` puts in W4A4: 448 * 6 / the
+    largest |input| over the calibration tokens (llm-compressor's static min-max observer), per
+    expert for routed experts. An expert no token reaches takes its layer's largest input (the
+    scale a shared observer would give), with a warning; so does a layer the forward never calls
+    (then scale 1, inputs up to 2688)."""
+    layout = flat_params(abstract_params(model.config, plan, model.dtype))
+    targets = {p for p, leaf in layout.items() if isinstance(leaf, Nvfp4Weight) and leaf.input_global_scale is not None}
+    grams = collect_grams(model, targets, ids_BT)
+    scales = {}
+    for path in sorted(targets):
+        shape = layout[path].input_global_scale.shape[:-1]
+        amax = grams[path].amax if path in grams else jnp.zeros(shape, jnp.float32)
+        if np.any(np.asarray(amax) == 0):
+            log.warning("%s: no calibration input reached %s; their input scale is the layer's largest", "/".join(path),
+                        f"experts {np.flatnonzero(np.asarray(amax) == 0).tolist()}" if amax.ndim else "it")
+            amax = jnp.where(amax == 0, jnp.max(amax), amax)
+        scales[path] = global_scale_of_amax(amax[..., None])
+    return scales
 
 
 # ---- the whole model ------------------------------------------------------------------------------

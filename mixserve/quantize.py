@@ -3,11 +3,13 @@
     python -m mixserve.quantize --model DIR --out DIR --format int4 --group-size 32 [--scope experts|all]
            [--method rtn|gptq --calibration-tokens 2048 --seed 0]
     python -m mixserve.quantize --model DIR --out DIR --format fp8
-    python -m mixserve.quantize --model DIR --out DIR --format nvfp4 [--scope experts|all]
+    python -m mixserve.quantize --model DIR --out DIR --format nvfp4 [--scope experts|all] [--nvfp4-activations]
 
 int4 writes compressed-tensors pack-quantized (W4A16, symmetric, group-wise) with a
 `quantization_config` in the form vLLM/SGLang read; nvfp4 writes compressed-tensors
-nvfp4-pack-quantized, weights only (llm-compressor's NVFP4A16); fp8 writes the DeepSeek/GLM block format
+nvfp4-pack-quantized, weights only (llm-compressor's NVFP4A16), or with --nvfp4-activations also
+the inputs' global scales calibrated over the calibration tokens (W4A4, llm-compressor's NVFP4:
+mixserve.gptq.input_global_scales); fp8 writes the DeepSeek/GLM block format
 (`weight_scale_inv`, 128x128). Scope "experts" quantizes routed experts only (as Kimi K2 Thinking
 ships); "all" also quantizes attention, dense MLPs and shared experts. Router, norms, embeddings,
 lm_head and the DSA indexer's weights_proj always stay as they are.
@@ -33,8 +35,8 @@ import numpy as np
 
 import pallas_kernels
 from mixserve.checkpoint import is_expert_unit, hf_source, is_mtp_layer, is_quantizable_unit, text_prefix, split_unit, read_config
-from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, is_quantized,
-                           require_unquantized)
+from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, input_global_scales,
+                           is_quantized, require_unquantized)
 from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
 from models.weights import Int4Weight, Nvfp4Weight, Quantized, WeightFormat, WeightPlan, quantize
@@ -61,7 +63,8 @@ def disk_parts(q: Quantized) -> dict[str, np.ndarray]:
     """A quantized [in, out] weight -> its HF on-disk parts ([out, in] orientation)."""
     if isinstance(q, Nvfp4Weight):
         packed, scales, global_scale = nvfp4_to_compressed_tensors(q.packed_QN, q.scales_GN, q.global_scale)
-        return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": global_scale}
+        inputs = {} if q.input_global_scale is None else {"input_global_scale": np.asarray(q.input_global_scale, np.float32)}
+        return {"weight_packed": packed, "weight_scale": scales, "weight_global_scale": global_scale} | inputs
     if not isinstance(q, Int4Weight):
         return {"weight": np.asarray(q.values_KN).T, "weight_scale_inv": np.asarray(q.scale_inv_kn).T}
     packed_NQ, scale_NG = pallas_kernels.to_compressed_tensors(q.packed_QN, q.scales_GN)
@@ -89,23 +92,20 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
 
     method "rtn": every quantized weight rounded to nearest. "gptq": the int4 and nvfp4 weights by GPTQ over
     the calibration tokens (fp8 ones still RTN). Unquantized weights are cast to the model dtype.
+    A W4A4 format's input scales are calibrated over the same tokens, with either method.
     """
     _check_method(method, plan)
     source = flat_params(model.params)
     require_unquantized(source)
     abstract = abstract_params(model.config, plan, model.dtype)
     require_finite_targets(source, abstract)
-    gptq: dict = {}
-    reports: list[LayerReport] = []
-    if method == "gptq":
-        gptq, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
+    gptq, reports, input_scales = _calibrated(model, plan, method, calibration)
     leaves = []
     for path, leaf in flat_params(abstract).items():
-        if path in gptq:
-            leaves.append(gptq[path])
-        elif is_quantized(leaf):
+        if is_quantized(leaf):
             fmt = plan.experts if "experts" in path else plan.linear
-            leaves.append(quantize(source[path].astype(model.dtype), fmt))
+            q = gptq[path] if path in gptq else quantize(source[path].astype(model.dtype), fmt)
+            leaves.append(dataclasses.replace(q, input_global_scale=input_scales[path]) if path in input_scales else q)
         else:
             leaves.append(source[path].astype(leaf.dtype))
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract, is_leaf=is_quantized), leaves)
@@ -128,30 +128,45 @@ def require_finite_targets(source: dict, abstract) -> None:
             require_finite("/".join(path), source[path])
 
 
+def _calibrated(model: Model, plan: WeightPlan, method: str, calibration):
+    """What the calibration tokens decide, by param path: GPTQ's weights and reports (method gptq)
+    and W4A4 input global scales (plan w4a4)."""
+    if method != "gptq" and not (plan.experts.w4a4 or plan.linear.w4a4):
+        return {}, [], {}
+    ids = calibration_ids(calibration, model.config.vocab_size)
+    gptq, reports = gptq_weights(model, plan, ids) if method == "gptq" else ({}, [])
+    return gptq, reports, input_global_scales(model, plan, ids)
+
+
 def _check_method(method: str, plan: WeightPlan) -> None:
-    if plan.experts.w4a4 or plan.linear.w4a4:  # placeholder input scales would pass for calibrated ones
-        raise ValueError(f"mixserve quantizes weights only; W4A4 ({plan}) needs input scales calibrated on "
-                         "activations (llm-compressor, ModelOpt): load such a checkpoint with nvfp4_activations=True")
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
     if method == "gptq" and not {"int4", "nvfp4"} & {plan.experts.kind, plan.linear.kind}:
         raise ValueError(f"GPTQ quantizes int4 and nvfp4 weights and the plan ({plan}) has none; use method='rtn'")
 
 
-def _gptq_units(src: str, plan: WeightPlan, calibration) -> tuple[dict[str, Quantized], list[LayerReport]]:
-    """GPTQ of the source checkpoint -> {bare HF unit name: weight [in, out]}, one per expert."""
+def _calibrated_units(src: str, plan: WeightPlan, method: str, calibration):
+    """_calibrated over the source checkpoint (loaded whole, in float32), by bare HF unit name (one
+    per expert): ({unit: GPTQ weight [in, out]}, reports, {unit: input global scale [1]})."""
+    if method != "gptq" and not (plan.experts.w4a4 or plan.linear.w4a4):
+        return {}, [], {}
     model = load(src, dtype="float32", progress=False)
     require_finite_targets(flat_params(model.params), abstract_params(model.config, plan, model.dtype))
-    weights, reports = gptq_weights(model, plan, calibration_ids(calibration, model.config.vocab_size))
+    weights, reports, input_scales = _calibrated(model, plan, method, calibration)
+    return _by_unit(weights), reports, _by_unit(input_scales)
+
+
+def _by_unit(by_path: dict) -> dict:
+    """{param path: value (experts stacked)} -> {bare HF unit name: value}, one per expert."""
     units = {}
-    for path, q in weights.items():
+    for path, value in by_path.items():
         unit, _, _ = hf_source(path)
-        if q.packed_QN.ndim == 2:
-            units[unit] = q
+        if "{e}" not in unit:
+            units[unit] = value
             continue
-        for e in range(q.packed_QN.shape[0]):
-            units[unit.replace("{e}", str(e))] = jax.tree.map(lambda a: a[e], q)
-    return units, reports
+        for e in range(jax.tree.leaves(value)[0].shape[0]):
+            units[unit.replace("{e}", str(e))] = jax.tree.map(lambda a: a[e], value)
+    return units
 
 
 def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
@@ -172,7 +187,11 @@ def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
             "weights": {"num_bits": 4, "type": "float" if nvfp4 else "int", "symmetric": True,
                         "strategy": "tensor_group" if nvfp4 else "group",
                         "group_size": fmt.group_size, "dynamic": False, "observer": "minmax"},
-            "input_activations": None, "output_activations": None,
+            # W4A4: llm-compressor's NVFP4 activations, group scales computed as they come ("local")
+            "input_activations": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                                  "group_size": fmt.group_size, "dynamic": "local", "observer": "static_minmax"}
+            if fmt.w4a4 else None,
+            "output_activations": None,
         }},
         "ignore": ignored,
     }
@@ -181,7 +200,7 @@ def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
 def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "rtn",
                         calibration: Calibration | np.ndarray | None = None) -> list[LayerReport]:
     """Write `src` (BF16 HF checkpoint) quantized into `plan` to `dst`. Returns GPTQ's layer reports
-    (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq only)."""
+    (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq, and W4A4's input scales)."""
     _check_method(method, plan)
     if os.path.isdir(dst) and os.path.samefile(src, dst):  # its shards would be rewritten while still read
         raise CheckpointError(f"the output directory {dst} is the source checkpoint: write the quantized copy elsewhere")
@@ -191,7 +210,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     infos = index_tensors(src)
     prefix = text_prefix(infos)
     _check_group_sizes(infos, prefix, plan, config)
-    gptq, reports = _gptq_units(src, plan, calibration) if method == "gptq" else ({}, [])
+    gptq, reports, input_scales = _calibrated_units(src, plan, method, calibration)
     os.makedirs(dst, exist_ok=True)
     shard: dict[str, np.ndarray] = {}
     shards: list[dict[str, np.ndarray]] = []
@@ -204,6 +223,8 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         if _quantized_here(name.removeprefix(prefix), plan, config):
             require_finite(name, array)
             on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
+            if fmt.w4a4:
+                on_disk["input_global_scale"] = np.asarray(input_scales[bare], np.float32)
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:
             parts = {name: np.asarray(array)}
@@ -258,18 +279,21 @@ def main(argv=None) -> None:
     p.add_argument("--format", choices=["int4", "nvfp4", "fp8"], required=True,
                    help="int4: compressed-tensors W4A16; nvfp4: compressed-tensors NVFP4 weights (W4A16); "
                         "fp8: 128x128 block FP8")
+    p.add_argument("--nvfp4-activations", action="store_true",
+                   help="with --format nvfp4: also calibrate each layer's input global scale over the calibration "
+                        "tokens (W4A4, llm-compressor's NVFP4 scheme)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dimension (32 or 128)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
                    help="rtn: round to nearest; gptq: GPTQ over random calibration tokens (int4; loads the model)")
-    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq: number of calibration tokens")
-    p.add_argument("--seq-len", type=int, default=128, help="gptq: calibration sequence length")
-    p.add_argument("--seed", type=int, default=0, help="gptq: seed of the calibration tokens")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq, W4A4: number of calibration tokens")
+    p.add_argument("--seq-len", type=int, default=128, help="gptq, W4A4: calibration sequence length")
+    p.add_argument("--seed", type=int, default=0, help="gptq, W4A4: seed of the calibration tokens")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # bad arguments or a checkpoint that cannot be quantized: a usage error, not a traceback
-        fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), args.group_size)
+        fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), args.group_size, args.nvfp4_activations)
         calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
         reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
                                       calibration=calibration)

@@ -88,11 +88,15 @@ def quantize_nvfp4(w_KN: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def nvfp4_global_scale(w_KN: jax.Array) -> jax.Array:
-    """float32 [..., 1]: 448 * 6 times the reciprocal of the matrix's largest magnitude, as torch
-    evaluates compressed-tensors' `2688 / amax` (one float32 ulp from a division at times); an
-    amax so small that this overflows (an all-zero matrix) gives 1, as there."""
-    amax = jnp.maximum(jnp.max(jnp.abs(w_KN.astype(jnp.float32)), axis=(-2, -1))[..., None],
-                       jnp.finfo(jnp.float32).tiny)
+    """float32 [..., 1]: the global scale of matrices w [..., K, N] (global_scale_of_amax)."""
+    return global_scale_of_amax(jnp.max(jnp.abs(w_KN.astype(jnp.float32)), axis=(-2, -1))[..., None])
+
+
+def global_scale_of_amax(amax: jax.Array) -> jax.Array:
+    """448 * 6 times the reciprocal of a tensor's largest magnitude, as torch evaluates
+    compressed-tensors' `2688 / amax` (one float32 ulp from a division at times); an amax so small
+    that this overflows (an all-zero tensor) gives 1, as there. Weights' and calibrated inputs' alike."""
+    amax = jnp.maximum(jnp.asarray(amax, jnp.float32), jnp.finfo(jnp.float32).tiny)
     # Above 2**126 the reciprocal is subnormal, which XLA's CPU flushes to 0: scaling amax down and
     # the 2688 down by the same power of two gives the same product, rounded the same.
     down = jnp.where(amax > 1, 2.0**-64, 1.0)

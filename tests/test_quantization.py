@@ -16,7 +16,7 @@ import hf_reference as ref
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 import mixserve
@@ -192,6 +192,69 @@ def test_w4a4_matmuls_compute_the_fp4_products(backend):
     rows = slice(sizes[0], sizes[0] + sizes[2])
     got = np.asarray(matmul(jnp.asarray(x[rows]), one, backend=backend), np.float64)
     assert np.all(np.abs(got - expected[rows]) <= 1e-5 * magnitude[rows]), f"seed={seed}"
+
+
+def _hf_input_amax(model, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The largest |input| of every nn.Linear and of each routed expert's projections (over the
+    tokens routed to it; 0 for an expert none reaches), as transformers computes them on ids."""
+    amax, hooks = {}, []
+    record = lambda name, value: amax.__setitem__(name, np.maximum(amax.get(name, 0), value))
+
+    def experts_hook(name, module, args):
+        hidden, top_k_index, _ = args
+        for e in range(module.num_experts):
+            x = hidden[(top_k_index == e).any(-1)]
+            gate, up = torch.nn.functional.linear(x, module.gate_up_proj[e]).chunk(2, dim=-1)
+            h = module.act_fn(gate) * up
+            for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", h)):
+                record(f"{name}.{e}.{proj}", float(value.abs().max()) if value.numel() else 0.0)
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: record(n, float(a[0].abs().max()))))
+        elif name.endswith("mlp.experts"):
+            hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: experts_hook(n, m, a)))
+    with torch.no_grad():
+        model(torch.as_tensor(ids, dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path):
+    """`mixserve.quantize --format nvfp4 --scope all --nvfp4-activations` writes compressed-tensors'
+    NVFP4 (W4A4) scheme: the config's input_activations are its NVFP4 preset's, and every layer's
+    input_global_scale is its generate_gparam of the largest |input| over the calibration tokens,
+    with the inputs as transformers computes them (each expert over the tokens routed to it; one
+    no token reaches takes its layer's largest), within float32 forward rounding (1e-5). It loads
+    with nvfp4_activations=True to what quantize_model gives in memory, bit for bit."""
+    model = ref.build("glm4-qknorm-bias")
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "w4a4")
+    ref.save(model, src)
+    calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
+    quantize_main(["--model", src, "--out", dst, "--format", "nvfp4", "--scope", "all", "--nvfp4-activations",
+                   "--calibration-tokens", "256", "--seq-len", "32", "--seed", str(calibration.seed)])
+    quant = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+    (group,) = quant["config_groups"].values()
+    ours, preset = QuantizationArgs.model_validate(group["input_activations"]), preset_name_to_scheme("NVFP4", ["Linear"])
+    fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
+    assert [getattr(ours, f) for f in fields] == [getattr(preset.input_activations, f) for f in fields]
+    amax = _hf_input_amax(model, calibration.token_ids(model.config.vocab_size))
+    disk = _disk(dst)
+    scales = {k.removesuffix(".input_global_scale"): v for k, v in disk.items() if k.endswith(".input_global_scale")}
+    assert len(scales) == sum(1 for k in disk if k.endswith(".weight_packed")) > 40
+    for unit, got in scales.items():
+        experts, _, proj = unit.rpartition(".")  # an expert's unit: LAYER.mlp.experts.E.PROJ
+        layer = experts.rpartition(".")[0]
+        layer_max = max(v for k, v in amax.items() if k.startswith(layer + ".") and k.endswith("." + proj))
+        a = torch.tensor(amax[unit] or layer_max)
+        want = generate_gparam(-a, a).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{unit} seed={calibration.seed}")
+    loaded = mixserve.load(dst, dtype="float32", progress=False, nvfp4_activations=True)
+    in_memory, _ = quantize_model(mixserve.load(src, dtype="float32", progress=False),
+                                  plan_for(WeightFormat("nvfp4", w4a4=True), "all"), calibration=calibration)
+    assert loaded.plan == in_memory.plan
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(in_memory.params)))
 
 
 # ---- GPTQ ---------------------------------------------------------------------------------------
