@@ -59,7 +59,7 @@ STORED_PARTS = {"dense": {"weight"}, "fp8_block": {"weight", "weight_scale_inv"}
 # scale must not pass for an INT4 one.
 PART_DTYPES = {"int4": {"weight_packed": "I32"},
                "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32",
-                         "weight_scale_2": "F32"}}
+                         "weight_scale_2": "F32", "input_global_scale": "F32", "input_scale": "F32"}}
 # Calibration scales of a quantized KV cache (compressed-tensors kv_cache_scheme, ModelOpt
 # kv_cache_quant_algo): not read; the KV format is chosen when serving (Engine kv_format, k_scale).
 KV_SCALE_PARTS = {"k_scale", "v_scale"}
@@ -112,7 +112,7 @@ def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations:
     for name, info in infos.items():
         unit, part = split_unit(name)
         nvfp4 = any(f"{unit}.{p}" in infos for p in ("weight_scale_2", "weight_global_scale"))
-        if part in input_scales and nvfp4 and not (nvfp4_activations and is_quantizable_unit(unit)):
+        if part in input_scales and nvfp4 and not (nvfp4_activations and quantizes_input(unit)):
             continue
         if part in kv_scales and re.search(r"\.self_attn(\.[kv]_proj)?$", unit):
             continue
@@ -120,6 +120,12 @@ def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations:
                          and f"{unit}.weight_packed" not in infos)
         out[f"{unit}.weight_packed" if modelopt_pack else name] = info
     return out
+
+
+def quantizes_input(unit: str) -> bool:
+    """Does a W4A4 plan quantize this layer's input? Every quantizable layer but kv_b_proj, which
+    absorbed MLA runs weight-only (models.attention.LatentUpProjection)."""
+    return is_quantizable_unit(unit) and not unit.endswith("kv_b_proj")
 
 
 def checkpoint_index(directory: str, quant: dict, nvfp4_activations: bool = False) -> dict[str, TensorInfo]:
@@ -480,8 +486,8 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 expected = _disk_shape(leaves[i])
                 if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
                     expected = (*expected[:-1], expected[-1] * 4)
-                if part in PER_MATRIX_PARTS:  # shape and value: _nvfp4_problems
-                    part = MODELOPT_RECIPROCALS[part] if MODELOPT_RECIPROCALS[part] in stored else part
+                if part in PER_MATRIX_PARTS:  # shape and value: _nvfp4_problems; ModelOpt's names for its units
+                    part = MODELOPT_RECIPROCALS[part] if "weight_scale_2" in stored else part
                     expected = tuple(stored[part].shape) if part in stored else (1,)
                 if part not in stored:
                     missing.append(f"{name}.{part} (expected shape {expected})")

@@ -279,13 +279,15 @@ def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray) -> dict[Pat
     largest |input| over the calibration tokens (llm-compressor's static min-max observer), per
     expert for routed experts. An expert no token reaches takes its layer's largest input (the
     scale a shared observer would give), with a warning; so does a layer the forward never calls
-    (then scale 1, inputs up to 2688)."""
+    (then scale 1, inputs up to 2688). kv_b_proj's too, which mixserve runs weight-only but a
+    checkpoint's other readers may not (models.attention.LatentUpProjection)."""
     layout = flat_params(abstract_params(model.config, plan, model.dtype))
-    targets = {p for p, leaf in layout.items() if isinstance(leaf, Nvfp4Weight) and leaf.input_global_scale is not None}
+    targets = {p for p, leaf in layout.items()
+               if isinstance(leaf, Nvfp4Weight) and (plan.experts if "experts" in p else plan.linear).w4a4}
     grams = collect_grams(model, targets, ids_BT)
     scales = {}
     for path in sorted(targets):
-        shape = layout[path].input_global_scale.shape[:-1]
+        shape = layout[path].global_scale.shape[:-1]
         amax = grams[path].amax if path in grams else jnp.zeros(shape, jnp.float32)
         if np.any(np.asarray(amax) == 0):
             log.warning("%s: no calibration input reached %s; their input scale is the layer's largest", "/".join(path),

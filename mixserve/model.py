@@ -106,8 +106,9 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
             "Use count_params/weight_bytes with it, or load a checkpoint directory."
         )
-    if nvfp4_activations:
-        raise ValueError("nvfp4_activations needs a W4A4 checkpoint's calibrated input scales; a preset has none")
+    if nvfp4_activations or plan is not None and (plan.experts.w4a4 or plan.linear.w4a4):
+        raise ValueError("NVFP4 activations (W4A4) need calibrated input scales, which a preset has none of: load "
+                         "a W4A4 checkpoint, or quantize_model a preset with a W4A4 plan (it calibrates them)")
     config = get_preset(path_or_preset)
     plan = plan or WeightPlan()
     model = Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)

@@ -105,7 +105,9 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
         if is_quantized(leaf):
             fmt = plan.experts if "experts" in path else plan.linear
             q = gptq[path] if path in gptq else quantize(source[path].astype(model.dtype), fmt)
-            leaves.append(dataclasses.replace(q, input_global_scale=input_scales[path]) if path in input_scales else q)
+            if isinstance(q, Nvfp4Weight):  # the calibrated input scale where the model has one (kv_b_proj: none)
+                q = dataclasses.replace(q, input_global_scale=None if leaf.input_global_scale is None else input_scales[path])
+            leaves.append(q)
         else:
             leaves.append(source[path].astype(leaf.dtype))
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract, is_leaf=is_quantized), leaves)
@@ -223,7 +225,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         if _quantized_here(name.removeprefix(prefix), plan, config):
             require_finite(name, array)
             on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
-            if fmt.w4a4:
+            if fmt.w4a4:  # kv_b_proj's too: mixserve does not use it, a checkpoint's other readers may
                 on_disk["input_global_scale"] = np.asarray(input_scales[bare], np.float32)
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:

@@ -8,12 +8,14 @@ the same in both cases, so the engine and the reference forward share all model 
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, weight_param
-from models.weights import BF16, WeightFormat, dequantize, matmul, weight_only
+from models.weights import BF16, WeightFormat, dequantize, matmul
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 
@@ -79,7 +81,7 @@ class MLAAttention(nn.Module):
         if self.runs_indexer:
             index_mask = DSAIndexer(cfg, self.fmt, self.dtype, self.backend, name="indexer")(x_BTD, q_resid, cos, sin, kv)
 
-        kv_b = LatentUpProjection(L, H * (N + V), name="kv_b_proj", **lin)
+        kv_b = LatentUpProjection(L, H * (N + V), name="kv_b_proj", **lin | {"fmt": dataclasses.replace(self.fmt, w4a4=False)})
         out_BTHV = kv.attend_mla(q_nope, q_pe, c_kv, k_pe, kv_b, scale=cfg.softmax_scale, index_mask=index_mask)
         out = Linear(cfg.hidden_size, ("heads", "embed"), cfg.attention_bias, name="o_proj", **lin)(out_BTHV.reshape(B, T, H * V))
         return out, index_mask
@@ -87,9 +89,10 @@ class MLAAttention(nn.Module):
 
 class LatentUpProjection(nn.Module):
     """kv_b_proj: latent c_kv [L] -> per-head (k_nope, v). Besides applying it (prefill, the
-    'naive' form), decode absorbs its weight into q and the output (`dense_kernel`). An NVFP4 W4A4
-    kv_b_proj runs weight-only in both: absorbed decode never multiplies the latent by it, and
-    prefill must compute what decode does (vLLM's FP4 prefill quantizes the latent, its decode not)."""
+    'naive' form), decode absorbs its weight into q and the output (`dense_kernel`). Its format is
+    never W4A4 (MLAttention builds it weight-only): absorbed decode never multiplies the latent by
+    it, and prefill must compute what decode does (vLLM's FP4 prefill quantizes the latent, its
+    decode not)."""
 
     in_features: int
     features: int
@@ -102,7 +105,7 @@ class LatentUpProjection(nn.Module):
                                    (self.in_features, self.features))
 
     def __call__(self, c_kv):
-        return matmul(c_kv.astype(self.dtype), weight_only(self.kernel), backend=self.backend, axes=("kv_lora", "heads"))
+        return matmul(c_kv.astype(self.dtype), self.kernel, backend=self.backend, axes=("kv_lora", "heads"))
 
     def dense_kernel(self):
         return dequantize(self.kernel, self.dtype)

@@ -43,9 +43,10 @@ def weight_param(module: nn.Module, name: str, fmt: WeightFormat, axes: tuple[st
         return module.param(name, boxed_weight_init(fmt, axes, dtype), shape)
     w = nn.unbox(module.get_variable("params", name))
     want = abstract_weight(fmt, shape, dtype)
-    if type(w) is not type(want) or tuple(w.shape) != tuple(shape):
-        raise ValueError(f"parameter {name!r} of {module.name!r} is {type(w).__name__} {tuple(w.shape)}, "
-                         f"expected {fmt} {tuple(shape)}")
+    quantizes_input = lambda x: getattr(x, "input_global_scale", None) is not None  # W4A4 or not
+    if type(w) is not type(want) or tuple(w.shape) != tuple(shape) or quantizes_input(w) != quantizes_input(want):
+        raise ValueError(f"parameter {name!r} of {module.name!r} is {type(w).__name__} {tuple(w.shape)}"
+                         f"{' with an input scale' * quantizes_input(w)}, expected {fmt} {tuple(shape)}")
     values, scales = w.stored
     tiled = tuple(-(-size // block) for size, block in zip(values.shape[-2:], w.values_per_scale))
     if (any(whole % block for whole, block in zip(want.values_per_scale, w.values_per_scale))

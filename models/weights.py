@@ -205,8 +205,9 @@ class Nvfp4Weight(_PackedNibbles):
     @classmethod
     def quantize(cls, w_KN: jax.Array, w4a4: bool = False) -> "Nvfp4Weight":
         """Round to nearest (ties to even) under llm-compressor's scales: nvfp4_matmul.quantize_nvfp4.
-        w4a4: with an input global scale of 1 (inputs up to 6 * 448), a placeholder that only a
-        checkpoint's calibrated scale should replace (mixserve.load refuses W4A4 without one)."""
+        w4a4: with an input global scale of 1 (inputs up to 6 * 448), a placeholder for the calibrated
+        one (mixserve.gptq.input_global_scales) that quantize_model and quantize_checkpoint put in
+        its place; mixserve.load refuses a W4A4 plan for a preset, which has none."""
         packed, scales, global_scale = pallas_kernels.quantize_nvfp4(w_KN)
         return cls(packed, scales, global_scale, NVFP4_GROUP, jnp.ones_like(global_scale) if w4a4 else None)
 
@@ -311,11 +312,6 @@ def w4a4_operands(x: jax.Array, w: Nvfp4Weight, input_global_scale_M1: jax.Array
     GEMMs scale their float32 sums (vLLM's alpha)."""
     x_q = pallas_kernels.quantize_nvfp4_activations(x, input_global_scale_M1)
     return x_q, Nvfp4Weight(w.packed_QN, w.scales_GN, w.global_scale * w.input_global_scale, w.group_size)
-
-
-def weight_only(w: Weight) -> Weight:
-    """w without its activation quantization (a W4A4 weight as W4A16)."""
-    return dataclasses.replace(w, input_global_scale=None) if isinstance(w, Nvfp4Weight) else w
 
 
 def _per_device_kernel(kernel, x_MK, w: Quantized, axes, backend, *replicated):

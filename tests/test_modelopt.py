@@ -330,8 +330,10 @@ def test_nvfp4_activations_need_declared_input_scales(tmp_path_factory, tmp_path
     """Nothing to quantize activations with: a preset, a W4A16 checkpoint, or a category whose NVFP4
     layers load dequantized (beside another format) is refused by name."""
     out = exported("glm4-qknorm-bias", tmp_path_factory)
-    with pytest.raises(ValueError, match="a preset has none"):
-        mixserve.load("tiny-glm4", nvfp4_activations=True)
+    w4a4 = WeightFormat("nvfp4", w4a4=True)
+    for kw in (dict(nvfp4_activations=True), dict(plan=WeightPlan(experts=w4a4, linear=w4a4))):
+        with pytest.raises(ValueError, match="calibrated input scales, which a preset has none of"):
+            mixserve.load("tiny-glm4", **kw)
     w4a16 = str(tmp_path / "w4a16")
     quantize_checkpoint(os.path.join(out, "plain"), w4a16, WeightPlan(experts=WeightFormat("nvfp4")))
     with pytest.raises(CheckpointError, match="declares no NVFP4 activations"):
@@ -384,3 +386,26 @@ def test_run_serves_nvfp4_activations(tmp_path_factory):
     report = run.main(["--model", model, "--nvfp4-activations", "--max-new-tokens", "2", "--json", "--prompt", "hi"])
     assert report["weight_sets"]["prefill"][0] == "experts=nvfp4-w4a4, linear=nvfp4-w4a4"
     assert all(r["status"] == "ok" and len(r["tokens"]) == 2 for r in report["requests"])
+
+
+@pytest.mark.parametrize("edit,error", [
+    (lambda t: t.__setitem__(f"{_UNIT}.input_scale", t[f"{_UNIT}.input_scale"].astype(np.float16)),
+     rf"{_UNIT}\.input_scale is F16, where nvfp4 stores F32"),
+    (_set(f"{_UNIT}.input_scale", 0.0), rf"{_UNIT}\.input_scale is 0: a per-matrix scale is finite and positive"),
+    (lambda t: t.pop(f"{_UNIT}.input_scale"), rf"missing from the checkpoint: {_UNIT}\.input_scale"),
+], ids=["f16", "zero", "missing"])
+def test_input_scales_are_checked_when_read(tmp_path_factory, tmp_path, edit, error):
+    """With nvfp4_activations the input scales are read, and checked as the weights' per-matrix scales
+    are (dtype, value, presence under ModelOpt's own name)."""
+    d = _copy(os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt"), tmp_path / "c")
+    _rewrite(d, edit)
+    with pytest.raises(CheckpointError, match=error):
+        mixserve.load(str(d), progress=False, nvfp4_activations=True)
+
+
+def test_kv_b_proj_needs_no_input_scale(tmp_path_factory, tmp_path):
+    """kv_b_proj runs weight-only, so W4A4 loading neither needs nor reads its input scale."""
+    d = _copy(os.path.join(exported("kimi-yarn-groups", tmp_path_factory), "modelopt"), tmp_path / "c")
+    _rewrite(d, lambda t: [t.pop(k) for k in list(t) if k.endswith("kv_b_proj.input_scale")])
+    model = mixserve.load(str(d), progress=False, nvfp4_activations=True)
+    assert model.params["layers_0"]["self_attn"]["kv_b_proj"]["kernel"].input_global_scale is None

@@ -221,14 +221,17 @@ def _hf_input_amax(model, ids: np.ndarray) -> dict[str, np.ndarray]:
     return amax
 
 
-def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path):
+@pytest.mark.parametrize("name, overrides", [("glm4-qknorm-bias", {}), ("kimi-yarn-groups", {"kv_lora_rank": 32})],
+                         ids=["glm4", "kimi"])
+def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path, name, overrides):
     """`mixserve.quantize --format nvfp4 --scope all --nvfp4-activations` writes compressed-tensors'
     NVFP4 (W4A4) scheme: the config's input_activations are its NVFP4 preset's, and every layer's
     input_global_scale is its generate_gparam of the largest |input| over the calibration tokens,
     with the inputs as transformers computes them (each expert over the tokens routed to it; one
-    no token reaches takes its layer's largest), within float32 forward rounding (1e-5). It loads
-    with nvfp4_activations=True to what quantize_model gives in memory, bit for bit."""
-    model = ref.build("glm4-qknorm-bias")
+    no token reaches takes its layer's largest), within float32 forward rounding (1e-5); kv_b_proj's
+    too, which mixserve does not use (MLA: kv_lora_rank 32, a multiple of 16). It loads with
+    nvfp4_activations=True to what quantize_model gives in memory, bit for bit."""
+    model = ref.build(name, **overrides)
     src, dst = str(tmp_path / "bf16"), str(tmp_path / "w4a4")
     ref.save(model, src)
     calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
@@ -254,6 +257,7 @@ def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path):
     in_memory, _ = quantize_model(mixserve.load(src, dtype="float32", progress=False),
                                   plan_for(WeightFormat("nvfp4", w4a4=True), "all"), calibration=calibration)
     assert loaded.plan == in_memory.plan
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(in_memory.params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(in_memory.params)))
 
 
