@@ -166,8 +166,9 @@ def _stored_kind(parts) -> str:
 def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
                 nvfp4_activations: bool = False) -> WeightPlan:
     """The formats stored on disk, per category (routed experts / other linear layers).
-    nvfp4_activations: the NVFP4 formats as W4A4 (the checkpoint must declare NVFP4 activations,
-    and hold each category's NVFP4 layers alone, so that none is dequantized on load)."""
+    nvfp4_activations: the NVFP4 formats as W4A4 (the checkpoint must declare NVFP4 activations).
+    A category that mixes NVFP4 with another format loads dequantized and runs weight-only, with a
+    warning; at least one category must be NVFP4 alone."""
     prefix = text_prefix(infos)
     units: dict[str, set[str]] = {}
     for name in infos:
@@ -189,11 +190,14 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
         if not _nvfp4_activations(quant):
             raise CheckpointError("nvfp4_activations: the checkpoint declares no NVFP4 activations (W4A4), so it has "
                                   "no input scales to quantize them with")
+        if not any(fmts == {nvfp4} for fmts in found.values()):
+            raise CheckpointError("nvfp4_activations: no category of layers (routed experts, other linear layers) is "
+                                  "NVFP4 alone, so every NVFP4 layer loads dequantized and runs weight-only")
         if mixed := sorted(c for c, fmts in found.items() if nvfp4 in fmts and len(fmts) > 1):
-            raise CheckpointError(f"nvfp4_activations: the {' and '.join(mixed)} layers mix NVFP4 with "
-                                  f"{sorted(str(f) for c in mixed for f in found[c] if f != nvfp4)}, so they load "
-                                  "dequantized and could not quantize their inputs")
-        found = {c: {WeightFormat("nvfp4", w4a4=True) if f == nvfp4 else f for f in fmts} for c, fmts in found.items()}
+            warnings.warn(f"the checkpoint's {' and '.join(mixed)} layers mix NVFP4 with "
+                          f"{sorted(str(f) for c in mixed for f in found[c] if f != nvfp4)}: they load dequantized "
+                          "and run weight-only; nvfp4_activations applies to the others", stacklevel=3)
+        found = {c: {WeightFormat("nvfp4", w4a4=True)} if fmts == {nvfp4} else fmts for c, fmts in found.items()}
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
 
@@ -541,6 +545,8 @@ def _allowed_parts(unit: _Unit, stored: dict[str, TensorInfo]) -> set[str]:
     if unit.target == "plain":
         return set(unit.leaves)
     inputs = {"input_scale"} if "input_global_scale" in unit.leaves else set()  # ModelOpt's, for a W4A4 plan
+    if unit.target == "dense" and _stored_kind(stored) == "nvfp4":  # loads dequantized: weight-only, its input scale unused
+        inputs |= NVFP4_INPUT_PARTS
     return {p for p in unit.leaves if p != "weight" and p not in QUANT_PARTS} | STORED_PARTS[_stored_kind(stored)] | inputs
 
 

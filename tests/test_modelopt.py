@@ -286,17 +286,18 @@ def _quantized_experts_forward(gate_up_g_E, down_g_E):
     return forward
 
 
-def w4a4_reference(out: str):
+def w4a4_reference(out: str, experts_only: bool = False):
     """transformers on ModelOpt's dequantized weights, each quantized layer's input fake-quantized by
     compressed-tensors under the checkpoint's input scale (1 / input_scale, as its converter maps
-    it), except what mixserve keeps weight-only: kv_b_proj (absorbed MLA) and weights_proj."""
+    it), except what mixserve keeps weight-only: kv_b_proj (absorbed MLA) and weights_proj (and,
+    experts_only, every layer but the routed experts)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "dequantized"), dtype=torch.float32).eval()
     hf.config._attn_implementation = "eager"
     disk = {k: np.asarray(load_tensor(v)) for k, v in index_tensors(os.path.join(out, "modelopt")).items()
             if k.endswith(".input_scale")}
     g = {k.removesuffix(".input_scale"): torch.tensor(1 / v.reshape(1)) for k, v in disk.items()}
     for name, module in hf.named_modules():
-        if name in g and not name.endswith(("kv_b_proj", "weights_proj")):
+        if name in g and not name.endswith(("kv_b_proj", "weights_proj")) and not experts_only:
             module.register_forward_pre_hook(lambda m, args, s=g[name]: (ct_fake_quantize(args[0], s),))
         if name.endswith("mlp.experts"):
             stack = lambda proj: [g[f"{name}.{e}.{proj}"] for e in range(module.num_experts)]
@@ -343,9 +344,34 @@ def test_nvfp4_activations_need_declared_input_scales(tmp_path_factory, tmp_path
     dense = load_tensor(index_tensors(os.path.join(out, "dequantized"))[f"{unit}.weight"])
     _rewrite(mixed, lambda t: ([t.pop(f"{unit}.{p}") for p in ("weight_scale", "weight_scale_2", "input_scale")],
                                t.__setitem__(f"{unit}.weight", np.array(dense))))
-    with pytest.raises(CheckpointError, match=r"the linear layers mix NVFP4 with \['bf16'\]"):
-        mixserve.load(str(mixed), progress=False, nvfp4_activations=True)
     assert str(load(str(mixed), W4A4).plan) == "experts=nvfp4, linear=bf16"  # weight-only: dequantized, as before
+    everything_mixed = _copy(mixed, tmp_path / "everything")
+    expert = "model.layers.1.mlp.experts.0.down_proj"
+    dense = load_tensor(index_tensors(os.path.join(out, "dequantized"))[f"{expert}.weight"])
+    _rewrite(everything_mixed, lambda t: ([t.pop(f"{expert}.{p}") for p in ("weight_scale", "weight_scale_2", "input_scale")],
+                                          t.__setitem__(f"{expert}.weight", np.array(dense))))
+    with pytest.raises(CheckpointError, match="no category of layers .* is NVFP4 alone"):
+        mixserve.load(str(everything_mixed), progress=False, nvfp4_activations=True)
+
+
+def test_nvfp4_activations_where_a_category_mixes_formats(tmp_path_factory, tmp_path):
+    """As NVIDIA's DeepSeek-R1 NVFP4 keeps some layers' attention in BF16: the other linear layers then
+    load dequantized and run weight-only (a warning says so), and the routed experts, NVFP4 alone, run
+    W4A4: the logits equal compressed-tensors' simulation with only the experts' inputs quantized."""
+    out = exported("glm4-qknorm-bias", tmp_path_factory)
+    mixed = _copy(os.path.join(out, "modelopt"), tmp_path / "mixed")
+    unit = "model.layers.0.self_attn.o_proj"
+    dense = load_tensor(index_tensors(os.path.join(out, "dequantized"))[f"{unit}.weight"])
+    _rewrite(mixed, lambda t: ([t.pop(f"{unit}.{p}") for p in ("weight_scale", "weight_scale_2", "input_scale")],
+                               t.__setitem__(f"{unit}.weight", np.array(dense))))
+    with pytest.warns(UserWarning, match=r"linear layers mix NVFP4 with \['bf16'\]: they load dequantized and run weight-only"):
+        model = mixserve.load(str(mixed), dtype="float32", progress=False, nvfp4_activations=True)
+    assert str(model.plan) == "experts=nvfp4-w4a4, linear=bf16"
+    hf = w4a4_reference(out, experts_only=True)
+    ids = tie_free_ids(hf, "glm4-qknorm-bias")
+    want = ref.reference_logits(hf, ids)
+    assert rel_err(model.logits(jnp.asarray(ids)), want) < TOL
+    assert rel_err(model.logits(jnp.asarray(ids)), ref.reference_logits(w4a4_reference(out), ids)) > 100 * TOL
 
 
 W4A4_SHARDED = """
