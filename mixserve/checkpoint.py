@@ -90,8 +90,8 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
 
 
 def _modelopt_quant_config(directory: str) -> dict:
-    """ModelOpt's hf_quant_config.json as a quantization_config (ModelOpt before 0.29 wrote none into
-    config.json; later exports write both)."""
+    """ModelOpt's hf_quant_config.json as a quantization_config (older ModelOpt exports may write
+    only that file; 0.47 writes both)."""
     path = os.path.join(directory, "hf_quant_config.json")
     if not os.path.exists(path):
         return {}

@@ -122,7 +122,7 @@ def test_compressed_tensors_conversion_of_modelopt_loads_the_same(tmp_path_facto
 
 
 def test_hf_quant_config_alone_is_read(tmp_path_factory, tmp_path):
-    """ModelOpt before 0.29 wrote the quantization only to hf_quant_config.json."""
+    """Older ModelOpt exports may carry the quantization in hf_quant_config.json alone."""
     d = _copy(os.path.join(exported("glm4-qknorm-bias", tmp_path_factory), "modelopt"), tmp_path / "c")
     path = os.path.join(d, "config.json")
     config = json.load(open(path))
