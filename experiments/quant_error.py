@@ -189,7 +189,7 @@ def main(argv=None) -> None:
                     "nearly flat logits (small top-1 margins), so greedy agreement here sits far below a trained "
                     "model's: compare rows, not absolute values. The last column is GPTQ's ||X(W - Q)||^2 over "
                     "RTN's on the calibration set (weights only: W4A4's GPTQ minimizes the same weight error). "
-                    "\"nvfp4 w4a4\" also quantizes every NVFP4 layer's input (input global scales calibrated on the "
+                    "\"nvfp4 w4a4\" also quantizes every NVFP4 layer's input but kv_b_proj's (absorbed MLA) (input global scales calibrated on the "
                     "calibration tokens, group scales per token as it comes), as Blackwell's FP4 tensor cores "
                     "compute it; \"nvfp4\" is weight-only, as on Hopper.\n\n")
             f.write(f"## The formats on weight matrices ({args.rows} x 512, BF16 values, round to nearest)\n\n"

@@ -212,13 +212,15 @@ def _xtx(x_MK: jax.Array) -> jax.Array:
     return jnp.matmul(x.T, x, precision=HIGHEST)
 
 
-def _input_stats(x_MK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(x^T x, rows, max |x|) of a layer's inputs."""
-    return _xtx(x_MK), jnp.float32(np.prod(x_MK.shape[:-1])), jnp.max(jnp.abs(x_MK.astype(jnp.float32)))
+def _input_stats(x_MK: jax.Array, with_xtx: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x^T x, or 0 without with_xtx, rows, max |x|) of a layer's inputs."""
+    xtx = _xtx(x_MK) if with_xtx else jnp.float32(0)
+    return xtx, jnp.float32(np.prod(x_MK.shape[:-1])), jnp.max(jnp.abs(x_MK.astype(jnp.float32)))
 
 
-def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
-    """Per-expert x^T x, rows and max |x| of the gate/up inputs (tokens routed to e) and of the down inputs."""
+def _expert_grams(mod: RoutedExperts, x_TD, experts_TK, with_xtx: bool) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
+    """Per-expert x^T x (0 without with_xtx), rows and max |x| of the gate/up inputs (tokens routed to e)
+    and of the down inputs."""
     params = mod.variables["params"]
     x = x_TD.astype(jnp.float32)
     routed_TE = jax.nn.one_hot(experts_TK, mod.cfg.n_routed_experts, dtype=jnp.float32).sum(1)  # 0/1: top-k is distinct
@@ -226,17 +228,18 @@ def _expert_grams(mod: RoutedExperts, x_TD, experts_TK) -> dict[str, tuple[jax.A
     up = jnp.einsum("td,edf->tef", x, params["up_proj"].astype(jnp.float32), precision=HIGHEST)
     h_TEF = nn.silu(gate) * up
     count_E = routed_TE.sum(0)
-    xtx_in = jnp.einsum("te,td,tc->edc", routed_TE, x, x, precision=HIGHEST)
-    xtx_down = jnp.einsum("te,tef,teg->efg", routed_TE, h_TEF, h_TEF, precision=HIGHEST)
+    xtx_in = jnp.einsum("te,td,tc->edc", routed_TE, x, x, precision=HIGHEST) if with_xtx else jnp.float32(0)
+    xtx_down = jnp.einsum("te,tef,teg->efg", routed_TE, h_TEF, h_TEF, precision=HIGHEST) if with_xtx else jnp.float32(0)
     amax_in = jnp.max(routed_TE * jnp.max(jnp.abs(x), axis=-1, keepdims=True), axis=0)
     amax_down = jnp.max(routed_TE * jnp.max(jnp.abs(h_TEF), axis=-1), axis=0)
     return {"gate_proj": (xtx_in, count_E, amax_in), "up_proj": (xtx_in, count_E, amax_in),
             "down_proj": (xtx_down, count_E, amax_down)}
 
 
-@functools.partial(jax.jit, static_argnames=("module", "targets"))
-def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path]) -> dict[str, tuple]:
-    """One forward of a batch -> {"/".join(path): (x^T x, rows, max |x|)} for the target weights it reached."""
+@functools.partial(jax.jit, static_argnames=("module", "targets", "with_xtx"))
+def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path], with_xtx: bool) -> dict[str, tuple]:
+    """One forward of a batch -> {"/".join(path): (x^T x, rows, max |x|)} for the target weights it
+    reached (x^T x only with_xtx: [E, K, K] per expert layer is most of a pass's memory)."""
     found: dict[Path, tuple[jax.Array, jax.Array, jax.Array]] = {}  # filled while tracing, returned as outputs
 
     def add(path, xtx, count, amax):
@@ -250,10 +253,10 @@ def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path
         if context.method_name != "__call__":
             return out
         if isinstance(mod, (Linear, LatentUpProjection)):
-            add((*mod.path, "kernel"), *_input_stats(args[0]))
+            add((*mod.path, "kernel"), *_input_stats(args[0], with_xtx))
         elif isinstance(mod, RoutedExperts):
             x_TD, _, experts_TK, *_ = args  # calibration batches hold no padding (valid_T is None)
-            for proj, stats in _expert_grams(mod, x_TD, experts_TK).items():
+            for proj, stats in _expert_grams(mod, x_TD, experts_TK, with_xtx).items():
                 add((*mod.path, proj), *stats)
         return out
 
@@ -262,12 +265,14 @@ def _batch_grams(params, ids_BT, *, module: Transformer, targets: frozenset[Path
     return {"/".join(path): value for path, value in found.items()}
 
 
-def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8) -> dict[Path, Gram]:
-    """Run the float model over ids_BT (in batches of rows) and sum x^T x for every target weight path."""
+def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8, with_xtx: bool = True) -> dict[Path, Gram]:
+    """Run the float model over ids_BT (in batches of rows) and sum x^T x (without with_xtx:
+    only rows and max |x|, and xtx is 0) for every target weight path."""
     grams: dict[Path, Gram] = {}
     ids = np.asarray(ids_BT, np.int32)
     for start in range(0, len(ids), batch):
-        found = _batch_grams(model.params, jnp.asarray(ids[start:start + batch]), module=model.module, targets=frozenset(targets))
+        found = _batch_grams(model.params, jnp.asarray(ids[start:start + batch]), module=model.module,
+                             targets=frozenset(targets), with_xtx=with_xtx)
         for name, (xtx, count, amax) in found.items():
             zeros = Gram(jnp.zeros_like(xtx), jnp.zeros_like(count), jnp.zeros_like(amax))
             grams.setdefault(tuple(name.split("/")), zeros).add(xtx, count, amax)
@@ -284,7 +289,7 @@ def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray) -> dict[Pat
     layout = flat_params(abstract_params(model.config, plan, model.dtype))
     targets = {p for p, leaf in layout.items()
                if isinstance(leaf, Nvfp4Weight) and (plan.experts if "experts" in p else plan.linear).w4a4}
-    grams = collect_grams(model, targets, ids_BT)
+    grams = collect_grams(model, targets, ids_BT, with_xtx=False)
     scales = {}
     for path in sorted(targets):
         shape = layout[path].global_scale.shape[:-1]

@@ -230,7 +230,8 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:
             parts = {name: np.asarray(array)}
-            if part == "weight" and (is_quantizable_unit(bare) or bare == "lm_head"):
+            # every nn.Linear left unquantized: readers quantize the config's "Linear" targets but these
+            if part == "weight" and (is_quantizable_unit(bare) or bare == "lm_head" or bare.endswith(".weights_proj")):
                 ignored.add(unit)
         for key, value in parts.items():
             shard[key] = value
@@ -283,7 +284,7 @@ def main(argv=None) -> None:
                         "fp8: 128x128 block FP8")
     p.add_argument("--nvfp4-activations", action="store_true",
                    help="with --format nvfp4: also calibrate each layer's input global scale over the calibration "
-                        "tokens (W4A4, llm-compressor's NVFP4 scheme)")
+                        "tokens (W4A4, llm-compressor's NVFP4 scheme); loads the model in float32 to run them, as gptq")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dimension (32 or 128)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")

@@ -261,6 +261,18 @@ def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path, name
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(in_memory.params)))
 
 
+def test_config_ignores_every_unquantized_linear_layer(tmp_path):
+    """compressed-tensors readers (transformers, vLLM) quantize every nn.Linear its config targets
+    unless ignored: GLM-5's DSA weights_proj, which mixserve keeps in the model dtype, is listed with
+    lm_head (it was not, and transformers then looked for its packed weights)."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "int4")
+    ref.save(ref.build("glm5-dsa-shared"), src)
+    quantize_checkpoint(src, dst, plan_for(WeightFormat("int4", 8), "all"))
+    ignore = set(json.load(open(os.path.join(dst, "config.json")))["quantization_config"]["ignore"])
+    proj = {k.removesuffix(".weight") for k in _disk(dst) if k.endswith("weights_proj.weight")}
+    assert proj and proj | {"lm_head"} == ignore
+
+
 # ---- GPTQ ---------------------------------------------------------------------------------------
 
 
