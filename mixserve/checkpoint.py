@@ -394,8 +394,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     placement(abstract params, their logical axes) -> a tree of functions that put each leaf where
     it goes (mixserve.sharding.placement); each leaf is placed as soon as it is read, so host
     memory holds one unit (or one stack of experts) at a time. None: the default device."""
-    w4a4 = plan.experts.w4a4 or plan.linear.w4a4
-    infos = checkpoint_index(directory, read_config(directory)[1], w4a4) if infos is None else infos
+    infos = checkpoint_index(directory, read_config(directory)[1], plan.w4a4) if infos is None else infos
     prefix = text_prefix(infos)
     boxed = jax.eval_shape(
         lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
@@ -490,9 +489,11 @@ def _check(units: dict[str, _Unit], on_disk: dict[str, dict[str, TensorInfo]], l
                 expected = _disk_shape(leaves[i])
                 if kind == "nvfp4" and part == "weight_packed":  # uint8 on disk, int32 here
                     expected = (*expected[:-1], expected[-1] * 4)
-                if part in PER_MATRIX_PARTS:  # shape and value: _nvfp4_problems; ModelOpt's names for its units
+                if part in PER_MATRIX_PARTS:  # its shape and value: _nvfp4_problems; ModelOpt's name for its units
                     part = MODELOPT_RECIPROCALS[part] if "weight_scale_2" in stored else part
-                    expected = tuple(stored[part].shape) if part in stored else (1,)
+                    if part not in stored:
+                        missing.append(f"{name}.{part} (expected shape (1,))")
+                    continue
                 if part not in stored:
                     missing.append(f"{name}.{part} (expected shape {expected})")
                 elif tuple(stored[part].shape) != expected:
@@ -530,9 +531,9 @@ def _nvfp4_problems(name: str, stored: dict[str, TensorInfo]) -> list[str]:
         info = stored[part]
         if tuple(info.shape) not in ((), (1,)):
             problems.append(f"tensor {name}.{part} has shape {tuple(info.shape)}, expected () or (1,)")
-        elif info.dtype == "F32" and not _valid_per_matrix(part, float(load_tensor(info).reshape(()))):
-            problems.append(f"tensor {name}.{part} is {float(load_tensor(info).reshape(())):g}: a per-matrix scale is "
-                            "finite and positive (ModelOpt writes weight_scale_2 = 0 for an all-zero weight)")
+        elif info.dtype == "F32" and not _valid_per_matrix(part, value := float(load_tensor(info).reshape(()))):
+            problems.append(f"tensor {name}.{part} is {value:g}: a per-matrix scale is finite and positive "
+                            "(ModelOpt writes weight_scale_2 = 0 for an all-zero weight)")
     return problems
 
 

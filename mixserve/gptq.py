@@ -279,17 +279,19 @@ def collect_grams(model, targets: set[Path], ids_BT: np.ndarray, batch: int = 8,
     return grams
 
 
-def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray) -> dict[Path, jax.Array]:
+def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray, grams: dict[Path, Gram] | None = None
+                        ) -> dict[Path, jax.Array]:
     """The NVFP4 input global scale [..., 1] of every weight that `plan` puts in W4A4: 448 * 6 / the
     largest |input| over the calibration tokens (llm-compressor's static min-max observer), per
     expert for routed experts. An expert no token reaches takes its layer's largest input (the
     scale a shared observer would give), with a warning; so does a layer the forward never calls
     (then scale 1, inputs up to 2688). kv_b_proj's too, which mixserve runs weight-only but a
-    checkpoint's other readers may not (models.attention.LatentUpProjection)."""
+    checkpoint's other readers may not (models.attention.LatentUpProjection). grams: GPTQ's pass over
+    the same ids (gptq_weights), which has every NVFP4 weight's amax; else a pass without X^T X."""
     layout = flat_params(abstract_params(model.config, plan, model.dtype))
     targets = {p for p, leaf in layout.items()
                if isinstance(leaf, Nvfp4Weight) and (plan.experts if "experts" in p else plan.linear).w4a4}
-    grams = collect_grams(model, targets, ids_BT, with_xtx=False)
+    grams = collect_grams(model, targets, ids_BT, with_xtx=False) if grams is None else grams
     scales = {}
     for path in sorted(targets):
         shape = layout[path].global_scale.shape[:-1]
@@ -305,12 +307,13 @@ def input_global_scales(model, plan: WeightPlan, ids_BT: np.ndarray) -> dict[Pat
 # ---- the whole model ------------------------------------------------------------------------------
 
 
-def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *,
-                 damp: float = 0.01) -> tuple[dict[Path, Int4Weight | Nvfp4Weight], list[LayerReport]]:
+def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *, damp: float = 0.01
+                 ) -> tuple[dict[Path, Int4Weight | Nvfp4Weight], list[LayerReport], dict[Path, Gram]]:
     """GPTQ of every weight that `plan` puts in int4 or nvfp4, from a float model run over ids_BT.
 
     model: a mixserve Model with plain (unquantized) weights. Returns ({param path: weight},
-    [LayerReport]); paths are those of Transformer(cfg, plan) (experts stacked [E, K, N]).
+    [LayerReport], the calibration statistics {param path: Gram}); paths are those of
+    Transformer(cfg, plan) (experts stacked [E, K, N]).
     """
     source = flat_params(model.params)
     require_unquantized(source)
@@ -322,7 +325,7 @@ def gptq_weights(model, plan: WeightPlan, ids_BT: np.ndarray, *,
     for path in sorted(targets):
         weights[path], report = _gptq_weight(path, source[path], targets[path], grams.get(path), damp)
         reports.append(report)
-    return weights, reports
+    return weights, reports, grams
 
 
 def _gptq_weight(path: Path, w, fmt: WeightFormat, gram: Gram | None, damp: float) -> tuple[Int4Weight | Nvfp4Weight, LayerReport]:

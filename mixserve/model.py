@@ -106,7 +106,7 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
             "Use count_params/weight_bytes with it, or load a checkpoint directory."
         )
-    if nvfp4_activations or plan is not None and (plan.experts.w4a4 or plan.linear.w4a4):
+    if nvfp4_activations or plan is not None and plan.w4a4:
         raise ValueError("NVFP4 activations (W4A4) need calibrated input scales, which a preset has none of: load "
                          "a W4A4 checkpoint, or quantize_model a preset with a W4A4 plan (it calibrates them)")
     config = get_preset(path_or_preset)

@@ -133,11 +133,11 @@ def require_finite_targets(source: dict, abstract) -> None:
 def _calibrated(model: Model, plan: WeightPlan, method: str, calibration):
     """What the calibration tokens decide, by param path: GPTQ's weights and reports (method gptq)
     and W4A4 input global scales (plan w4a4)."""
-    if method != "gptq" and not (plan.experts.w4a4 or plan.linear.w4a4):
+    if method != "gptq" and not plan.w4a4:
         return {}, [], {}
     ids = calibration_ids(calibration, model.config.vocab_size)
-    gptq, reports = gptq_weights(model, plan, ids) if method == "gptq" else ({}, [])
-    return gptq, reports, input_global_scales(model, plan, ids)
+    gptq, reports, grams = gptq_weights(model, plan, ids) if method == "gptq" else ({}, [], None)
+    return gptq, reports, input_global_scales(model, plan, ids, grams) if plan.w4a4 else {}
 
 
 def _check_method(method: str, plan: WeightPlan) -> None:
@@ -150,7 +150,7 @@ def _check_method(method: str, plan: WeightPlan) -> None:
 def _calibrated_units(src: str, plan: WeightPlan, method: str, calibration):
     """_calibrated over the source checkpoint (loaded whole, in float32), by bare HF unit name (one
     per expert): ({unit: GPTQ weight [in, out]}, reports, {unit: input global scale [1]})."""
-    if method != "gptq" and not (plan.experts.w4a4 or plan.linear.w4a4):
+    if method != "gptq" and not plan.w4a4:
         return {}, [], {}
     model = load(src, dtype="float32", progress=False)
     require_finite_targets(flat_params(model.params), abstract_params(model.config, plan, model.dtype))

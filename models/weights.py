@@ -76,6 +76,11 @@ class WeightPlan:
     experts: WeightFormat = BF16  # routed experts
     linear: WeightFormat = BF16  # attention projections, dense MLPs, shared experts, indexer wq_b/wk
 
+    @property
+    def w4a4(self) -> bool:
+        """Does any category quantize its inputs (NVFP4 activations)?"""
+        return self.experts.w4a4 or self.linear.w4a4
+
     def __str__(self) -> str:
         return f"experts={self.experts}, linear={self.linear}"
 
