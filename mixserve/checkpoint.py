@@ -44,6 +44,7 @@ from pallas_kernels.nvfp4_matmul import from_compressed_tensors as nvfp4_from_co
 QUANT_PARTS = {"weight_scale_inv", "weight_packed", "weight_scale", "weight_shape", "weight_global_scale",
                "weight_scale_2"}
 # Tensors that real checkpoints carry but the text model does not use.
+MTP_SHARED_UNITS = ("embed_tokens", "shared_head.head")  # the MTP layer's copies of the model's (is_read_mtp_unit)
 SKIPPED = re.compile(r"(^|\.)(vision_tower|mm_projector|multi_modal_projector|visual)\.|rotary_emb\.inv_freq$")
 LEAF_TO_PART = {"values_KN": "weight", "scale_inv_kn": "weight_scale_inv", "packed_QN": "weight_packed",
                 "scales_GN": "weight_scale", "global_scale": "weight_global_scale",
@@ -150,9 +151,22 @@ def is_expert_unit(unit: str) -> bool:
 
 def is_mtp_layer(unit: str, cfg: ModelConfig) -> bool:
     """A multi-token-prediction layer, stored after the decoder layers (num_nextn_predict_layers of
-    them): not part of the forward, so not read. A layer past those is unexpected, not skipped."""
+    them): read only as the speculative-decoding draft (the first; load(mtp=...)). A layer past
+    those is unexpected, not skipped."""
     m = re.match(r"model\.layers\.(\d+)\.", unit)
     return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_mtp_layers
+
+
+def is_read_mtp_unit(unit: str, cfg: ModelConfig) -> bool:
+    """A unit of the MTP layer the draft reads: layer cfg.mtp_layer, less its copies of the model's
+    embedding and head (the draft uses the model's own, as SGLang; GLM-4.6 on ship none)."""
+    head = f"model.layers.{cfg.mtp_layer}."
+    return unit.startswith(head) and unit.removeprefix(head) not in MTP_SHARED_UNITS
+
+
+def has_mtp(cfg: ModelConfig, infos: dict[str, TensorInfo]) -> bool:
+    """Does the checkpoint hold the MTP layer's own weights (its eh_proj)?"""
+    return cfg.num_mtp_layers > 0 and f"{text_prefix(infos)}model.layers.{cfg.mtp_layer}.eh_proj.weight" in infos
 
 
 def _stored_kind(parts) -> str:
@@ -169,19 +183,7 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
     nvfp4_activations: the NVFP4 formats as W4A4 (the checkpoint must declare NVFP4 activations).
     A category that mixes NVFP4 with another format loads dequantized and runs weight-only, with a
     warning; at least one category must be NVFP4 alone."""
-    prefix = text_prefix(infos)
-    units: dict[str, set[str]] = {}
-    for name in infos:
-        base, part = split_unit(name.removeprefix(prefix))
-        if part in QUANT_PARTS or part == "weight":
-            units.setdefault(base, set()).add(part)
-    found = {"experts": set(), "linear": set()}
-    for unit, parts in units.items():
-        if is_mtp_layer(unit, cfg) or not is_quantizable_unit(unit):
-            continue
-        kind = _stored_kind(parts)
-        fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
-        found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
+    found = _stored_formats(cfg, infos, mtp=False)
     for notice in check_quantization_config(quant, nvfp4_activations):
         warnings.warn(notice, stacklevel=3)
     _check_group_size(found, quant)
@@ -198,6 +200,34 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
                           f"{sorted(str(f) for c in mixed for f in found[c] if f != nvfp4)}: they load dequantized "
                           "and run weight-only; nvfp4_activations applies to the others", stacklevel=3)
         found = {c: {WeightFormat("nvfp4", w4a4=True)} if fmts == {nvfp4} else fmts for c, fmts in found.items()}
+    return _plan_of(found)
+
+
+def detect_mtp_plan(cfg: ModelConfig, infos: dict[str, TensorInfo]) -> WeightPlan:
+    """The MTP layer's own formats (writers often keep it in BF16 beside quantized layers: mixserve.quantize
+    does). It runs weight-only: an NVFP4 MTP layer's input scales are not read."""
+    return _plan_of(_stored_formats(cfg, infos, mtp=True))
+
+
+def _stored_formats(cfg: ModelConfig, infos: dict[str, TensorInfo], mtp: bool) -> dict[str, set[WeightFormat]]:
+    """The formats of the quantizable units per category, of the decoder layers or (mtp) the MTP layer."""
+    prefix = text_prefix(infos)
+    units: dict[str, set[str]] = {}
+    for name in infos:
+        base, part = split_unit(name.removeprefix(prefix))
+        if part in QUANT_PARTS or part == "weight":
+            units.setdefault(base, set()).add(part)
+    found = {"experts": set(), "linear": set()}
+    for unit, parts in units.items():
+        if not is_quantizable_unit(unit) or (is_read_mtp_unit(unit, cfg) if mtp else is_mtp_layer(unit, cfg)):
+            continue
+        kind = _stored_kind(parts)
+        fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)
+        found["experts" if is_expert_unit(unit) else "linear"].add(fmt)
+    return found
+
+
+def _plan_of(found: dict[str, set[WeightFormat]]) -> WeightPlan:
     pick = lambda fmts: next(iter(fmts)) if len(fmts) == 1 else BF16
     return WeightPlan(experts=pick(found["experts"]), linear=pick(found["linear"]))
 
@@ -388,8 +418,9 @@ def hf_source(path: tuple[str, ...]) -> tuple[str, str, bool]:
 
 
 def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, progress: bool = True,
-                infos: dict[str, TensorInfo] | None = None, placement=None):
-    """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype).
+                infos: dict[str, TensorInfo] | None = None, placement=None, mtp_plan: WeightPlan | None = None):
+    """Stream every tensor of the checkpoint into a params pytree for Transformer(cfg, plan, dtype,
+    mtp_plan=mtp_plan) (mtp_plan None: the MTP layer is not read).
     `infos` (the shards' headers) can be passed in when the caller has already read them.
     placement(abstract params, their logical axes) -> a tree of functions that put each leaf where
     it goes (mixserve.sharding.placement); each leaf is placed as soon as it is read, so host
@@ -397,7 +428,7 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
     infos = checkpoint_index(directory, read_config(directory)[1], plan.w4a4) if infos is None else infos
     prefix = text_prefix(infos)
     boxed = jax.eval_shape(
-        lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+        lambda: Transformer(cfg, plan, dtype, mtp_plan=mtp_plan).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     )["params"]
     abstract = nn.unbox(boxed)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -422,9 +453,11 @@ def load_params(directory: str, cfg: ModelConfig, plan: WeightPlan, dtype, *, pr
 
     on_disk: dict[str, dict[str, TensorInfo]] = {}
     for name, info in infos.items():
-        if SKIPPED.search(name) or is_mtp_layer(name.removeprefix(prefix), cfg):
-            continue
         unit, part = split_unit(name)
+        mtp_unit = unit.removeprefix(prefix)
+        if SKIPPED.search(name) or is_mtp_layer(mtp_unit, cfg) and not (mtp_plan is not None
+                                                                         and is_read_mtp_unit(mtp_unit, cfg)):
+            continue
         on_disk.setdefault(unit, {})[part] = info
     _check(units, on_disk, leaves)
 

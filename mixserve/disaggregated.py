@@ -61,6 +61,9 @@ class DisaggregatedEngine(Frontend):
                              f"{decode.stop_tokens}")
         if prefill.page_size != decode.page_size:
             raise ValueError(f"pages move whole: page sizes must match, got {prefill.page_size} and {decode.page_size}")
+        if decode.speculative_tokens:  # its MTP layer's cache of the prompt would have to be computed and sent
+            raise ValueError("speculative decoding is not supported with disaggregated serving yet: build the decode "
+                             "engine with speculative_tokens=0")
         super().__init__()
         self.prefill, self.decode = prefill, decode
         self.counters = HandoverCounters()

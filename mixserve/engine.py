@@ -53,7 +53,7 @@ class Engine(Frontend):
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
-                 prefill_only: bool = False, max_logprobs: int = 20):
+                 prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -70,19 +70,23 @@ class Engine(Frontend):
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
+        _check_speculative(speculative_tokens, model, decode_model, prefill_only, decode_context_parallel)
+        # Speculative decoding (mixserve/speculative.py): each decode step verifies up to this many
+        # tokens guessed by the checkpoint's MTP layer, whose KV cache is one more layer in the pools.
+        self.speculative_tokens = speculative_tokens
         if decode_model is not None and decode_model.config != cfg:
             raise ValueError("decode_model must be the same model (same config) in another weight format")
         self.cfg, self.integrity = cfg, integrity
         self.kv_format = kv_format(kv_dtype, model.dtype)
         self.page_size = page_size
-        self.bytes_per_token = bytes_per_token(cfg, self.kv_format)
+        self.bytes_per_token = bytes_per_token(cfg, self.kv_format, mtp=speculative_tokens > 0)
         # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
         self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
         self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         if decode_context_parallel:
             _check_context_parallel(cfg, mesh, page_size, self.attention_backend)
         self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh,
-                                                                          decode_context_parallel)
+                                                                          decode_context_parallel, speculative_tokens > 0)
         if num_pages is None:
             num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
@@ -125,7 +129,7 @@ class Engine(Frontend):
         self.fault_hook = fault_hook
         self.counters = Counters()
         self.pages = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_sharing,
-                                 self.counters)
+                                 self.counters, lookahead=int(speculative_tokens > 0))
         self.scheduler = Scheduler(self.pages, max_batch, self.counters)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
@@ -133,7 +137,7 @@ class Engine(Frontend):
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh,
-            decode_context_parallel, max_logprobs))
+            decode_context_parallel, max_logprobs, speculative_tokens))
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -202,6 +206,7 @@ class Engine(Frontend):
                 return
             t0 = time.perf_counter()
             cached = [r.cached for r in batch]
+            row = {id(r): i for i, r in enumerate(batch)}
             out = self.runner.prefill(batch, self.pages.table, budget)
             now = time.perf_counter()
             self.counters.prefill_chunks += out.calls
@@ -210,6 +215,7 @@ class Engine(Frontend):
             for req, token, logprobs in self._passed(batch, out):
                 if token is not None:
                     req.prefilled = True
+                    req.drafts = out.drafts[row[id(req)]] if out.drafts else []
                     self.pages.register_prefix(req)  # later admissions can share its full prompt pages
                     req.accept(token, now, self.stop_tokens, logprobs, self.tokenizer)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
@@ -222,15 +228,32 @@ class Engine(Frontend):
         t0 = time.perf_counter()
         if self.fault_hook is not None:
             self.pages.table = self.fault_hook(self.pages.table, self.counters.steps)
-        out = self.runner.decode(live, self.pages.table)
+        if self.speculative_tokens:
+            n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts), r.max_new_tokens - len(r.out) - 1,
+                                                              self.max_seq_len - len(r.tokens))) for r in live]
+            out = self.runner.speculate(live, self.pages.table, n_drafts)
+        else:
+            out = self.runner.decode(live, self.pages.table)
         now = time.perf_counter()
         self.counters.steps += 1
         self.counters.decode_s += now - t0
         self.counters.decode_step_s.append(now - t0)
-        for r, token, logprobs in self._passed(live, out):
-            r.cached = len(r.tokens)
-            self.counters.decode_tokens += 1
-            r.accept(int(token), now, self.stop_tokens, logprobs, self.tokenizer)
+        passed = {id(r) for r, _, _ in self._passed(live, out)}
+        for i, r in enumerate(live):
+            if id(r) not in passed:
+                continue
+            tokens = [int(out.tokens[i])] if out.emitted is None else out.emitted[i]
+            logprobs = [out.logprobs[i]] if out.emitted is None else out.emitted_logprobs[i] or [None] * len(tokens)
+            r.cached = len(r.tokens) + len(tokens) - 1  # the fed token and the kept drafts
+            if out.drafts is not None:
+                self.counters.drafted_tokens += n_drafts[i]
+                self.counters.accepted_tokens += len(tokens) - 1
+                r.drafts = out.drafts[i]
+            for token, token_logprobs in zip(tokens, logprobs):
+                self.counters.decode_tokens += 1
+                r.accept(token, now, self.stop_tokens, token_logprobs, self.tokenizer)
+                if r.result is not None:
+                    break
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
 
@@ -261,3 +284,18 @@ def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -
     share = page_size // tp
     if attention_backend != "xla" and share & (share - 1):
         raise ValueError(f"the Pallas kernels need a power-of-two page share: page_size {page_size} / {tp} = {share}")
+
+
+def _check_speculative(speculative_tokens: int, model: Model, decode_model: Model | None, prefill_only: bool,
+                       decode_context_parallel: bool) -> None:
+    if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or speculative_tokens < 0:
+        raise ValueError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
+    if not speculative_tokens:
+        return
+    for name, m in (("model", model), ("decode_model", decode_model)):
+        if m is not None and not m.has_mtp:
+            raise ValueError(f"speculative_tokens needs the checkpoint's MTP layer, which {name} does not hold "
+                             f"(num_nextn_predict_layers={m.config.num_mtp_layers}; load(..., mtp=True) to require it)")
+    if prefill_only or decode_context_parallel:
+        raise ValueError("speculative_tokens is not supported with "
+                         f"{'prefill_only (disaggregated serving)' if prefill_only else 'decode_context_parallel'} yet")

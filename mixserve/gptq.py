@@ -201,9 +201,9 @@ def require_unquantized(flat: dict[Path, object]) -> None:
                          "load the BF16 checkpoint")
 
 
-def abstract_params(cfg, plan: WeightPlan, dtype):
-    """Shape-only params of Transformer(cfg, plan, dtype), unboxed."""
-    init = lambda: Transformer(cfg, plan, dtype).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+def abstract_params(cfg, plan: WeightPlan, dtype, mtp_plan: WeightPlan | None = None):
+    """Shape-only params of Transformer(cfg, plan, dtype, mtp_plan=mtp_plan), unboxed."""
+    init = lambda: Transformer(cfg, plan, dtype, mtp_plan=mtp_plan).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     return nn.unbox(jax.eval_shape(init)["params"])
 
 

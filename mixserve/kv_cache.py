@@ -86,7 +86,7 @@ def _check_format(cfg: ModelConfig, fmt: KVFormat) -> None:
 def _mla_layer_pool(cfg: ModelConfig, layer: int, num_pages: int, page_size: int, fmt: KVFormat) -> dict:
     """The arrays of one MLA layer: [P, S, width] each, by name."""
     L, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    dsa = cfg.family == "glm_moe_dsa" and cfg.indexer_types[layer] == "full"
+    dsa = cfg.runs_indexer(layer)
     if fmt.tiled:
         widths = {"latent": (L, fmt.dtype), "latent_scale": (L // tile_width(L), jnp.float32), "rope": (R, jnp.bfloat16)}
         if dsa:
@@ -96,30 +96,35 @@ def _mla_layer_pool(cfg: ModelConfig, layer: int, num_pages: int, page_size: int
     return {name: jax.ShapeDtypeStruct((num_pages, page_size, width), dtype) for name, (width, dtype) in widths.items()}
 
 
-def bytes_per_token(cfg: ModelConfig, fmt: KVFormat, entry: str | None = None) -> int:
-    """KV bytes per token over all layers, DSA indexer keys (and tile scales) included; of one
-    MLA entry only ("latent", "index") if given."""
+def cache_layers(cfg: ModelConfig, mtp: bool = False) -> int:
+    """Layers with a KV cache: the decoder layers, and the MTP layer when it drafts (the last pool)."""
+    return cfg.num_layers + int(mtp)
+
+
+def bytes_per_token(cfg: ModelConfig, fmt: KVFormat, entry: str | None = None, mtp: bool = False) -> int:
+    """KV bytes per token over all layers (the MTP draft's too, if mtp), DSA indexer keys (and tile
+    scales) included; of one MLA entry only ("latent", "index") if given."""
     _check_format(cfg, fmt)
     if entry is not None and cfg.attention_kind != "mla":
         raise ValueError(f"entry {entry!r}: only MLA pools hold more than one entry per token")
     if cfg.attention_kind == "gqa":
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(fmt.dtype).itemsize
+        return cache_layers(cfg, mtp) * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(fmt.dtype).itemsize
     total = 0
-    for layer in range(cfg.num_layers):
+    for layer in range(cache_layers(cfg, mtp)):
         pool = _mla_layer_pool(cfg, layer, 1, 1, fmt)
         names = pool if entry is None else stored_names(pool, entry) if entry in pool else ()
         total += sum(pool[name].shape[2] * pool[name].dtype.itemsize for name in names)
     return total
 
 
-def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, fmt: KVFormat) -> list[dict]:
-    """Zeroed pools, one dict per layer."""
+def init_pools(cfg: ModelConfig, num_pages: int, page_size: int, fmt: KVFormat, mtp: bool = False) -> list[dict]:
+    """Zeroed pools, one dict per layer (the MTP draft's last, if mtp)."""
     _check_format(cfg, fmt)
     if cfg.attention_kind == "gqa":
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        return [{"k": jnp.zeros(shape, fmt.dtype), "v": jnp.zeros(shape, fmt.dtype)} for _ in range(cfg.num_layers)]
+        return [{"k": jnp.zeros(shape, fmt.dtype), "v": jnp.zeros(shape, fmt.dtype)} for _ in range(cache_layers(cfg, mtp))]
     return [{name: jnp.zeros(x.shape, x.dtype) for name, x in _mla_layer_pool(cfg, layer, num_pages, page_size, fmt).items()}
-            for layer in range(cfg.num_layers)]
+            for layer in range(cache_layers(cfg, mtp))]
 
 
 def pool_scale(name: str, k_scale, v_scale):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from mixserve import sharding
-from mixserve.checkpoint import checkpoint_index, detect_plan, load_params, read_config
+from mixserve.checkpoint import checkpoint_index, detect_mtp_plan, detect_plan, has_mtp, load_params, read_config
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.presets import FULL_PRESETS, get_preset
@@ -43,10 +43,16 @@ class Model:
     backend: str = "xla"
     source: str = ""
     expert_parallel: bool = False  # set by mixserve.sharding.shard_model, with the experts' placement
+    mtp_plan: WeightPlan | None = None  # the MTP layer's formats; None: the model holds no MTP layer
 
     @property
     def module(self) -> Transformer:
-        return Transformer(self.config, self.plan, self.dtype, self.backend, self.expert_parallel)
+        return Transformer(self.config, self.plan, self.dtype, self.backend, self.expert_parallel, self.mtp_plan)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Does it hold the MTP layer (the speculative-decoding draft: Engine(speculative_tokens=...))?"""
+        return self.mtp_plan is not None
 
     @functools.cached_property
     def _logits_fn(self):
@@ -65,16 +71,15 @@ class Model:
         return nn.get_partition_spec(boxed)
 
 
-def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int):
-    variables = jax.jit(lambda key: Transformer(config, plan, dtype).init(key, jnp.zeros((1, 1), jnp.int32)))(
-        jax.random.key(seed)
-    )
+def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int, mtp_plan: WeightPlan | None = None):
+    module = Transformer(config, plan, dtype, mtp_plan=mtp_plan)
+    variables = jax.jit(lambda key: module.init(key, jnp.zeros((1, 1), jnp.int32)))(jax.random.key(seed))
     return nn.unbox(variables["params"])
 
 
 def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPlan | None = None,
          backend: str = "xla", progress: bool = True, mesh=None, expert_parallel: bool = False,
-         nvfp4_activations: bool = False) -> Model:
+         nvfp4_activations: bool = False, mtp: bool | None = None) -> Model:
     """A directory loads an HF checkpoint (BF16, FP8 block, compressed-tensors INT4 or NVFP4, ModelOpt NVFP4);
     a preset name builds randomly initialised weights (tiny presets only).
 
@@ -85,7 +90,11 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
 
     nvfp4_activations: a W4A4 NVFP4 checkpoint's layers quantize their inputs under its calibrated
     input scales, as an FP4 tensor-core GPU (Blackwell) computes them (WeightFormat w4a4); by
-    default NVFP4 is served weight-only, as on Hopper."""
+    default NVFP4 is served weight-only, as on Hopper.
+
+    mtp: hold the multi-token-prediction layer, the draft of speculative decoding (models/transformer.py).
+    None: a checkpoint's if it ships one (one decoder layer's weights more: 1/61 of Kimi, 1/92 of
+    GLM-4.5), none for a preset; True: required (a preset gets a random one); False: never."""
     dt = _dtype(dtype)
     if os.path.isdir(path_or_preset):
         config, quant = read_config(path_or_preset)
@@ -99,8 +108,15 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
             )
         placement = None if mesh is None else functools.partial(sharding.placement, mesh=mesh,
                                                                  expert_parallel=expert_parallel)
-        params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement)
-        return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset, expert_parallel)
+        shipped = has_mtp(config, infos)
+        if mtp and not shipped:
+            raise ValueError(f"mtp=True: {path_or_preset} holds no MTP layer (model.layers.{config.mtp_layer}.eh_proj; "
+                             f"num_nextn_predict_layers={config.num_mtp_layers})")
+        mtp_plan = detect_mtp_plan(config, infos) if shipped and mtp is not False else None
+        params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement,
+                             mtp_plan=mtp_plan)
+        return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset, expert_parallel,
+                     mtp_plan)
     if path_or_preset in FULL_PRESETS:
         raise ValueError(
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "
@@ -111,7 +127,9 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
                          "a W4A4 checkpoint, or quantize_model a preset with a W4A4 plan (it calibrates them)")
     config = get_preset(path_or_preset)
     plan = plan or WeightPlan()
-    model = Model(config, init_params(config, plan, dt, seed), None, plan, dt, backend, path_or_preset)
+    mtp_plan = plan if mtp else None
+    model = Model(config, init_params(config, plan, dt, seed, mtp_plan), None, plan, dt, backend, path_or_preset,
+                  mtp_plan=mtp_plan)
     return model if mesh is None else sharding.shard_model(model, mesh, expert_parallel)
 
 

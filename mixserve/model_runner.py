@@ -36,10 +36,11 @@ from jax.experimental import checkify
 from jax.sharding import Mesh
 
 from mixserve import page_table as pt
-from mixserve import sharding
+from mixserve import sharding, speculative
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request, TokenLogprobs
+from mixserve.sampling import Sampling, sample
 
 
 class Output(NamedTuple):
@@ -49,22 +50,11 @@ class Output(NamedTuple):
     errors: list[checkify.Error]  # strict: the calls' checks, to throw once failing rows are aborted
     logprobs: list[TokenLogprobs | None]  # per request: None where it asked for none (or has no token)
     calls: int = 1
-
-
-class Sampling(NamedTuple):
-    """One step's per-row sampling inputs (a pytree: one argument of the jitted step)."""
-    temperature_B: jax.Array  # float32; 0 = greedy
-    top_p_B: jax.Array  # float32 in (0, 1]
-    top_k_B: jax.Array  # int32; 0 = every token
-    min_p_B: jax.Array  # float32 in [0, 1]; 0 = every token
-    key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
-    logprobs_B: jax.Array  # bool: the row's request asked for logprobs
-
-    @classmethod
-    def greedy(cls, batch: int, xp=jnp) -> "Sampling":
-        """Every row greedy, no logprobs, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
-        return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
-                   xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
+    # Speculative decoding: the tokens after the next one (the next step's drafts), per request
+    # (None where it has no new token); and (decode) all tokens each request got, 1 .. k + 1.
+    drafts: list[list[int] | None] | None = None
+    emitted: list[list[int]] | None = None
+    emitted_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 VOCAB_BLOCK = 4096  # vocabulary entries per block of prompt logprobs (blocked_logprobs)
@@ -96,12 +86,13 @@ class RunnerConfig:
     mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
     split_slots: bool = False  # decode context parallelism: MLA latent pools split by page slots
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
+    speculative_tokens: int = 0  # MTP draft tokens per decode step (mixserve/speculative.py); 0: none
 
 
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
-        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format)
+        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.speculative_tokens > 0)
         self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots)
         if cfg.mesh is not None:
             self.pools = jax.device_put(self.pools, self._pool_shardings)
@@ -129,16 +120,23 @@ class ModelRunner:
             chunk = np.zeros((R, prefill_tokens(max(n), c.prefill_chunk, c.min_prefill_tokens)), np.int32)
             # The token after each position (0 past the last): only when a row wants prompt logprobs.
             targets = np.zeros_like(chunk) if any(r.wants_prompt_logprobs for _, r in todo) else None
+            # Speculative: the token after each chunk (-1: the one this call samples) feeds the MTP layer.
+            after_R, room = (np.full(R, -1, np.int32), np.zeros(R, np.int32)) if c.speculative_tokens else (None, None)
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
                 if targets is not None:
                     after = r.tokens[r.cached + 1 : r.cached + k + 1]
                     targets[row, :len(after)] = after
-            sampled, logprobs, prompt_lp, ok_R = self._run(
+                if after_R is not None:
+                    after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
+                    room[row] = r.pages * c.page_size
+            sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
                 errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
-                None if targets is None else jnp.asarray(targets), width=self._width(table, start + count))
+                None if targets is None else jnp.asarray(targets), None if after_R is None else jnp.asarray(after_R),
+                None if room is None else jnp.asarray(room),
+                width=self._width(table, np.maximum(start + count, 0 if room is None else room)))
             if c.integrity != "off":  # else all pass: no host read of ok, which would wait for the call
                 checks.append((ok_R, [i for i, _ in todo]))
             for row, ((i, r), k) in enumerate(zip(todo, n)):
@@ -146,7 +144,7 @@ class ModelRunner:
                     prompt_rows.append((prompt_lp, chunk.shape[1], row, i, r.cached, k))
                 r.cached += k
                 if r.cached == len(r.tokens):
-                    last_call[i] = (sampled, logprobs, row)  # read once all calls are queued: no sync per chunk
+                    last_call[i] = (sampled, logprobs, row, drafts)  # read once all calls are queued: no sync per chunk
             calls += 1
         host = {id(call[0]): np.asarray(call[0]) for call in last_call if call is not None}
         ok = [True] * len(reqs)
@@ -159,7 +157,11 @@ class ModelRunner:
         host_lp = {id(call[1]): jax.device_get(call[1]) for call, a in zip(last_call, asked) if a}  # once per call
         logprobs = [_token_logprobs(host_lp[id(call[1])], call[2], r.logprobs) if a else None
                     for r, call, a in zip(reqs, last_call, asked)]
-        return Output(tokens, ok, errors, logprobs, calls)
+        drafts = None
+        if c.speculative_tokens:
+            host_drafts = {id(call[3]): np.asarray(call[3]) for call in last_call if call is not None}
+            drafts = [None if call is None else host_drafts[id(call[3])][call[2]].tolist() for call in last_call]
+        return Output(tokens, ok, errors, logprobs, calls, drafts)
 
     @staticmethod
     def _keep_prompt_logprobs(reqs: list[Request], prompt_rows: list, ok: list[bool]) -> None:
@@ -259,9 +261,12 @@ class ModelRunner:
     def _prefill_fn(self):
         module, c = self.model.module, self.cfg
 
-        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, targets_RC, *, width):
+        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, targets_RC, after_R, room_R,
+                    *, width):
             """targets_RC: the token after each position, to compute prompt logprobs (None: none, and
-            only the last position of each row meets the vocabulary projection)."""
+            only the last position of each row meets the vocabulary projection). after_R, room_R
+            (speculative only, else None): the token after each row's chunk (-1: the sampled one)
+            and the positions its pages hold."""
             step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
             kv = self._paged_kv(pools, step, width)
             R, C = tokens_RC.shape
@@ -269,13 +274,12 @@ class ModelRunner:
             valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
             last_R = jnp.maximum(step.count_B - 1, 0)
             prompt_logprobs = None
+            speculative = dict(return_hidden=after_R is not None)
             if targets_RC is None:
-                logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
-                                      valid_BT=valid_RC)
+                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
+                                   valid_BT=valid_RC, **speculative)
             elif self.cfg.mesh is not None:  # each device holds its share of the vocabulary's logits
-                logits = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC)
-                prompt_logprobs = logprobs_of(logits.reshape(R * C, -1), targets_RC.reshape(-1), c.max_logprobs)
-                logits = jnp.take_along_axis(logits, last_R[:, None, None], axis=1)
+                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, **speculative)
             else:  # rows flattened: position j of row r is row r * C + j
 
                 def project(x_RCD, head_DV):
@@ -283,13 +287,108 @@ class ModelRunner:
                     return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
                             blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), c.max_logprobs))
 
-                logits, prompt_logprobs = module.apply({"params": params}, tokens_RC, positions_RC, kv,
-                                                       valid_BT=valid_RC, project=project)
+                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
+                                   **speculative)
+            out, hidden_RCD = out if after_R is not None else (out, None)
+            if targets_RC is None:
+                logits = out
+            elif self.cfg.mesh is not None:
+                prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), c.max_logprobs)
+                logits = jnp.take_along_axis(out, last_R[:, None, None], axis=1)
+            else:
+                logits, prompt_logprobs = out
             tokens_R = sample(logits[:, 0], sampling)
-            return (self._placed(kv.new_pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs),
-                    prompt_logprobs, ok_R)
+            pools, drafts_RK = kv.new_pools, None
+            if after_R is not None:  # the MTP layer over the chunk: position p pairs h_p with token p + 1
+                after_R = jnp.where(after_R < 0, tokens_R, after_R)
+                shifted_RC = jnp.concatenate([tokens_RC[:, 1:], jnp.zeros((R, 1), tokens_RC.dtype)], axis=1)
+                shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
+                pools, drafts_RK = self._draft(module, params, pools, step, shifted_RC, hidden_RCD, room_R, width)
+            return (self._placed(pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs),
+                    prompt_logprobs, ok_R, drafts_RK)
 
         return self._jit(prefill)
+
+    def _draft(self, module, params, pools, step: StepInputs, tokens_RT, hidden_RTD, room_R, width: int):
+        """The MTP layer over each row's step positions (its KV cache written there; token p + 1 and
+        hidden state h_p at position p), then speculative_tokens - 1 single steps on its own guesses
+        -> (pools, the next step's drafts [R, speculative_tokens]). Nothing is written at or past
+        room_R (the positions the row's pages hold): a draft step there sees nothing and guesses
+        junk, which the next verify rejects."""
+        R, T = tokens_RT.shape
+        count_R = jnp.clip(jnp.minimum(step.count_B, room_R - step.start_B), 0, None)
+        kv = self._paged_kv(pools, dataclasses.replace(step, count_B=count_R), width)
+        last_R = jnp.maximum(count_R - 1, 0)
+        logits, hidden_RTD = module.apply({"params": params}, tokens_RT, step.start_B[:, None] + jnp.arange(T), kv,
+                                          logits_at=last_R, valid_BT=jnp.arange(T)[None, :] < count_R[:, None],
+                                          draft_from=hidden_RTD)
+        guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        hidden_R1D = jnp.take_along_axis(hidden_RTD, last_R[:, None, None], axis=1)
+        position_R, drafts = step.start_B + last_R + 1, [guess_R]
+        for _ in range(self.cfg.speculative_tokens - 1):
+            pools = kv.new_pools
+            one_R = ((count_R > 0) & (position_R < room_R)).astype(jnp.int32)
+            kv = self._paged_kv(pools, StepInputs(step.pages_BN, position_R, one_R), width)
+            logits, hidden_R1D = module.apply({"params": params}, guess_R[:, None], position_R[:, None], kv,
+                                              valid_BT=one_R[:, None] > 0, draft_from=hidden_R1D)
+            guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            drafts.append(guess_R)
+            position_R = position_R + 1
+        return kv.new_pools, jnp.stack(drafts, axis=1)
+
+    @functools.cached_property
+    def _speculative_fn(self):
+        """One speculative decode step (mixserve/speculative.py): verify each request's token and
+        drafts, one row per position, accept, and draft the next ones."""
+        module, c = self.decode_model.module, self.cfg
+
+        def step_fn(params, pools, table, slots_R, start_R, count_R, tokens_RJ, room_R, sampling, *, width):
+            R, J = tokens_RJ.shape
+            start_X = (start_R[:, None] + jnp.arange(J)).reshape(-1)
+            count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
+            step_X, ok_X = self._checked_step(table, jnp.repeat(slots_R, J), start_X, count_X)
+            kv = self._paged_kv(pools, step_X, width)
+            logits_X1V, hidden_X1D = module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
+                                                  valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
+            ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
+            s_X = speculative.per_position(sampling, J)
+            accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
+                                                        jnp.maximum(count_R - 1, 0), s_X)
+            logprobs = token_logprobs(logits_X1V[:, 0], emitted_RJ.reshape(-1), s_X, c.max_logprobs)
+            # The MTP layer pairs each kept position's hidden state with the token emitted after it.
+            kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
+            pools, drafts_RK = self._draft(module, params, kv.new_pools, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
+                                           room_R, width)
+            return self._placed(pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R
+
+        return self._jit(step_fn)
+
+    def speculate(self, live: list[Request], table: pt.PageTable, n_drafts: list[int]) -> Output:
+        """One speculative decode step for every live request: its last token and the first
+        n_drafts[i] of its drafts (req.drafts; the engine counts what its pages and limits allow)
+        verified at once.
+        Output.emitted[i]: the 1 .. k + 1 tokens live[i] got (emitted_logprobs beside them, if it
+        asked); drafts[i]: its next drafts; tokens[i]: its first new token."""
+        c, K = self.cfg, self.cfg.speculative_tokens
+        R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
+        slots, start, count, room = (np.zeros(R, np.int32) for _ in range(4))
+        tokens = np.zeros((R, K + 1), np.int32)
+        for i, (r, n) in enumerate(zip(live, n_drafts)):
+            drafts = r.drafts[:n]
+            slots[i], start[i], count[i], room[i] = r.slot, len(r.tokens) - 1, 1 + len(drafts), r.pages * c.page_size
+            tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
+        errors = []
+        emitted, accepted, drafts, logprobs, ok = self._run(
+            errors, self._speculative_fn, self.decode_model.params, self.pools, table, jnp.asarray(slots),
+            jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
+            self._sampling(live, range(len(live)), R), width=self._width(table, np.maximum(start + count, room)))
+        emitted, accepted, drafts = np.asarray(emitted), np.asarray(accepted), np.asarray(drafts)
+        host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None
+        got = [emitted[i, : accepted[i] + 1].tolist() for i in range(len(live))]
+        got_lp = [None if r.logprobs is None else [_token_logprobs(host_lp, i * (K + 1) + j, r.logprobs)
+                                                   for j in range(len(got[i]))] for i, r in enumerate(live)]
+        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], 1,
+                      [d.tolist() for d in drafts[: len(live)]], got, got_lp)
 
     @functools.cached_property
     def _decode_fn(self):
@@ -334,45 +433,6 @@ def prefill_tokens(n: int, prefill_chunk: int, min_tokens: int) -> int:
 
 def _power_of_two_at_least(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length(), cap)
-
-
-def sample(logits_BV, s: Sampling):
-    """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
-    what is left (vLLM's order), per row. The key is folded here, in the step, so the decode loop
-    makes no per-request host calls."""
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    # A step whose rows are all greedy skips the sort over the vocabulary (lax.cond runs one branch).
-    return jax.lax.cond(jnp.any(s.temperature_B > 0), _sampled, lambda _logits, _s, g: g, logits_BV, s, greedy)
-
-
-def _sampled(logits_BV, s: Sampling, greedy_B):
-    scaled_BV = logits_BV / jnp.maximum(s.temperature_B, 1e-6)[:, None]
-    sampled_B = s.temperature_B > 0
-    # min-p: tokens less likely than min_p times the likeliest (after temperature) are out; no sort.
-    scaled_BV = jnp.where(scaled_BV >= jnp.max(scaled_BV, axis=-1, keepdims=True) + jnp.log(s.min_p_B)[:, None],
-                          scaled_BV, -jnp.inf)
-    # Only top-k and top-p need the vocabulary sorted: a step that samples at temperature alone
-    # skips the sort. Either way the draw is over the tokens in vocabulary order, so a row's
-    # token depends on its own key and options, not on what the other rows asked.
-    truncated = jnp.any(sampled_B & (((s.top_k_B > 0) & (s.top_k_B < scaled_BV.shape[1])) | (s.top_p_B < 1)))
-    kept_BV = jax.lax.cond(truncated, _kept_by_top_k_top_p, lambda x, _: jnp.ones(x.shape, bool), scaled_BV, s)
-    keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
-    choice_B = jax.vmap(jax.random.categorical)(keys, jnp.where(kept_BV, scaled_BV, -jnp.inf))
-    return jnp.where(sampled_B, choice_B.astype(jnp.int32), greedy_B)
-
-
-def _kept_by_top_k_top_p(scaled_BV, s: Sampling):
-    """Which tokens survive top-k, then top-p over what top-k kept, in vocabulary order."""
-    B, V = scaled_BV.shape
-    order_BV = jnp.argsort(-scaled_BV, axis=-1)
-    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
-    rank_V = jnp.arange(V)
-    in_top_k_BV = (s.top_k_B[:, None] == 0) | (rank_V < s.top_k_B[:, None])
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    # Keeps the top token; top_p = 1 keeps all (a float32 cumsum can reach 1 before the tail).
-    below_p_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None]) | (s.top_p_B[:, None] >= 1)
-    keep_BV = in_top_k_BV & below_p_BV
-    return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_BV)
 
 
 def token_logprobs(logits_BV, tokens_B, s: Sampling, n: int) -> Logprobs:

@@ -5,7 +5,8 @@ result is saved as an Orbax checkpoint (one array per leaf; Int4Weight / Fp8Bloc
 nodes, so packed int32, float8 values and scales are stored as they are) beside `model.json`:
 
     PATH/params/      orbax StandardCheckpointer
-    PATH/model.json   {"config": ModelConfig, "plan": WeightPlan, "dtype": "bfloat16"} (dataclasses.asdict)
+    PATH/model.json   {"config": ModelConfig, "plan": WeightPlan, "mtp_plan": WeightPlan or null,
+                       "dtype": "bfloat16"} (dataclasses.asdict)
     PATH/tokenizer*   copied from the source checkpoint directory, when it had them
 
 Restore builds the abstract target from config + plan (jax.eval_shape of the Transformer), so the
@@ -38,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", 
 
 def save_params(path: str, model: Model) -> None:
     """Write model.params (+ config, plan, dtype, tokenizer files) under `path`, replacing what was there."""
-    stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype), is_leaf=is_quantized)
+    stored = jax.tree.leaves(abstract_params(model.config, model.plan, model.dtype, model.mtp_plan), is_leaf=is_quantized)
     held = jax.tree.leaves(model.params, is_leaf=is_quantized)
     for want, got in zip(stored, held, strict=True):
         if is_quantized(got) and got.values_per_scale != want.values_per_scale:
@@ -52,6 +53,7 @@ def save_params(path: str, model: Model) -> None:
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(path, "params"), model.params)
     meta = {"config": dataclasses.asdict(model.config), "plan": dataclasses.asdict(model.plan),
+            "mtp_plan": None if model.mtp_plan is None else dataclasses.asdict(model.mtp_plan),
             "dtype": jnp.dtype(model.dtype).name}
     with open(os.path.join(path, "model.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -75,14 +77,15 @@ def restore_params(path: str, *, shardings: Any = None, target: Any = None, back
     with open(meta_path) as f:
         meta = json.load(f)
     config, plan, dtype = config_from_dict(meta["config"]), plan_from_dict(meta["plan"]), DTYPES[meta["dtype"]]
+    mtp_plan = None if meta.get("mtp_plan") is None else plan_from_dict(meta["mtp_plan"])  # absent: saved before MTP
     if target is None:
-        target = abstract_params(config, plan, dtype)
+        target = abstract_params(config, plan, dtype, mtp_plan)
         if shardings is None:
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), target)
         target = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(path, "params"), target)
-    return Model(config, params, load_tokenizer(path), plan, dtype, backend, path)
+    return Model(config, params, load_tokenizer(path), plan, dtype, backend, path, mtp_plan=mtp_plan)
 
 
 def config_from_dict(d: dict) -> ModelConfig:

@@ -76,6 +76,7 @@ class Request:
     pages: int = 0  # pages held (host mirror of the page table)
     cached: int = 0  # tokens whose KV is in the pages
     prefilled: bool = False  # its (re)admission's prefill is done: it decodes from here on
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: the MTP's guesses at its next tokens
     t_submit: float = 0.0
     t_last: float = 0.0
     ttft: float | None = None

@@ -40,13 +40,18 @@ class Counters:
     decode_s: float = 0.0
     peak_pages_in_use: int = 0
     shared_pages: int = 0  # pages a request got from another's identical prompt prefix
+    drafted_tokens: int = 0  # speculative: draft tokens verified
+    accepted_tokens: int = 0  # speculative: of those, kept (each decode step emits these plus one)
     decode_step_s: list[float] = dataclasses.field(default_factory=list)
 
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
-                 prefix_sharing: bool, counters: Counters):
+                 prefix_sharing: bool, counters: Counters, lookahead: int = 0):
         self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, page_size, max_pages_per_seq
+        # Tokens past a page its KV depends on: 1 when the MTP layer's cache is in the pages (its
+        # entry at position p holds token p + 1), so a page is shared only where that token agrees.
+        self.lookahead = lookahead
         self.table = pt.init_page_table(num_pages, max_batch, max_pages_per_seq)
         self.free_pages = num_pages
         self.prefix_sharing = prefix_sharing
@@ -92,7 +97,7 @@ class PageManager:
 
     def release(self, req: Request) -> None:
         self.release_slot(req.slot)
-        req.slot, req.pages, req.cached, req.prefilled = None, 0, 0, False
+        req.slot, req.pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
 
     def release_slot(self, slot: int) -> None:
         """Return a slot's pages (a page another request shares stays theirs)."""
@@ -104,10 +109,10 @@ class PageManager:
     # ---- prefix sharing: full pages of identical token prefixes, as nano-vllm's BlockManager ----
     def _page_hashes(self, tokens: list[int]) -> list[int]:
         """One hash per full page of tokens[:-1] (the last token is fed by decode), chained so a
-        page's hash covers the whole prefix before it."""
+        page's hash covers the whole prefix before it (and the lookahead tokens after it)."""
         S, hashes, h = self.page_size, [], 0
-        for i in range((len(tokens) - 1) // S):
-            h = hash((h, tuple(tokens[i * S : (i + 1) * S])))
+        for i in range((len(tokens) - 1) // S):  # token (i + 1) * S, the lookahead's, is one of tokens[:-1]
+            h = hash((h, tuple(tokens[i * S : (i + 1) * S + self.lookahead])))
             hashes.append(h)
         return hashes
 
@@ -210,6 +215,14 @@ class Scheduler:
                 self.counters.preemptions += 1
                 if victim is req:
                     break
+
+    def room_for_drafts(self, req: Request, drafts: int) -> int:
+        """Pages for up to `drafts` tokens past req's next one, from free pages only (a draft never
+        preempts anyone): how many of them fit."""
+        while self.pages.pages_for(len(req.tokens) + drafts) > req.pages and self.pages.free_pages > 0:
+            if not self.pages.allocate(req, 1):
+                break
+        return max(0, min(drafts, req.pages * self.pages.page_size - len(req.tokens)))
 
     def prefilling(self) -> list[Request]:
         """Admitted requests whose prefill has not finished (it may take several steps)."""

@@ -114,16 +114,17 @@ def shard_model(model, mesh: Mesh, expert_parallel: bool = False):
     return dataclasses.replace(model, params=place_params(model.params, where), expert_parallel=expert_parallel)
 
 
-def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None, split_slots: bool = False) -> int:
-    """KV bytes per token that one device stores: GQA's share of the KV heads; MLA's whole latent,
-    or with split_slots a 1/tp share of it (plus GLM-5's whole index keys)."""
+def kv_bytes_per_device(cfg, fmt, mesh: Mesh | None, split_slots: bool = False, mtp: bool = False) -> int:
+    """KV bytes per token that one device stores (the MTP draft's layer too, if mtp): GQA's share
+    of the KV heads; MLA's whole latent, or with split_slots a 1/tp share of it (plus GLM-5's
+    whole index keys)."""
     tp = tp_size(mesh)
-    total = bytes_per_token(cfg, fmt)
+    total = bytes_per_token(cfg, fmt, mtp=mtp)
     if cfg.attention_kind == "gqa":
         return total // tp if cfg.num_kv_heads % tp == 0 else total
     if not split_slots:
         return total
-    latent = bytes_per_token(cfg, fmt, SPLIT_ENTRY)
+    latent = bytes_per_token(cfg, fmt, SPLIT_ENTRY, mtp)
     return total - latent + latent // tp
 
 

@@ -126,7 +126,7 @@ def _inits(cfg: ModelConfig, plan: WeightPlan, dtype=jnp.bfloat16) -> list[tuple
     norm, lm_head), then each kind of layer once, times its count. Layers differ only in dense vs
     MoE MLP and whether they run the DSA indexer."""
     outer = cfg.replace(num_layers=0, indexer_types=())
-    kind = lambda i: (cfg.is_moe_layer(i), cfg.family == "glm_moe_dsa" and cfg.indexer_types[i] == "full")
+    kind = lambda i: (cfg.is_moe_layer(i), cfg.runs_indexer(i))
     counts = Counter(kind(i) for i in range(cfg.num_layers))
     first = {}
     for i in range(cfg.num_layers):

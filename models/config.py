@@ -85,7 +85,8 @@ class ModelConfig:
     index_head_dim: int = 128
     index_n_heads: int = 32
     indexer_types: tuple[str, ...] = ()  # per layer: "full" runs the indexer, "shared" reuses the last one
-    # Counted by count_params only: MTP (next-token-prediction) layers are not part of the forward.
+    # MTP (multi-token prediction) layers the checkpoint ships after the decoder layers: not part
+    # of the forward; models/mtp.py runs the first as the speculative-decoding draft.
     num_mtp_layers: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -122,6 +123,16 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.first_k_dense_replace
+
+    def runs_indexer(self, layer: int) -> bool:
+        """GLM-5: does this layer run its own DSA indexer? An MTP layer (past the decoder layers) does:
+        it has no earlier layer's selection to reuse."""
+        return self.family == "glm_moe_dsa" and (layer >= self.num_layers or self.indexer_types[layer] == "full")
+
+    @property
+    def mtp_layer(self) -> int:
+        """The index of the first MTP layer (its weights are model.layers.{mtp_layer}.*)."""
+        return self.num_layers
 
     @property
     def qk_head_dim(self) -> int:

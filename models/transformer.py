@@ -3,8 +3,20 @@
     embed -> [input_layernorm -> attention -> + -> post_attention_layernorm -> MLP or MoE -> +] x L
           -> norm -> lm_head
 
-Parameter names follow the HF checkpoints (layers_{i}/self_attn/q_a_proj/kernel ...), so
-loading is a mechanical renaming (models/hf_names.py).
+and the multi-token-prediction (MTP) layer that DeepSeek-V3 (Kimi's architecture), GLM-4.5 and
+GLM-5 checkpoints ship after the decoder layers (model.layers.{L}.*), the draft of speculative
+decoding (mixserve/speculative.py), as SGLang runs it (deepseek_nextn.py, glm4_moe_nextn.py):
+
+    x   = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])   h_p: the model's output at position p
+    x   = shared_head.norm(decoder layer L (x))            (after the final norm: what lm_head reads)
+    out = lm_head(x)                                       -> a guess at t_{p+2}
+
+at RoPE position p, over the layer's own KV cache. embed_tokens and lm_head are the model's
+(checkpoints that store copies in layer L are read without them, as SGLang loads them). A second
+draft step feeds x back as h with the first guess as the token: SGLang feeds the normed x, vLLM
+the x before shared_head.norm; this follows SGLang, so every step's h is what a head reads.
+vLLM also zeroes the embedding at position 0, a leftover of its V0 alignment; SGLang does not,
+nor does this.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import jax.numpy as jnp
 from models.attention import GQAAttention, MLAAttention
 from models.config import ModelConfig
 from models.kv import NoCache
-from models.layers import Dtype, GatedMLP, RMSNorm, rope_cos_sin
+from models.layers import Dtype, GatedMLP, Linear, RMSNorm, rope_cos_sin
 from models.moe import MoE
 from models.weights import WeightPlan
 
@@ -30,13 +42,17 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None):
+        return self.block(x_BTD, cos, sin, kv, index_mask, valid_BT)
+
+    def block(self, x_BTD, cos, sin, kv, index_mask, valid_BT):
+        """The layer itself (called from a compact __call__: the MTP layer reuses it)."""
         cfg = self.cfg
         common = dict(dtype=self.dtype, backend=self.backend)
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="input_layernorm")(x_BTD)
         if cfg.attention_kind == "gqa":
             attn = GQAAttention(cfg, self.plan.linear, name="self_attn", **common)(h, cos, sin, kv)
         else:
-            runs_indexer = cfg.family == "glm_moe_dsa" and cfg.indexer_types[self.layer] == "full"
+            runs_indexer = cfg.runs_indexer(self.layer)
             attn, index_mask = MLAAttention(cfg, self.plan.linear, runs_indexer=runs_indexer, name="self_attn", **common)(
                 h, cos, sin, kv, index_mask
             )
@@ -48,6 +64,31 @@ class DecoderLayer(nn.Module):
         else:
             mlp_out = GatedMLP(cfg.intermediate_size, self.plan.linear, name="mlp", **common)(h)
         return x_BTD + mlp_out, index_mask
+
+
+class NextTokenPredictor(DecoderLayer):
+    """The MTP layer: embedded_BTD (embed(t_{p+1})), hidden_BTD (h_p) -> x_BTD (normed, for lm_head)."""
+
+    @nn.compact
+    def __call__(self, embedded_BTD, hidden_BTD, cos, sin, kv, valid_BT=None):
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name=name)
+        joined = jnp.concatenate([norm("enorm")(embedded_BTD), norm("hnorm")(hidden_BTD)], axis=-1)
+        x_BTD = Linear(cfg.hidden_size, ("embed_pair", "embed"), fmt=self.plan.linear, dtype=self.dtype,
+                       backend=self.backend, name="eh_proj")(joined)
+        x_BTD, _ = self.block(x_BTD, cos, sin, kv, None, valid_BT)
+        return SharedHeadNorm(cfg.rms_norm_eps, self.dtype, name="shared_head")(x_BTD)
+
+
+class SharedHeadNorm(nn.Module):
+    """shared_head.norm; the vocabulary projection is the model's lm_head (module docstring)."""
+
+    eps: float
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        return RMSNorm(self.eps, self.dtype, "embed", name="norm")(x_BTD)
 
 
 class Transformer(nn.Module):
@@ -62,6 +103,11 @@ class Transformer(nn.Module):
     `project` (optional): project(x_BTD, head_DV) -> anything, in place of the vocabulary
     projection x @ head (float32 logits), for a caller that must not hold [B, T, vocab] logits
     (prompt logprobs take them a vocabulary block at a time: mixserve.model_runner).
+    `return_hidden`: also return what the vocabulary projection reads (after the final norm: the
+    MTP's h), as (logits, hidden_BTD).
+    `mtp_plan` (None: no MTP layer): the MTP layer's weight formats. Then `draft_from` (hidden_BTD)
+    runs the MTP layer alone, on tokens_BT = the tokens after those positions, and returns
+    (logits, its x_BTD); the MTP's KV cache is kv.layer(cfg.mtp_layer).
     """
 
     cfg: ModelConfig
@@ -69,9 +115,11 @@ class Transformer(nn.Module):
     dtype: Dtype = jnp.bfloat16
     backend: str = "xla"
     expert_parallel: bool = False
+    mtp_plan: WeightPlan | None = None
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None, project=None):
+    def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None, project=None,
+                 return_hidden=False, draft_from=None):
         cfg = self.cfg
         kv = NoCache() if kv is None else kv
         if positions_BT is None:
@@ -81,13 +129,26 @@ class Transformer(nn.Module):
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             name="embed_tokens",
         )
-        x = embed(tokens_BT)
         cos, sin = rope_cos_sin(cfg, positions_BT)
-        index_mask = None
-        for i in range(cfg.num_layers):
-            layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, self.expert_parallel, name=f"layers_{i}")
-            x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
+        if draft_from is not None or self.mtp_plan is not None and self.is_initializing():
+            mtp = NextTokenPredictor(cfg, cfg.mtp_layer, self.mtp_plan, self.dtype, self.backend, self.expert_parallel,
+                                     name=f"layers_{cfg.mtp_layer}")
+        if draft_from is not None:
+            x = mtp(embed(tokens_BT), draft_from, cos, sin, kv.layer(cfg.mtp_layer), valid_BT)
+        else:
+            x = embed(tokens_BT)
+            index_mask = None
+            for i in range(cfg.num_layers):
+                layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, self.expert_parallel, name=f"layers_{i}")
+                x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT)
+            x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
+            if self.mtp_plan is not None and self.is_initializing():  # create the MTP layer's parameters
+                mtp(embed(tokens_BT), x, cos, sin, kv.layer(cfg.mtp_layer), valid_BT)
+        out = self._head(embed, x, logits_at, project)
+        return (out, x) if return_hidden or draft_from is not None else out
+
+    def _head(self, embed, x, logits_at, project):
+        cfg = self.cfg
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         if cfg.tie_word_embeddings:

@@ -102,3 +102,75 @@ def has_topk_boundary_tie(scores: np.ndarray, k: int, rel: float = 1e-5) -> bool
         if np.any(np.abs(kth - nxt) <= rel * np.maximum(np.abs(kth), 1e-6)):
             return True
     return False
+
+
+class MTPReference:
+    """A checkpoint's MTP layer for `model` (built by `build(name)`): its decoder block is layer L
+    of the same model built with L + 1 layers (so transformers serialises it under the names
+    checkpoints use), composed as SGLang's deepseek_nextn.py does (models/transformer.py):
+    lm_head(shared_head.norm(block(eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)])))), h_p the
+    model's output after its final norm."""
+
+    def __init__(self, name: str, model, seed: int = 1, **overrides):
+        cfg = model.config
+        self.L = L = cfg.num_hidden_layers
+        extra = {"indexer_types": [*cfg.indexer_types, "full"]} if hasattr(cfg, "indexer_types") else {}
+        self.big = build(name, seed, num_hidden_layers=L + 1, **extra, **overrides)
+        self.model = model
+        H = cfg.hidden_size
+        torch.manual_seed(seed + 1)
+        norm_cls = type(model.model.norm)
+        self.enorm, self.hnorm, self.shared_norm = (norm_cls(H, eps=cfg.rms_norm_eps) for _ in range(3))
+        self.eh_proj = torch.nn.Linear(2 * H, H, bias=False)
+        with torch.no_grad():
+            for norm in (self.enorm, self.hnorm, self.shared_norm):
+                norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
+            self.eh_proj.weight.copy_(0.05 * torch.randn_like(self.eh_proj.weight))
+
+    def tensors(self, directory_of_big: str) -> dict[str, torch.Tensor]:
+        """The MTP layer's tensors as a checkpoint ships them, with copies of embed_tokens and
+        lm_head (DeepSeek-V3's checkpoint has them; the loader must not need them)."""
+        from safetensors.torch import load_file
+        import glob
+
+        head = f"model.layers.{self.L}."
+        big = {}
+        for path in glob.glob(f"{directory_of_big}/*.safetensors"):
+            big |= {k: v for k, v in load_file(path).items() if k.startswith(head)}
+        own = {"enorm.weight": self.enorm.weight, "hnorm.weight": self.hnorm.weight, "eh_proj.weight": self.eh_proj.weight,
+               "shared_head.norm.weight": self.shared_norm.weight,
+               "shared_head.head.weight": self.model.lm_head.weight, "embed_tokens.weight": self.model.model.embed_tokens.weight}
+        return big | {head + k: v.detach().clone().contiguous() for k, v in own.items()}
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """ids [1, T + 1] -> the MTP's logits [1, T, V] at positions 0 .. T - 1 (token p + 1 with h_p)."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        captured = {}
+        hook = self.model.model.layers[0].register_forward_pre_hook(
+            lambda _m, _a, kwargs: captured.update(kwargs), with_kwargs=True)
+        try:
+            with torch.no_grad():
+                h = self.model.model(ids[:, :-1]).last_hidden_state
+                e = self.model.model.embed_tokens(ids[:, 1:])
+                x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+                keep = ("attention_mask", "position_embeddings", "position_ids")
+                out = self.big.model.layers[self.L](x, **{k: captured[k] for k in keep if k in captured})
+                x = out[0] if isinstance(out, tuple) else out
+                return self.model.lm_head(self.shared_norm(x)).float().numpy()
+        finally:
+            hook.remove()
+
+
+def save_with_mtp(name: str, directory: str, seed: int = 0, **overrides):
+    """A tiny checkpoint with an MTP layer (num_nextn_predict_layers=1) -> (model, MTPReference)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    model = build(name, seed, num_nextn_predict_layers=1, **overrides)
+    mtp = MTPReference(name, model, seed + 1, **overrides)
+    save(model, directory)
+    with tempfile.TemporaryDirectory() as big_dir:
+        save(mtp.big, big_dir)
+        save_file(mtp.tensors(big_dir), f"{directory}/mtp.safetensors")
+    return model, mtp

@@ -13,7 +13,8 @@ import mixserve
 from mixserve import faults
 from mixserve.engine import Engine
 from mixserve.kv_cache import quantize_for_pool
-from mixserve.model_runner import Sampling, _kept_by_top_k_top_p, blocked_logprobs, logprobs_of, sample
+from mixserve.model_runner import blocked_logprobs, logprobs_of
+from mixserve.sampling import Sampling, _kept_by_top_k_top_p, sample
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 

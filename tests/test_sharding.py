@@ -25,7 +25,7 @@ import jax, numpy as np, pytest
 import mixserve
 from mixserve import run, sharding
 from mixserve.engine import Engine
-from mixserve.model_runner import Sampling
+from mixserve.sampling import Sampling
 from mixserve.quantize import plan_for, quantize_model
 from mixserve.weight_bytes import device_bytes
 from models.weights import WeightFormat

@@ -1,0 +1,68 @@
+"""Speculative decoding with the checkpoint's MTP layer as the draft (SGLang's and vLLM's "MTP"/
+EAGLE path for DeepSeek-V3 and GLM): the pure parts the decode step is built from.
+
+One decode step of a request with n tokens t_0..t_{n-1} and k draft tokens d_1..d_k (guesses at
+t_n.., made by the MTP layer in the previous step):
+  1. verify: the model runs t_{n-1}, d_1, .., d_k at positions n-1 .. n-1+k, one row each, through
+     the same decode kernels as plain decode (the rows share the request's pages: each writes its
+     token's KV, then reads the pages, its siblings' writes included), so its logits at every
+     position are the ones plain decode would compute there;
+  2. `accept`: d_{j+1} is kept while the model agrees (greedy: it is the argmax; sampled: with
+     probability p_j(d_{j+1}), the rejection sampling of Leviathan et al. / Chen et al. for a
+     deterministic draft, vLLM's rejection sampler without draft probabilities); the first
+     disagreement is replaced by a draw from p_j without d_{j+1} (greedy: the argmax), and if all
+     k are kept a bonus token is drawn from p_k. So each step emits 1 .. k+1 tokens, distributed
+     as the model's own sampling;
+  3. draft: the MTP layer runs over the accepted positions (writing its own KV cache, one more
+     layer in the pools), then k-1 more single steps on its own guesses, for the next step.
+The KV written at rejected positions is garbage past the request's length: the next step
+overwrites it before anything reads it (attention reads positions below each row's own).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mixserve.sampling import Sampling, sampling_keys, sampling_logits
+
+
+def per_position(s: Sampling, J: int) -> Sampling:
+    """A request's sampling row repeated for its J verified positions, row r * J + j drawing with
+    the key of token index (its token count) + j: the key plain decode would use for that token."""
+    rep = lambda a: jnp.repeat(a, J, axis=0)
+    keys = rep(s.key_ints_B3).at[:, 2].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), s.key_ints_B3.shape[0]))
+    return Sampling(rep(s.temperature_B), rep(s.top_p_B), rep(s.top_k_B), rep(s.min_p_B), keys, rep(s.logprobs_B))
+
+
+def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
+    """logits_RJV: the model's (raw) logits at each verified position j of each request; drafts_RK
+    (K = J - 1): the guess for the token after position j; n_drafts_R: how many of them are real;
+    s_X: per_position(sampling, J). Returns (accepted_R: leading drafts kept, tokens_RJ: the
+    tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler)."""
+    R, J, V = logits_RJV.shape
+    logits_XV = logits_RJV.reshape(R * J, V)
+    draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
+    has_draft_X = (jnp.arange(J)[None, :] < n_drafts_R[:, None]).reshape(-1)
+    greedy_X = jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
+    sampled_X = s_X.temperature_B > 0
+
+    def sampled(_):
+        draw_XV = sampling_logits(logits_XV, s_X)
+        p_draft_X = jnp.take_along_axis(jax.nn.softmax(draw_XV, axis=-1), draft_X[:, None], axis=-1)[:, 0]
+        keys = sampling_keys(s_X)
+        u_X = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+        # A rejected draft leaves p without it (renormalised): the residual max(p - q, 0) of a one-hot q.
+        residual_XV = jnp.where(has_draft_X[:, None] & (jnp.arange(V)[None, :] == draft_X[:, None]), -jnp.inf, draw_XV)
+        drawn_X = jax.vmap(jax.random.categorical)(keys, residual_XV).astype(jnp.int32)
+        return jnp.where(sampled_X, u_X < p_draft_X, greedy_X == draft_X), jnp.where(sampled_X, drawn_X, greedy_X)
+
+    def greedy(_):
+        return greedy_X == draft_X, greedy_X
+
+    kept_X, replacement_X = jax.lax.cond(jnp.any(sampled_X), sampled, greedy, None)
+    kept_RJ = (kept_X & has_draft_X).reshape(R, J)
+    accepted_R = jnp.sum(jnp.cumprod(kept_RJ, axis=1), axis=1).astype(jnp.int32)
+    position_J = jnp.arange(J)[None, :]
+    tokens_RJ = jnp.where(position_J < accepted_R[:, None], draft_X.reshape(R, J), replacement_X.reshape(R, J))
+    return accepted_R, tokens_RJ
