@@ -247,6 +247,7 @@ class Engine(Frontend):
             r.cached = len(r.tokens) + len(tokens) - 1  # the fed token and the kept drafts
             if out.drafts is not None:
                 self.counters.drafted_tokens += n_drafts[i]
+                self.counters.verified_rows += 1
                 self.counters.accepted_tokens += len(tokens) - 1
                 r.drafts = out.drafts[i]
             for token, token_logprobs in zip(tokens, logprobs):

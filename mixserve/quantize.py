@@ -97,7 +97,7 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
     _check_method(method, plan)
     source = flat_params(model.params)
     require_unquantized(source)
-    abstract = abstract_params(model.config, plan, model.dtype)
+    abstract = abstract_params(model.config, plan, model.dtype, model.mtp_plan)  # an MTP layer stays as it is
     require_finite_targets(source, abstract)
     gptq, reports, input_scales = _calibrated(model, plan, method, calibration)
     leaves = []

@@ -41,7 +41,8 @@ class Counters:
     peak_pages_in_use: int = 0
     shared_pages: int = 0  # pages a request got from another's identical prompt prefix
     drafted_tokens: int = 0  # speculative: draft tokens verified
-    accepted_tokens: int = 0  # speculative: of those, kept (each decode step emits these plus one)
+    accepted_tokens: int = 0  # speculative: of those, kept (each request's step emits these plus one)
+    verified_rows: int = 0  # speculative: requests' decode steps (tokens per step = 1 + accepted / this)
     decode_step_s: list[float] = dataclasses.field(default_factory=list)
 
 

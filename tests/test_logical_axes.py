@@ -11,12 +11,12 @@ import mixserve
 from conftest import host_devices_env
 
 KNOWN_AXES = {"embed", "vocab", "heads", "kv_heads", "head_dim", "q_lora", "kv_lora", "mlp", "moe_mlp",
-              "experts", "expert_scores", "index_heads", "index_head_dim", "norm"}
+              "experts", "expert_scores", "index_heads", "index_head_dim", "norm", "embed_pair"}
 
 
 def test_every_parameter_has_logical_axes():
     for preset in ("tiny-kimi", "tiny-glm4", "tiny-glm5"):
-        model = mixserve.load(preset, dtype="float32")
+        model = mixserve.load(preset, dtype="float32", mtp=True)  # the MTP layer's too
         axes = model.param_axes
         leaves = jax.tree.leaves(model.params)
         specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -1,0 +1,234 @@
+"""Speculative decoding with the checkpoint's MTP layer (models/transformer.py, mixserve/speculative.py).
+
+The MTP layer against transformers' own decoder block composed as SGLang composes it; the engine
+against plain decoding: greedy outputs must be the same tokens whatever the drafts are (the real
+MTP's, mostly rejected on random models, or oracle drafts that are right, or right but for one),
+and the rejection sampler must draw from the model's distribution."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_reference as ref
+import mixserve
+from conftest import host_devices_env
+from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import Engine
+from mixserve.sampling import Sampling, sampling_logits
+from mixserve.scheduler import Counters, PageManager
+from mixserve import speculative
+
+FAMILIES = ("kimi-yarn-groups", "glm4-qknorm-bias", "glm5-dsa-shared")
+PRESETS = ("tiny-kimi", "tiny-glm4", "tiny-glm5")
+TOL = 1e-4  # the parity tests' float32 bound
+
+
+@pytest.fixture(autouse=True)
+def _highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def rel_err(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mtp_layer_matches_transformers_block(name, tmp_path):
+    # GLM-5: index_topk >= T keeps every position, so the DSA top-k cannot meet a ReLU tie (the
+    # indexer's top-k itself is covered by test_model_parity).
+    overrides = {"index_topk": 16} if "glm5" in name else {}
+    model, mtp = ref.save_with_mtp(name, str(tmp_path), **overrides)
+    ours = mixserve.load(str(tmp_path), dtype="float32", progress=False)
+    assert ours.has_mtp and ours.mtp_plan == ours.plan
+    ids = np.random.default_rng(0).integers(0, 160, (1, 13))
+    logits, hidden = ours.module.apply({"params": ours.params}, jnp.asarray(ids[:, :-1]), return_hidden=True)
+    assert rel_err(logits, ref.reference_logits(model, ids[:, :-1])) < TOL
+    draft_logits, _ = ours.module.apply({"params": ours.params}, jnp.asarray(ids[:, 1:]), draft_from=hidden)
+    assert rel_err(draft_logits, mtp.logits(ids)) < TOL
+    # The layer's copies of embed_tokens and lm_head are not read (the model's own are used).
+    assert "embed_tokens" not in ours.params[f"layers_{ours.config.mtp_layer}"]
+    assert not mixserve.load(str(tmp_path), dtype="float32", progress=False, mtp=False).has_mtp
+
+
+def test_mtp_true_without_an_mtp_layer_is_refused(tmp_path):
+    ref.save(ref.build("glm4-plain"), str(tmp_path))
+    assert not mixserve.load(str(tmp_path), dtype="float32", progress=False).has_mtp
+    with pytest.raises(ValueError, match="holds no MTP layer"):
+        mixserve.load(str(tmp_path), dtype="float32", progress=False, mtp=True)
+
+
+def _prompts(vocab, n=3):
+    return [[int(t) for t in np.random.default_rng(i).integers(0, vocab, 5 + 7 * i)] for i in range(n)]
+
+
+def _engine(model, **kw):
+    return Engine(model, **{"num_pages": 64, "page_size": 8, "max_batch": 4, **kw})
+
+
+def _run_with_oracle(engine, prompts, reference, k, wrong_at, **request):
+    """Generate with each running request's drafts replaced, before every step, by the reference
+    continuation (with draft `wrong_at` changed, if given). The first decode step after a prefill
+    keeps the MTP's own drafts (prefill sets them within the step)."""
+    rids = [engine.submit(p, **request) for p in prompts]
+    by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
+    results = {}
+    while len(results) < len(rids):
+        for r in engine.scheduler.running:
+            if r.prefilled:
+                want = by_prompt[tuple(r.prompt)].tokens[len(r.out):len(r.out) + k]
+                if wrong_at is not None and len(want) > wrong_at:
+                    want[wrong_at] = (want[wrong_at] + 1) % engine.cfg.vocab_size
+                r.drafts = want
+        for update in engine.step():
+            if update.result is not None:
+                results[update.rid] = update.result
+    return [results[r] for r in rids]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_speculative_emits_the_plain_decode_tokens(preset):
+    model = mixserve.load(preset, dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size)
+    request = dict(max_new_tokens=24, temperature=0.0, logprobs=2)
+    plain = _engine(model).generate(prompts, **request)
+    steps = {}
+    for k, wrong_at in ((3, None), (3, 1), (2, 0)):
+        engine = _engine(model, speculative_tokens=k)
+        got = _run_with_oracle(engine, prompts, plain, k, wrong_at, **request)
+        assert [r.tokens for r in got] == [r.tokens for r in plain], (k, wrong_at)
+        for g, p in zip(got, plain):  # each token's logprobs come from its own verified position
+            np.testing.assert_allclose([lp.logprob for lp in g.logprobs], [lp.logprob for lp in p.logprobs], atol=1e-5)
+            assert [lp.top[0][0] for lp in g.logprobs] == [lp.top[0][0] for lp in p.logprobs]
+        c = engine.counters
+        steps[(k, wrong_at)] = c.steps
+        if wrong_at == 0:
+            assert c.accepted_tokens == 0  # every first draft is wrong: one token a step
+        else:
+            assert c.accepted_tokens > 0
+            assert c.decode_tokens == sum(len(r.tokens) for r in got) - len(got)  # the first comes from prefill
+    # 23 tokens after the first: plain decode takes 23 steps; right drafts take about a quarter.
+    assert steps[(3, None)] < steps[(3, 1)] < steps[(2, 0)] == 23
+
+
+@pytest.mark.parametrize("name", ["kimi-yarn-groups", "glm5-dsa-shared"])
+def test_real_mtp_drafts_keep_greedy_output(name, tmp_path):
+    ref.save_with_mtp(name, str(tmp_path))
+    model = mixserve.load(str(tmp_path), dtype="float32", progress=False)
+    prompts = _prompts(model.config.vocab_size)
+    plain = _engine(model).generate(prompts, max_new_tokens=12, temperature=0.0)
+    engine = _engine(model, speculative_tokens=2)
+    spec = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert engine.counters.drafted_tokens > 0
+
+
+def test_preempted_requests_recompute_their_drafts():
+    model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size, 4)
+    plain = _engine(model).generate(prompts, max_new_tokens=20, temperature=0.0)
+    engine = _engine(model, num_pages=12, speculative_tokens=3)  # 96 slots for 4 requests of up to 45 tokens
+    got = _run_with_oracle(engine, prompts, plain, 3, None, max_new_tokens=20, temperature=0.0)
+    assert engine.counters.preemptions > 0
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+
+
+def test_sampled_speculative_decoding_is_reproducible_and_stops():
+    model = mixserve.load("tiny-kimi", dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size)
+    runs = [_engine(model, speculative_tokens=2).generate(prompts, max_new_tokens=16, temperature=0.8, top_p=0.9,
+                                                           seed=7) for _ in range(2)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert all(r.status == "ok" and len(r.tokens) == 16 for r in runs[0])
+
+
+def _sampling(temperature, n, top_k=0):
+    s = Sampling.greedy(n, np)
+    s.temperature_B[:] = temperature
+    s.top_k_B[:] = top_k
+    s.key_ints_B3[:, 0] = np.arange(n)  # a different seed per row: n independent draws
+    return Sampling(*map(jnp.asarray, s))
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_rejection_sampling_draws_the_models_distribution(draft):
+    """One position, one draft: the emitted token (the draft if kept, else a draw from the rest) is
+    distributed as p, whether the draft is likely (token 0) or not (token 3). Bound: 5 binomial
+    standard deviations per token over n draws."""
+    n, V = 40000, 6
+    logits = jnp.asarray([2.0, 1.0, 0.5, -1.0, 0.0, -3.0])
+    s = _sampling(0.7, n, top_k=5)  # top-k 5 drops token 5
+    p = np.asarray(jax.nn.softmax(sampling_logits(logits[None], Sampling(*(a[:1] for a in s)))[0]))
+    logits_RJV = jnp.broadcast_to(logits, (n, 2, V))
+    accepted, tokens = speculative.accept(logits_RJV, jnp.full((n, 1), draft, jnp.int32), jnp.ones(n, jnp.int32),
+                                          speculative.per_position(s, 2))
+    first = np.asarray(tokens[:, 0])
+    freq = np.bincount(first, minlength=V) / n
+    assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (freq, p)
+    assert freq[5] == 0
+    np.testing.assert_allclose(np.mean(np.asarray(accepted)), p[draft], atol=5 * np.sqrt(p[draft] / n))
+    kept = np.asarray(accepted) == 1  # a kept draft is followed by a bonus token drawn from p
+    assert np.all(first[kept] == draft) and np.all(first[~kept] != draft)
+
+
+def test_greedy_acceptance_stops_at_the_first_disagreement():
+    V = 5
+    logits = jnp.asarray(np.eye(V)[[1, 2, 3, 4]] * 3.0)[None]  # argmax 1, 2, 3, 4 at positions 0..3
+    drafts = jnp.asarray([[1, 2, 0]])
+    s = speculative.per_position(_sampling(0.0, 1), 4)
+    for n_drafts, accepted, emitted in ((3, 2, [1, 2, 3]), (1, 1, [1, 2]), (0, 0, [1])):
+        a, tokens = speculative.accept(logits, drafts, jnp.asarray([n_drafts]), s)
+        assert int(a[0]) == accepted and np.asarray(tokens[0, :accepted + 1]).tolist() == emitted
+
+
+def test_prefix_pages_are_shared_only_where_the_mtp_lookahead_agrees():
+    S = 4
+    a, b = list(range(10)), list(range(10))
+    b[S] = 99  # the first token after page 0: the MTP's entry at position 3 holds it
+    plain = PageManager(8, S, 2, 4, True, Counters())
+    mtp = PageManager(8, S, 2, 4, True, Counters(), lookahead=1)
+    assert plain._page_hashes(a)[0] == plain._page_hashes(b)[0]
+    assert mtp._page_hashes(a)[0] != mtp._page_hashes(b)[0]
+    assert len(mtp._page_hashes(a)) == len(plain._page_hashes(a)) == 2
+
+
+def test_speculative_decoding_needs_an_mtp_layer_and_no_disaggregation():
+    plain = mixserve.load("tiny-glm4", dtype="float32")
+    with pytest.raises(ValueError, match="MTP layer"):
+        _engine(plain, speculative_tokens=1)
+    model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
+    with pytest.raises(ValueError, match="non-negative integer"):
+        _engine(model, speculative_tokens=-1)
+    with pytest.raises(ValueError, match="prefill_only"):
+        _engine(model, speculative_tokens=1, prefill_only=True)
+    with pytest.raises(ValueError, match="disaggregated"):
+        DisaggregatedEngine(_engine(model, prefill_only=True), _engine(model, speculative_tokens=1))
+
+
+def test_tensor_and_expert_parallel_speculative_decoding_keeps_the_tokens():
+    """TP4 and EP4 on 4 CPU devices (a subprocess: the device count is fixed when JAX starts): the
+    MTP layer's parameters and pool are placed by their logical axes like every layer's."""
+    script = textwrap.dedent("""
+        import jax, numpy as np, mixserve
+        from mixserve import sharding
+        from mixserve.engine import Engine
+        jax.config.update("jax_default_matmul_precision", "highest")
+        for name in ("tiny-kimi", "tiny-glm4"):
+            m = mixserve.load(name, dtype="float32", mtp=True)
+            prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 320, 5 + 7 * i)] for i in range(3)]
+            kw = dict(num_pages=64, page_size=8, max_batch=4, speculative_tokens=2)
+            one = Engine(m, **kw).generate(prompts, max_new_tokens=10, temperature=0.0)
+            for ep in (False, True):
+                got = Engine(m, mesh=sharding.tp_mesh(4), expert_parallel=ep, **kw).generate(
+                    prompts, max_new_tokens=10, temperature=0.0)
+                assert [r.tokens for r in got] == [r.tokens for r in one], (name, ep)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env=host_devices_env(4), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
