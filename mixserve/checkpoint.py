@@ -219,7 +219,7 @@ def _stored_formats(cfg: ModelConfig, infos: dict[str, TensorInfo], mtp: bool) -
             units.setdefault(base, set()).add(part)
     found = {"experts": set(), "linear": set()}
     for unit, parts in units.items():
-        if not is_quantizable_unit(unit) or (is_read_mtp_unit(unit, cfg) if mtp else is_mtp_layer(unit, cfg)):
+        if not is_quantizable_unit(unit) or (not is_read_mtp_unit(unit, cfg) if mtp else is_mtp_layer(unit, cfg)):
             continue
         kind = _stored_kind(parts)
         fmt = BF16 if kind == "dense" else WeightFormat(kind, _int4_group(prefix + unit, infos) if kind == "int4" else 32)

@@ -61,9 +61,11 @@ class DisaggregatedEngine(Frontend):
                              f"{decode.stop_tokens}")
         if prefill.page_size != decode.page_size:
             raise ValueError(f"pages move whole: page sizes must match, got {prefill.page_size} and {decode.page_size}")
-        if decode.speculative_tokens:  # its MTP layer's cache of the prompt would have to be computed and sent
-            raise ValueError("speculative decoding is not supported with disaggregated serving yet: build the decode "
-                             "engine with speculative_tokens=0")
+        if bool(prefill.speculative_tokens) != bool(decode.speculative_tokens):
+            # The decode engine's drafts start from the prompt's MTP cache and first drafts, which
+            # the prefill engine computes and sends with the pages (one more pool layer).
+            raise ValueError("speculative decoding needs speculative_tokens on both engines (the prefill engine fills "
+                             f"the MTP layer's cache), got {prefill.speculative_tokens} and {decode.speculative_tokens}")
         super().__init__()
         self.prefill, self.decode = prefill, decode
         self.counters = HandoverCounters()

@@ -70,9 +70,10 @@ class Engine(Frontend):
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
-        _check_speculative(speculative_tokens, model, decode_model, prefill_only, decode_context_parallel)
+        _check_speculative(speculative_tokens, model, decode_model, decode_context_parallel)
         # Speculative decoding (mixserve/speculative.py): each decode step verifies up to this many
         # tokens guessed by the checkpoint's MTP layer, whose KV cache is one more layer in the pools.
+        # A prefill_only engine fills that cache and makes the first drafts, for the decode engine.
         self.speculative_tokens = speculative_tokens
         if decode_model is not None and decode_model.config != cfg:
             raise ValueError("decode_model must be the same model (same config) in another weight format")
@@ -229,7 +230,8 @@ class Engine(Frontend):
         if self.fault_hook is not None:
             self.pages.table = self.fault_hook(self.pages.table, self.counters.steps)
         if self.speculative_tokens:
-            n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts), r.max_new_tokens - len(r.out) - 1,
+            n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts), self.speculative_tokens,
+                                                              r.max_new_tokens - len(r.out) - 1,
                                                               self.max_seq_len - len(r.tokens))) for r in live]
             out = self.runner.speculate(live, self.pages.table, n_drafts)
         else:
@@ -245,16 +247,17 @@ class Engine(Frontend):
             tokens = [int(out.tokens[i])] if out.emitted is None else out.emitted[i]
             logprobs = [out.logprobs[i]] if out.emitted is None else out.emitted_logprobs[i] or [None] * len(tokens)
             r.cached = len(r.tokens) + len(tokens) - 1  # the fed token and the kept drafts
-            if out.drafts is not None:
-                self.counters.drafted_tokens += n_drafts[i]
-                self.counters.verified_rows += 1
-                self.counters.accepted_tokens += len(tokens) - 1
-                r.drafts = out.drafts[i]
+            before = len(r.out)
             for token, token_logprobs in zip(tokens, logprobs):
                 self.counters.decode_tokens += 1
                 r.accept(token, now, self.stop_tokens, token_logprobs, self.tokenizer)
                 if r.result is not None:
                     break
+            if out.drafts is not None:  # accepted: the drafts kept and emitted (none past a stop)
+                self.counters.drafted_tokens += n_drafts[i]
+                self.counters.verified_rows += 1
+                self.counters.accepted_tokens += min(len(r.out) - before, len(tokens) - 1)
+                r.drafts = out.drafts[i]
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
 
@@ -287,7 +290,7 @@ def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -
         raise ValueError(f"the Pallas kernels need a power-of-two page share: page_size {page_size} / {tp} = {share}")
 
 
-def _check_speculative(speculative_tokens: int, model: Model, decode_model: Model | None, prefill_only: bool,
+def _check_speculative(speculative_tokens: int, model: Model, decode_model: Model | None,
                        decode_context_parallel: bool) -> None:
     if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or speculative_tokens < 0:
         raise ValueError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
@@ -297,6 +300,5 @@ def _check_speculative(speculative_tokens: int, model: Model, decode_model: Mode
         if m is not None and not m.has_mtp:
             raise ValueError(f"speculative_tokens needs the checkpoint's MTP layer, which {name} does not hold "
                              f"(num_nextn_predict_layers={m.config.num_mtp_layers}; load(..., mtp=True) to require it)")
-    if prefill_only or decode_context_parallel:
-        raise ValueError("speculative_tokens is not supported with "
-                         f"{'prefill_only (disaggregated serving)' if prefill_only else 'decode_context_parallel'} yet")
+    if decode_context_parallel:
+        raise ValueError("speculative_tokens is not supported with decode_context_parallel yet")

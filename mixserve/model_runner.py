@@ -212,7 +212,7 @@ class ModelRunner:
         """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
-        it would have) and whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows;
+        it would have; speculative decoding draws them otherwise, from the same distribution) and whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows;
         other rows are greedy."""
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
         for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32

@@ -201,9 +201,8 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
-                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0, args.prompt_logprobs or 0))
-    if args.speculative_tokens and args.disaggregate:
-        raise SystemExit("--speculative-tokens is not supported with --disaggregate yet")
+                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0, args.prompt_logprobs or 0),
+                  speculative_tokens=args.speculative_tokens)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
@@ -211,7 +210,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
                    **common))
         return Setup(model, prefill_model, decode_model, engine, engine.prefill, engine.decode)
     engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
-                    decode_context_parallel=args.decode_context_parallel, speculative_tokens=args.speculative_tokens,
+                    decode_context_parallel=args.decode_context_parallel,
                     decode_model=None if decode_model is prefill_model else decode_model)
     return Setup(model, prefill_model, decode_model, engine, engine, engine)
 

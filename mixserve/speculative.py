@@ -54,6 +54,8 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         u_X = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
         # A rejected draft leaves p without it (renormalised): the residual max(p - q, 0) of a one-hot q.
         residual_XV = jnp.where(has_draft_X[:, None] & (jnp.arange(V)[None, :] == draft_X[:, None]), -jnp.inf, draw_XV)
+        # p(draft) rounded below 1 with no other token left: a rejection (u >= p(draft)) must not draw from nothing.
+        residual_XV = jnp.where(jnp.any(residual_XV > -jnp.inf, axis=-1, keepdims=True), residual_XV, draw_XV)
         drawn_X = jax.vmap(jax.random.categorical)(keys, residual_XV).astype(jnp.int32)
         return jnp.where(sampled_X, u_X < p_draft_X, greedy_X == draft_X), jnp.where(sampled_X, drawn_X, greedy_X)
 

@@ -90,14 +90,17 @@ def test_e2m1_rounding_is_round_to_nearest_even():
 
 
 def test_reference_dequantize_and_round_to_nearest():
-    """dequantize_nvfp4 against the float64 definition (one float32 rounding), and quantize_nvfp4
-    rounds every weight to the nearest of the 16 values its group's scale allows (ties aside)."""
+    """dequantize_nvfp4 against the float64 definition, and quantize_nvfp4 rounds every weight to
+    the nearest of the 16 values its group's scale allows (ties aside). The decode rounds three
+    times in float32: 1 / global_scale, scale * that, and e2m1 * that (1.5 and 3 have two
+    significant bits), so it is within (1 + 2**-24)**3 - 1 relative (the bound was 2**-23 until
+    seed 1514776222 met 1.24e-7)."""
     seed = _seed()
     rng = np.random.default_rng(seed)
     codes, scales, global_scale = _weights(rng, (2,), 64, 16)
     got = _f64(dequantize_nvfp4(pack_nibbles(jnp.asarray(codes)), scales, global_scale))
     want = _dequant_f64(codes, scales, global_scale)
-    np.testing.assert_allclose(got, want, rtol=2.0**-23, atol=0, err_msg=f"seed={seed}")
+    np.testing.assert_allclose(got, want, rtol=(1 + 2.0**-24) ** 3 - 1, atol=0, err_msg=f"seed={seed}")
     w = rng.standard_normal((64, 32)).astype(np.float32) * rng.uniform(0.01, 10.0)
     packed, scales, global_scale = quantize_nvfp4(jnp.asarray(w))
     deq = _f64(dequantize_nvfp4(packed, scales, global_scale))

@@ -46,7 +46,7 @@ def assert_no_weight_gathered(engine, label, prefill=False):
     with jax.set_mesh(engine.mesh):
         if prefill:
             step = r._prefill_fn.lower(r.model.params, r.pools, engine.table, z, z, z,
-                                       np.zeros((4, 8), np.int32), sampling, None, width=4)
+                                       np.zeros((4, 8), np.int32), sampling, None, None, None, width=4)
         else:
             step = r._decode_fn.lower(r.decode_model.params, r.pools, engine.table, z, z, z, np.zeros((4, 1), np.int32),
                                       sampling, width=4)

@@ -197,17 +197,40 @@ def test_prefix_pages_are_shared_only_where_the_mtp_lookahead_agrees():
     assert len(mtp._page_hashes(a)) == len(plain._page_hashes(a)) == 2
 
 
-def test_speculative_decoding_needs_an_mtp_layer_and_no_disaggregation():
+def test_speculative_decoding_needs_an_mtp_layer():
     plain = mixserve.load("tiny-glm4", dtype="float32")
     with pytest.raises(ValueError, match="MTP layer"):
         _engine(plain, speculative_tokens=1)
     model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
     with pytest.raises(ValueError, match="non-negative integer"):
         _engine(model, speculative_tokens=-1)
-    with pytest.raises(ValueError, match="prefill_only"):
-        _engine(model, speculative_tokens=1, prefill_only=True)
-    with pytest.raises(ValueError, match="disaggregated"):
+    with pytest.raises(ValueError, match="both engines"):
         DisaggregatedEngine(_engine(model, prefill_only=True), _engine(model, speculative_tokens=1))
+
+
+@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm5"])
+def test_disaggregated_prefill_sends_the_mtp_cache_and_first_drafts(preset):
+    """The prefill engine (BF16 KV) fills the MTP layer's cache and drafts; the decode engine (FP8
+    KV) goes on from them. Oracle drafts from the second decode step: the same tokens as one
+    engine with the same pools, in fewer steps."""
+    model = mixserve.load(preset, dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size)
+    request = dict(max_new_tokens=16, temperature=0.0)
+    plain = _engine(model, kv_dtype="fp8_e4m3").generate(prompts, **request)
+    engine = DisaggregatedEngine(_engine(model, prefill_only=True, speculative_tokens=3),
+                                 _engine(model, kv_dtype="fp8_e4m3", speculative_tokens=3))
+    rids = [engine.submit(p, **request) for p in prompts]
+    by_prompt, results = {tuple(p): r for p, r in zip(prompts, plain)}, {}
+    while len(results) < len(rids):
+        for r in engine.decode.scheduler.running:
+            if r.prefilled and r.drafts and engine.decode.counters.steps:
+                r.drafts = by_prompt[tuple(r.prompt)].tokens[len(r.out):len(r.out) + 3]
+        for update in engine.step():
+            if update.result is not None:
+                results[update.rid] = update.result
+    assert [results[r].tokens for r in rids] == [r.tokens for r in plain]
+    assert engine.counters.handovers == 3 and engine.decode.counters.accepted_tokens > 0
+    assert engine.decode.counters.steps < 15
 
 
 def test_tensor_and_expert_parallel_speculative_decoding_keeps_the_tokens():
@@ -232,3 +255,31 @@ def test_tensor_and_expert_parallel_speculative_decoding_keeps_the_tokens():
     result = subprocess.run([sys.executable, "-c", script], env=host_devices_env(4), capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-4000:]
+
+
+def test_a_quantized_checkpoint_keeps_its_bf16_mtp_layer(tmp_path):
+    """mixserve.quantize writes the MTP layer unquantized: the model loads INT4, its MTP layer
+    BF16 (detect_mtp_plan reads the MTP layer's own tensors), and drafts for INT4 decoding."""
+    from mixserve.quantize import quantize_checkpoint
+    from models.weights import WeightFormat, WeightPlan
+
+    ref.save_with_mtp("glm4-qknorm-bias", str(tmp_path / "bf16"))
+    int4 = WeightFormat("int4", 32)
+    quantize_checkpoint(str(tmp_path / "bf16"), str(tmp_path / "int4"), WeightPlan(experts=int4, linear=int4))
+    model = mixserve.load(str(tmp_path / "int4"), dtype="float32", progress=False)
+    assert model.plan == WeightPlan(experts=int4, linear=int4) and model.mtp_plan == WeightPlan()
+    prompts = _prompts(model.config.vocab_size)
+    plain = _engine(model).generate(prompts, max_new_tokens=8, temperature=0.0)
+    spec = _engine(model, speculative_tokens=2).generate(prompts, max_new_tokens=8, temperature=0.0)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+
+
+def test_orbax_round_trip_keeps_the_mtp_layer(tmp_path):
+    from mixserve.orbax_io import restore_params, save_params
+
+    model = mixserve.load("tiny-glm5", dtype="float32", mtp=True)
+    save_params(str(tmp_path), model)
+    back = restore_params(str(tmp_path))
+    assert back.mtp_plan == model.mtp_plan
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
