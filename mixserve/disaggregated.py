@@ -61,11 +61,12 @@ class DisaggregatedEngine(Frontend):
                              f"{decode.stop_tokens}")
         if prefill.page_size != decode.page_size:
             raise ValueError(f"pages move whole: page sizes must match, got {prefill.page_size} and {decode.page_size}")
-        if bool(prefill.speculative_tokens) != bool(decode.speculative_tokens):
-            # The decode engine's drafts start from the prompt's MTP cache and first drafts, which
-            # the prefill engine computes and sends with the pages (one more pool layer).
-            raise ValueError("speculative decoding needs speculative_tokens on both engines (the prefill engine fills "
-                             f"the MTP layer's cache), got {prefill.speculative_tokens} and {decode.speculative_tokens}")
+        if prefill.mtp_drafts != decode.mtp_drafts:
+            # MTP drafts go on from the prompt's MTP cache and first drafts, which the prefill
+            # engine computes and sends with the pages (one more pool layer on both sides).
+            raise ValueError("MTP speculative decoding needs speculative_tokens with draft='mtp' on both engines or on "
+                             f"neither, got {prefill.speculative_tokens} ({prefill.draft}) and "
+                             f"{decode.speculative_tokens} ({decode.draft})")
         super().__init__()
         self.prefill, self.decode = prefill, decode
         self.counters = HandoverCounters()

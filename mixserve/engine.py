@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 import pallas_kernels
 from mixserve import page_table as pt
-from mixserve import sharding
+from mixserve import sharding, speculative
 from mixserve.frontend import Frontend
 from mixserve.kv_cache import bytes_per_token, kv_format
 from mixserve.model import Model
@@ -42,6 +42,7 @@ from mixserve.scheduler import Counters, PageManager, Scheduler
 __all__ = ["Counters", "Engine", "Result", "TokenLogprobs", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
+DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
 
 
 class Engine(Frontend):
@@ -53,7 +54,8 @@ class Engine(Frontend):
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
-                 prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0):
+                 prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
+                 draft: str = "mtp"):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -70,24 +72,26 @@ class Engine(Frontend):
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
-        _check_speculative(speculative_tokens, model, decode_model, decode_context_parallel)
+        _check_speculative(speculative_tokens, draft, model, decode_model, decode_context_parallel)
         # Speculative decoding (mixserve/speculative.py): each decode step verifies up to this many
-        # tokens guessed by the checkpoint's MTP layer, whose KV cache is one more layer in the pools.
-        # A prefill_only engine fills that cache and makes the first drafts, for the decode engine.
-        self.speculative_tokens = speculative_tokens
+        # tokens guessed by the checkpoint's MTP layer ("mtp": its KV cache is one more layer in the
+        # pools; a prefill_only engine fills it and makes the first drafts, for the decode engine),
+        # or looked up in the request's own text ("ngram").
+        self.speculative_tokens, self.draft = speculative_tokens, draft
+        self.mtp_drafts = mtp = speculative_tokens > 0 and draft == "mtp"
         if decode_model is not None and decode_model.config != cfg:
             raise ValueError("decode_model must be the same model (same config) in another weight format")
         self.cfg, self.integrity = cfg, integrity
         self.kv_format = kv_format(kv_dtype, model.dtype)
         self.page_size = page_size
-        self.bytes_per_token = bytes_per_token(cfg, self.kv_format, mtp=speculative_tokens > 0)
+        self.bytes_per_token = bytes_per_token(cfg, self.kv_format, mtp=mtp)
         # Tensor parallel over mesh axis "model" (mixserve/sharding.py): kv_memory_bytes is per device.
         self.mesh = mesh = None if mesh is None else sharding.as_auto(mesh)
         self.attention_backend = pallas_kernels.resolve_backend(attention_backend)  # "auto" -> pallas on GPU
         if decode_context_parallel:
             _check_context_parallel(cfg, mesh, page_size, self.attention_backend)
         self.kv_bytes_per_token_per_device = sharding.kv_bytes_per_device(cfg, self.kv_format, mesh,
-                                                                          decode_context_parallel, speculative_tokens > 0)
+                                                                          decode_context_parallel, mtp)
         if num_pages is None:
             num_pages = kv_memory_bytes // (self.kv_bytes_per_token_per_device * page_size)
         if num_pages <= 0:
@@ -130,7 +134,7 @@ class Engine(Frontend):
         self.fault_hook = fault_hook
         self.counters = Counters()
         self.pages = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_sharing,
-                                 self.counters, lookahead=int(speculative_tokens > 0))
+                                 self.counters, lookahead=int(mtp))
         self.scheduler = Scheduler(self.pages, max_batch, self.counters)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
@@ -138,7 +142,7 @@ class Engine(Frontend):
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
             self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
             self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh,
-            decode_context_parallel, max_logprobs, speculative_tokens))
+            decode_context_parallel, max_logprobs, speculative_tokens, draft))
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -219,6 +223,7 @@ class Engine(Frontend):
                     req.drafts = out.drafts[row[id(req)]] if out.drafts else []
                     self.pages.register_prefix(req)  # later admissions can share its full prompt pages
                     req.accept(token, now, self.stop_tokens, logprobs, self.tokenizer)
+                    self._ngram_drafts(req)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
             for error in out.errors:  # strict: raised once the failing requests are aborted
                 error.throw()
@@ -253,13 +258,18 @@ class Engine(Frontend):
                 r.accept(token, now, self.stop_tokens, token_logprobs, self.tokenizer)
                 if r.result is not None:
                     break
-            if out.drafts is not None:  # accepted: the drafts kept and emitted (none past a stop)
+            if self.speculative_tokens:  # accepted: the drafts kept and emitted (none past a stop)
                 self.counters.drafted_tokens += n_drafts[i]
                 self.counters.verified_rows += 1
                 self.counters.accepted_tokens += min(len(r.out) - before, len(tokens) - 1)
-                r.drafts = out.drafts[i]
+                r.drafts = out.drafts[i] if out.drafts is not None else []
+                self._ngram_drafts(r)
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
+
+    def _ngram_drafts(self, req: Request) -> None:
+        if self.draft == "ngram" and self.speculative_tokens and req.result is None:
+            req.drafts = speculative.ngram_drafts(req.tokens, self.speculative_tokens)
 
     def _passed(self, reqs: list[Request], out) -> list[tuple[Request, int | None, TokenLogprobs | None]]:
         """Abort the requests whose rows failed the call's integrity check, with the reason; the
@@ -290,15 +300,17 @@ def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -
         raise ValueError(f"the Pallas kernels need a power-of-two page share: page_size {page_size} / {tp} = {share}")
 
 
-def _check_speculative(speculative_tokens: int, model: Model, decode_model: Model | None,
+def _check_speculative(speculative_tokens: int, draft: str, model: Model, decode_model: Model | None,
                        decode_context_parallel: bool) -> None:
     if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or speculative_tokens < 0:
         raise ValueError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
-    if not speculative_tokens:
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
+    if decode_context_parallel and speculative_tokens:
+        raise ValueError("speculative_tokens is not supported with decode_context_parallel yet")
+    if not speculative_tokens or draft == "ngram":
         return
     for name, m in (("model", model), ("decode_model", decode_model)):
         if m is not None and not m.has_mtp:
             raise ValueError(f"speculative_tokens needs the checkpoint's MTP layer, which {name} does not hold "
                              f"(num_nextn_predict_layers={m.config.num_mtp_layers}; load(..., mtp=True) to require it)")
-    if decode_context_parallel:
-        raise ValueError("speculative_tokens is not supported with decode_context_parallel yet")

@@ -86,13 +86,18 @@ class RunnerConfig:
     mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
     split_slots: bool = False  # decode context parallelism: MLA latent pools split by page slots
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
-    speculative_tokens: int = 0  # MTP draft tokens per decode step (mixserve/speculative.py); 0: none
+    speculative_tokens: int = 0  # draft tokens per decode step (mixserve/speculative.py); 0: none
+    draft: str = "mtp"  # who drafts them: the MTP layer (in the steps) or "ngram" (the engine, on the host)
+
+    @property
+    def mtp_drafts(self) -> bool:
+        return self.speculative_tokens > 0 and self.draft == "mtp"
 
 
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
-        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.speculative_tokens > 0)
+        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
         self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots)
         if cfg.mesh is not None:
             self.pools = jax.device_put(self.pools, self._pool_shardings)
@@ -121,7 +126,7 @@ class ModelRunner:
             # The token after each position (0 past the last): only when a row wants prompt logprobs.
             targets = np.zeros_like(chunk) if any(r.wants_prompt_logprobs for _, r in todo) else None
             # Speculative: the token after each chunk (-1: the one this call samples) feeds the MTP layer.
-            after_R, room = (np.full(R, -1, np.int32), np.zeros(R, np.int32)) if c.speculative_tokens else (None, None)
+            after_R, room = (np.full(R, -1, np.int32), np.zeros(R, np.int32)) if c.mtp_drafts else (None, None)
             for row, ((_, r), k) in enumerate(zip(todo, n)):  # rows past len(todo): slot 0, no tokens
                 slots[row], start[row], count[row] = r.slot, r.cached, k
                 chunk[row, :k] = r.tokens[r.cached : r.cached + k]
@@ -158,7 +163,7 @@ class ModelRunner:
         logprobs = [_token_logprobs(host_lp[id(call[1])], call[2], r.logprobs) if a else None
                     for r, call, a in zip(reqs, last_call, asked)]
         drafts = None
-        if c.speculative_tokens:
+        if c.mtp_drafts:
             host_drafts = {id(call[3]): np.asarray(call[3]) for call in last_call if call is not None}
             drafts = [None if call is None else host_drafts[id(call[3])][call[2]].tolist() for call in last_call]
         return Output(tokens, ok, errors, logprobs, calls, drafts)
@@ -350,15 +355,18 @@ class ModelRunner:
             kv = self._paged_kv(pools, step_X, width)
             logits_X1V, hidden_X1D = module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
                                                   valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
+            if not c.mtp_drafts:
+                hidden_X1D = None
             ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
             s_X = speculative.per_position(sampling, J)
             accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
                                                         jnp.maximum(count_R - 1, 0), s_X)
             logprobs = token_logprobs(logits_X1V[:, 0], emitted_RJ.reshape(-1), s_X, c.max_logprobs)
-            # The MTP layer pairs each kept position's hidden state with the token emitted after it.
-            kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
-            pools, drafts_RK = self._draft(module, params, kv.new_pools, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
-                                           room_R, width)
+            pools, drafts_RK = kv.new_pools, None
+            if c.mtp_drafts:  # the MTP layer pairs each kept position's hidden state with the token emitted after it
+                kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
+                pools, drafts_RK = self._draft(module, params, pools, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
+                                               room_R, width)
             return self._placed(pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R
 
         return self._jit(step_fn)
@@ -368,7 +376,8 @@ class ModelRunner:
         n_drafts[i] of its drafts (req.drafts; the engine counts what its pages and limits allow)
         verified at once.
         Output.emitted[i]: the 1 .. k + 1 tokens live[i] got (emitted_logprobs beside them, if it
-        asked); drafts[i]: its next drafts; tokens[i]: its first new token."""
+        asked); drafts[i]: its next drafts (None with n-gram drafts: the engine finds them);
+        tokens[i]: its first new token."""
         c, K = self.cfg, self.cfg.speculative_tokens
         R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
         slots, start, count, room = (np.zeros(R, np.int32) for _ in range(4))
@@ -381,14 +390,15 @@ class ModelRunner:
         emitted, accepted, drafts, logprobs, ok = self._run(
             errors, self._speculative_fn, self.decode_model.params, self.pools, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
-            self._sampling(live, range(len(live)), R), width=self._width(table, np.maximum(start + count, room)))
-        emitted, accepted, drafts = np.asarray(emitted), np.asarray(accepted), np.asarray(drafts)
+            self._sampling(live, range(len(live)), R),
+            width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
+        emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+        drafts = None if drafts is None else [d.tolist() for d in np.asarray(drafts)[: len(live)]]
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None
         got = [emitted[i, : accepted[i] + 1].tolist() for i in range(len(live))]
         got_lp = [None if r.logprobs is None else [_token_logprobs(host_lp, i * (K + 1) + j, r.logprobs)
                                                    for j in range(len(got[i]))] for i, r in enumerate(live)]
-        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], 1,
-                      [d.tolist() for d in drafts[: len(live)]], got, got_lp)
+        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], 1, drafts, got, got_lp)
 
     @functools.cached_property
     def _decode_fn(self):

@@ -127,10 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "under its calibrated scale, as Blackwell's FP4 tensor cores compute it; by default NVFP4 is "
                         "served weight-only (W4A16), as on Hopper")
     p.add_argument("--speculative-tokens", type=counted(0), default=0,
-                   help="speculative decoding: each decode step verifies up to this many tokens guessed by the "
-                        "checkpoint's MTP layer (GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset gets a random one, "
-                        "whose guesses are mostly rejected); greedy output is unchanged, sampled output keeps its "
-                        "distribution")
+                   help="speculative decoding: each decode step verifies up to this many guessed tokens (--draft); "
+                        "greedy output is unchanged, sampled output keeps its distribution")
+    p.add_argument("--draft", default="mtp", choices=["mtp", "ngram"],
+                   help="who guesses: the checkpoint's MTP layer (GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset "
+                        "gets a random one, whose guesses are mostly rejected), or ngram: the tokens that followed the "
+                        "request's last tokens earlier in its text (any model, Kimi included)")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
                    help="kernels for paged decode attention and INT4/NVFP4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
@@ -193,7 +195,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations,
-                          mtp=True if args.speculative_tokens else None)
+                          mtp=True if args.speculative_tokens and args.draft == "mtp" else None)
     if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
         model = dataclasses.replace(model, tokenizer=ByteTokenizer())
     prefill_model = with_weights(model, args.prefill_weights)
@@ -202,7 +204,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                   expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0, args.prompt_logprobs or 0),
-                  speculative_tokens=args.speculative_tokens)
+                  speculative_tokens=args.speculative_tokens, draft=args.draft)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
@@ -236,7 +238,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
     capacity = {name: budget // (sharding.kv_bytes_per_device(model.config, kv_format(name, model.dtype), mesh,
-                                                              args.decode_context_parallel, args.speculative_tokens > 0)
+                                                              args.decode_context_parallel, decoder.mtp_drafts)
                             * args.page_size) * args.page_size
                 for name in formats}
     report = {
@@ -313,7 +315,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     if args.speculative_tokens:
         rate = c.accepted_tokens / c.drafted_tokens if c.drafted_tokens else 0.0
-        print(f"speculative: {c.accepted_tokens} of {c.drafted_tokens} MTP draft tokens accepted ({rate:.0%}), "
+        print(f"speculative: {c.accepted_tokens} of {c.drafted_tokens} {args.draft} draft tokens accepted ({rate:.0%}), "
               f"{c.decode_tokens / max(c.verified_rows, 1):.2f} tokens per request and decode step")
     bf16, fp8 = capacity["bfloat16"], capacity["fp8_e4m3"]
     per_device = f" ({decoder.kv_bytes_per_token_per_device} per device)" if tp > 1 else ""

@@ -1,5 +1,7 @@
-"""Speculative decoding with the checkpoint's MTP layer as the draft (SGLang's and vLLM's "MTP"/
-EAGLE path for DeepSeek-V3 and GLM): the pure parts the decode step is built from.
+"""Speculative decoding: the pure parts the decode step is built from. The drafts come from the
+checkpoint's MTP layer (SGLang's and vLLM's "MTP"/EAGLE path for DeepSeek-V3 and GLM), or, for
+a model without one (Kimi), from the request's own text (`ngram_drafts`, vLLM's "ngram" prompt
+lookup).
 
 One decode step of a request with n tokens t_0..t_{n-1} and k draft tokens d_1..d_k (guesses at
 t_n.., made by the MTP layer in the previous step):
@@ -14,7 +16,8 @@ t_n.., made by the MTP layer in the previous step):
      k are kept a bonus token is drawn from p_k. So each step emits 1 .. k+1 tokens, distributed
      as the model's own sampling;
   3. draft: the MTP layer runs over the accepted positions (writing its own KV cache, one more
-     layer in the pools), then k-1 more single steps on its own guesses, for the next step.
+     layer in the pools), then k-1 more single steps on its own guesses, for the next step; or
+     the engine looks the request's last tokens up in its earlier text.
 The KV written at rejected positions is garbage past the request's length: the next step
 overwrites it before anything reads it (attention reads positions below each row's own).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mixserve.sampling import Sampling, sampling_keys, sampling_logits
 
@@ -68,3 +72,19 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     position_J = jnp.arange(J)[None, :]
     tokens_RJ = jnp.where(position_J < accepted_R[:, None], draft_X.reshape(R, J), replacement_X.reshape(R, J))
     return accepted_R, tokens_RJ
+
+
+def ngram_drafts(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to k guesses at what follows `tokens`: the tokens after the latest earlier occurrence of
+    its last n tokens, for the longest n in [min_n, max_n] that occurs (vLLM's prompt_lookup_max
+    and _min). [] when none does. Copying from the prompt or from itself (code, quotes, tables,
+    repeated phrases) is where such guesses are right."""
+    t = np.asarray(tokens, np.int64)
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)  # every earlier n-gram, not the suffix itself
+        hits = np.flatnonzero(np.all(windows == t[-n:], axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return t[start:start + k].tolist()
+    return []
+
