@@ -310,3 +310,23 @@ def test_ngram_drafts_speed_up_a_repeating_model_and_keep_its_tokens(preset):
     c = engine.counters
     assert engine.runner.pools.__len__() == model.config.num_layers  # no MTP cache
     assert c.accepted_tokens > 0 and c.steps < 47
+
+
+@pytest.mark.parametrize("fault", ["stale_tag", "swapped_mapping"])
+def test_integrity_check_aborts_only_the_affected_requests_of_a_speculative_step(fault):
+    """The verify rows of a request share its slot: a failed check stops them all (and its MTP
+    draft), the others go on with the tokens of a clean run."""
+    from test_engine import FAULTS, _inject_at
+
+    model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
+    kind, targets, affected = FAULTS[fault]
+    prompts = _prompts(model.config.vocab_size, 4)
+    kw = dict(integrity="check", speculative_tokens=2)
+    clean = _engine(model, **kw).generate(prompts, max_new_tokens=12, temperature=0.0)
+    hurt = _engine(model, fault_hook=_inject_at(2, kind, targets), **kw).generate(prompts, max_new_tokens=12,
+                                                                                 temperature=0.0)
+    for slot, (c, h) in enumerate(zip(clean, hurt)):
+        if slot in affected:
+            assert h.status == "aborted" and "tag" in h.reason and h.tokens == c.tokens[:len(h.tokens)], h.reason
+        else:
+            assert h.status == "ok" and h.tokens == c.tokens
