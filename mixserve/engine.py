@@ -72,7 +72,7 @@ class Engine(Frontend):
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
-        _check_speculative(speculative_tokens, draft, model, decode_model, decode_context_parallel)
+        _check_speculative(speculative_tokens, draft, model, decode_model)
         # Speculative decoding (mixserve/speculative.py): each decode step verifies up to this many
         # tokens guessed by the checkpoint's MTP layer ("mtp": its KV cache is one more layer in the
         # pools; a prefill_only engine fills it and makes the first drafts, for the decode engine),
@@ -300,14 +300,11 @@ def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -
         raise ValueError(f"the Pallas kernels need a power-of-two page share: page_size {page_size} / {tp} = {share}")
 
 
-def _check_speculative(speculative_tokens: int, draft: str, model: Model, decode_model: Model | None,
-                       decode_context_parallel: bool) -> None:
+def _check_speculative(speculative_tokens: int, draft: str, model: Model, decode_model: Model | None) -> None:
     if not isinstance(speculative_tokens, int) or isinstance(speculative_tokens, bool) or speculative_tokens < 0:
         raise ValueError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
     if draft not in DRAFTS:
         raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
-    if decode_context_parallel and speculative_tokens:
-        raise ValueError("speculative_tokens is not supported with decode_context_parallel yet")
     if not speculative_tokens or draft == "ngram":
         return
     for name, m in (("model", model), ("decode_model", decode_model)):

@@ -233,8 +233,8 @@ def test_disaggregated_prefill_sends_the_mtp_cache_and_first_drafts(preset):
     assert engine.decode.counters.steps < 15
 
 
-def test_tensor_and_expert_parallel_speculative_decoding_keeps_the_tokens():
-    """TP4 and EP4 on 4 CPU devices (a subprocess: the device count is fixed when JAX starts): the
+def test_tensor_expert_and_context_parallel_speculative_decoding_keeps_the_tokens():
+    """TP4, EP4 and decode context parallelism on 4 CPU devices (a subprocess: the device count is fixed when JAX starts): the
     MTP layer's parameters and pool are placed by their logical axes like every layer's."""
     script = textwrap.dedent("""
         import jax, numpy as np, mixserve
@@ -246,10 +246,13 @@ def test_tensor_and_expert_parallel_speculative_decoding_keeps_the_tokens():
             prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 320, 5 + 7 * i)] for i in range(3)]
             kw = dict(num_pages=64, page_size=8, max_batch=4, speculative_tokens=2)
             one = Engine(m, **kw).generate(prompts, max_new_tokens=10, temperature=0.0)
-            for ep in (False, True):
-                got = Engine(m, mesh=sharding.tp_mesh(4), expert_parallel=ep, **kw).generate(
+            # Decode context parallelism (MLA: each device holds a share of every page's slots).
+            splits = [dict(expert_parallel=False), dict(expert_parallel=True)]
+            splits += [dict(decode_context_parallel=True)] if name == "tiny-kimi" else []
+            for split in splits:
+                got = Engine(m, mesh=sharding.tp_mesh(4), **split, **kw).generate(
                     prompts, max_new_tokens=10, temperature=0.0)
-                assert [r.tokens for r in got] == [r.tokens for r in one], (name, ep)
+                assert [r.tokens for r in got] == [r.tokens for r in one], (name, split)
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], env=host_devices_env(4), capture_output=True, text=True,
