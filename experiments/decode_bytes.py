@@ -20,8 +20,9 @@ A step of c requests (one token each) reads, on one GPU at tensor parallelism tp
 - KV: each request's cache at the given context. MLA latents serve all heads, so every TP rank
   reads all of them; GQA KV heads split over the ranks. DSA (GLM-5) reads the index keys of every
   token in its "full" indexer layers and the latents of at most index_topk tokens per layer.
-Left out: activations, communication, launch costs, and MTP/speculative decoding (the seed does not
-say whether it used it). The seed gives neither context lengths nor parallelism for these tables:
+Left out of the seed's tables: activations, communication, launch costs, and MTP/speculative
+decoding (the seed does not say whether it used it); a last table estimates what MTP drafts
+would change (`speculative_bytes_per_token`). The seed gives neither context lengths nor parallelism for these tables:
 TP8 and one context for every request are assumptions, varied in the sensitivity table.
 
 Each table has a baseline column (FP8 weights; BF16 KV) and a variant (INT4 weights; FP8 KV). Two
@@ -276,6 +277,58 @@ def reading(a: Analysis, copy_bw: float) -> list[str]:
     return lines
 
 
+def emitted_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens a request gets from one step verifying k drafts, each kept with probability
+    `acceptance` while every one before it was (the first rejection ends the run; the step adds
+    one token of its own): 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+def speculative_bytes_per_token(cfg: ModelConfig, plan: WeightPlan, *, tp: int, concurrency: int, context: int,
+                                k: int, acceptance: float, folded: bool, kv_dtype: str = "fp8_e4m3") -> float:
+    """Bytes one GPU reads per emitted token when each step verifies k MTP drafts per request.
+    - The model runs c (k + 1) tokens: the experts they touch, the weights once.
+    - KV: mixserve verifies each position as its own decode row, which reads its request's cache
+      again: (k + 1) c caches. folded: FlashMLA's way (positions folded into the query heads), c.
+    - The MTP layer runs k times over c tokens; each pass reads about one decoder layer (the
+      step's weights and c tokens' experts over num_layers) and one layer of the caches.
+    k = 0 is plain decode."""
+    tokens = concurrency * (k + 1)
+    verify = step_bytes(cfg, plan, tp=tp, concurrency=tokens, context=context, kv_dtype=kv_dtype)
+    kv_per_request = verify.kv / tokens
+    kv = kv_per_request * (concurrency if folded else tokens)
+    one_pass = step_bytes(cfg, plan, tp=tp, concurrency=concurrency, context=context, kv_dtype=kv_dtype)
+    mtp = k * one_pass.total / cfg.num_layers
+    return (verify.weights + verify.experts + kv + mtp) / (concurrency * emitted_per_step(acceptance, k))
+
+
+def speculative_table(copy_bw: float) -> list[str]:
+    """GLM 5.2 (INT4 experts, rest FP8; FP8 KV) with MTP drafts: bytes per emitted token against
+    plain decode's, so the bytes-only speedup, for verify rows as mixserve runs them and folded."""
+    cfg, plan = get_preset("glm-5"), PLANS["int4 g32 experts, rest fp8"]
+    cases = [(1, 0.85), (3, 0.85), (3, 0.6)]
+    lines = ["## Speculative decoding with MTP drafts: bytes per emitted token", "",
+             "GLM 5.2 at TP8, INT4 experts (rest FP8), FP8 KV. Each cell: the bytes-only speedup over plain decode "
+             "(plain bytes per token / speculative bytes per token), with each position verified as its own decode "
+             "row (mixserve: its request's cache read again) / with the positions folded into one read (FlashMLA). "
+             "Acceptance: the chance each draft is kept, the same for every draft (assumed; DeepSeek-V3's report, as "
+             "quoted, gives 85-90% for its one MTP token, and later drafts of a reused layer do worse). Bytes only: "
+             "verifying more tokens costs compute that a bytes model does not count.", "",
+             "| context | concurrency | " + " | ".join(f"k={k}, acceptance {a:.0%}" for k, a in cases) + " |",
+             "|---:|---:|" + "---|" * len(cases)]
+    for context in (DEFAULT_CONTEXT, 32768):
+        for c in (1, 8, 64):
+            plain = speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c, context=context, k=0, acceptance=0,
+                                                folded=False)
+            cells = []
+            for k, a in cases:
+                rows, folded = (plain / speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c, context=context,
+                                                                    k=k, acceptance=a, folded=f) for f in (False, True))
+                cells.append(f"{rows:.2f}x / {folded:.2f}x")
+            lines.append(f"| {context} | {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def sensitivity(tables: list[SeedTable], contexts: tuple[int, ...], copy_bw: float) -> list[str]:
     lines = ["## Sensitivity to the assumed context", "",
              "A fitted bandwidth above the copy bandwidth means that setting counts more bytes than the seed's "
@@ -313,6 +366,7 @@ def main() -> None:
     for table in tables:
         lines += table_markdown(analyse(table, cli.context), copy_bw) + [""]
     lines += sensitivity(tables, (2048, cli.context, 32768), copy_bw)
+    lines += [""] + speculative_table(copy_bw)
     lines += ["", f"Generated {datetime.date.today()} by `python experiments/decode_bytes.py --out` "
                   f"in {time.perf_counter() - start:.0f} s on CPU."]
     publish(lines, cli.out)

@@ -596,6 +596,24 @@ def test_decode_step_bytes_count_every_weight_once():
         assert every(2).experts * 2 == every(1).experts
 
 
+def test_speculative_bytes_per_token():
+    """k = 0 is plain decode; all drafts kept emit k + 1 tokens; verify rows read the caches k + 1
+    times, folded once; the MTP passes add k layers' worth of one step."""
+    from experiments.decode_bytes import emitted_per_step, speculative_bytes_per_token, step_bytes
+    from experiments.weight_bytes import PLANS
+    from models.presets import get_preset
+
+    assert emitted_per_step(1.0, 3) == 4 and emitted_per_step(0.0, 3) == 1 and emitted_per_step(0.5, 2) == 1.75
+    cfg, plan = get_preset("glm-5"), PLANS["int4 g32 experts, rest fp8"]
+    bpt = lambda **kw: speculative_bytes_per_token(cfg, plan, tp=8, concurrency=8, context=4096, **kw)
+    one = step_bytes(cfg, plan, tp=8, concurrency=8, context=4096)
+    assert bpt(k=0, acceptance=0.5, folded=False) == bpt(k=0, acceptance=0.5, folded=True) == one.total / 8
+    four = step_bytes(cfg, plan, tp=8, concurrency=32, context=4096)
+    mtp = 3 * one.total / cfg.num_layers
+    assert abs(bpt(k=3, acceptance=1.0, folded=False) * 32 - (four.total + mtp)) < 1e-3 * four.total
+    assert abs(bpt(k=3, acceptance=1.0, folded=True) * 32 - (four.total - four.kv + one.kv + mtp)) < 1e-3 * four.total
+
+
 def test_decode_kv_bytes_follow_the_attention_kind():
     """DSA reads every token's index key and at most top-k latents; MLA latents are whole on every
     TP rank; GQA KV heads split over the ranks, and are replicated once the ranks outnumber them."""
