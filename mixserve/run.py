@@ -253,6 +253,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         "tensor_parallel": args.tensor_parallel,
         "expert_parallel": args.expert_parallel,
         "decode_context_parallel": args.decode_context_parallel,
+        "speculative": {"tokens": args.speculative_tokens, "draft": args.draft} if args.speculative_tokens else None,
         "kv_bytes_per_token": decoder.bytes_per_token,  # the decode pool's (the one that holds the running requests)
         "kv_bytes_per_token_per_device": decoder.kv_bytes_per_token_per_device,
         "pool_tokens": decoder.capacity_tokens,

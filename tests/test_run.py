@@ -167,3 +167,17 @@ def test_a_budget_too_small_for_one_bf16_page_still_reports(capsys):
     text = capsys.readouterr().out
     assert report["pool_tokens_at_same_memory"]["bfloat16"] == 0 and report["requests"][0]["status"] == "ok"
     assert "BF16 KV holds no page at this memory" in text
+
+
+@pytest.mark.parametrize("draft", ["mtp", "ngram"])
+def test_speculative_flags_keep_the_greedy_tokens(capsys, draft):
+    """--speculative-tokens with either draft: the tokens of a plain run (a preset gets a random MTP
+    layer), the drafts counted in the report; with --disaggregate too."""
+    flags = ["--json", "--max-new-tokens", "8", "--model", "tiny-glm5"]
+    plain = run.main(flags)
+    for extra in ([], ["--disaggregate"]):
+        spec = run.main([*flags, *extra, "--speculative-tokens", "2", "--draft", draft])
+        assert [r["tokens"] for r in spec["requests"]] == [r["tokens"] for r in plain["requests"]]
+        assert spec["speculative"] == {"tokens": 2, "draft": draft}
+        assert spec["counters"]["verified_rows"] > 0
+    capsys.readouterr()
