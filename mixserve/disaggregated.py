@@ -140,6 +140,8 @@ class DisaggregatedEngine(Frontend):
             d.runner.pools = kv_transfer.import_pages(d.runner.pools, kv_transfer.padded(dst_ids, d.num_pages), sent)
             jax.block_until_ready(d.runner.pools)  # the next decode step waits for it anyway: time it here
         for req, shared, src_slot in moved:
+            if not req.drafts:
+                d._ngram_drafts(req)  # n-gram drafts for its first decode step (MTP drafts came with it)
             p.pages.release_slot(src_slot)  # the prefill engine's copy is no longer needed
             d.pages.register_prefix(req)  # its prompt pages hold their KV now: later requests share them
             self.counters.pages_shared += shared

@@ -31,6 +31,7 @@ class Result:
     status: Literal["ok", "aborted", "rejected"]
     reason: str | None = None
     ttft_s: float | None = None  # time to first token
+    # between tokens; 0 between tokens of one speculative step, which arrive together
     token_latencies_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: float | None = None  # submit to finish (None if rejected)
     seed: int | None = None  # the sampling seed (drawn when none was given): pass it again to reproduce

@@ -195,7 +195,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
     model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations,
-                          mtp=True if args.speculative_tokens and args.draft == "mtp" else None)
+                          mtp=args.speculative_tokens > 0 and args.draft == "mtp")  # unused weights stay on disk
     if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
         model = dataclasses.replace(model, tokenizer=ByteTokenizer())
     prefill_model = with_weights(model, args.prefill_weights)

@@ -78,13 +78,19 @@ def ngram_drafts(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
     """Up to k guesses at what follows `tokens`: the tokens after the latest earlier occurrence of
     its last n tokens, for the longest n in [min_n, max_n] that occurs (vLLM's prompt_lookup_max
     and _min). [] when none does. Copying from the prompt or from itself (code, quotes, tables,
-    repeated phrases) is where such guesses are right."""
+    repeated phrases) is where such guesses are right. One pass over the tokens finds where the
+    last token occurred before; only those places are compared further back."""
     t = np.asarray(tokens, np.int64)
-    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)  # every earlier n-gram, not the suffix itself
-        hits = np.flatnonzero(np.all(windows == t[-n:], axis=1))
+    L = len(t)
+    ends = np.flatnonzero(t[:-1] == t[-1])  # earlier occurrences of the last token: candidate n-gram ends
+    matched = np.ones(len(ends), np.int64)  # how many tokens each candidate matches, counted back from its end
+    for back in range(1, min(max_n, L - 1)):
+        ok = (matched == back) & (ends >= back)
+        ok[ok] = t[ends[ok] - back] == t[L - 1 - back]
+        matched[ok] += 1
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hits = ends[matched >= n]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return t[start:start + k].tolist()
     return []
-

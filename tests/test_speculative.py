@@ -297,6 +297,26 @@ def test_ngram_drafts_look_up_the_latest_earlier_occurrence():
     assert speculative.ngram_drafts([8, 1, 2, 3, 9, 1, 2, 3], 2, max_n=2) == [9, 1]  # the latest of the longest
 
 
+def test_ngram_drafts_equal_a_plain_search():
+    """Against the definition, searched plainly, on random short sequences over tiny vocabularies
+    (many repeats), with random k, max_n and min_n."""
+
+    def plain(tokens, k, max_n, min_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            suffix = tokens[-n:]
+            ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == suffix]
+            if ends:
+                return tokens[ends[-1] + 1:ends[-1] + 1 + k]
+        return []
+
+    rng = np.random.default_rng()
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(1, 30))).tolist()
+        k, max_n = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        min_n = int(rng.integers(1, max_n + 1))
+        assert speculative.ngram_drafts(tokens, k, max_n, min_n) == plain(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
+
+
 @pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm5"])
 def test_ngram_drafts_speed_up_a_repeating_model_and_keep_its_tokens(preset):
     """Kimi ships no MTP layer: n-gram drafts need none. A random tiny model's greedy output falls
