@@ -11,8 +11,9 @@ One request's path through the files:
   between its chunks), then every decode step runs all live requests at once (as many rows as
   they need, rounded up to a power of two), after the integrity check when it is on; with
   speculative_tokens, each step verifies every request's drafts too and may give it several
-  tokens (mixserve/speculative.py). The model (models/) reads and writes the pages through PagedKV (mixserve/kv_cache.py), which calls the
-  attention kernels (pallas_kernels/) or their XLA references.
+  tokens (mixserve/speculative.py). The model (models/) reads and writes the pages through
+  PagedKV (mixserve/kv_cache.py), which calls the attention kernels (pallas_kernels/) or their
+  XLA references.
 When pages run out, the youngest running request is preempted and recomputed later: nothing is
 dropped. A request whose pages fail the integrity check (in any prefill or decode call) is aborted
 with a reason naming the page and the tags; the others go on untouched (integrity "strict" then
