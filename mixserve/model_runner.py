@@ -217,8 +217,8 @@ class ModelRunner:
         """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
-        it would have; speculative decoding draws them otherwise, from the same distribution) and whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows;
-        other rows are greedy."""
+        it would have; speculative decoding draws them otherwise, from the same distribution) and
+        whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
         for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32
             s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, min(max(r.top_k, 0), 2**31 - 1)
@@ -355,8 +355,6 @@ class ModelRunner:
             kv = self._paged_kv(pools, step_X, width)
             logits_X1V, hidden_X1D = module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
                                                   valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
-            if not c.mtp_drafts:
-                hidden_X1D = None
             ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
             s_X = speculative.per_position(sampling, J)
             accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
