@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "as the engine's prefill computes them (KV format included): the prompts' perplexity")
     p.add_argument("--stop", action="append", help="a stop string (repeatable): a request ends once its output "
                    "contains one, and its text is cut before it")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens per prompt: the model's end tokens "
+                   "do not end a request (a benchmark's fixed output length)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
@@ -233,7 +235,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     t0 = time.perf_counter()
     results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                              stop=tuple(args.stop or ()), logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                              stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())

@@ -34,8 +34,10 @@ def test_hybrid_fp8_prefill_4bit_decode_holds_two_weight_sets(capsys, decode, sh
 
 
 def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys):
-    # top_k past the vocabulary (and int32) keeps every token
-    flags = ["--max-new-tokens", "4", "--temperature", "1.5", "--top-k", str(2**40), "--min-p", "0.01", "--integrity", "off"]
+    # top_k past the vocabulary (and int32) keeps every token; with a drawn seed a request may
+    # sample an end token, which --ignore-eos lets pass so that each yields all 4
+    flags = ["--max-new-tokens", "4", "--temperature", "1.5", "--top-k", str(2**40), "--min-p", "0.01",
+             "--integrity", "off", "--ignore-eos"]
     drawn = run.main(["--json", *flags])
     seed = drawn["sampling"]["seed"]
     capsys.readouterr()
@@ -57,6 +59,22 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
         assert first is None and len(rest) == r["prompt_tokens"] - 1 and all(len(lp["top"]) == 2 for lp in rest)
         mean = sum(lp["logprob"] for lp in rest) / len(rest)
         assert f"prompt: mean logprob {mean:.3f}" in out and f"over its last {len(rest)} tokens" in out
+
+
+def test_ignore_eos_runs_past_the_models_end_token(monkeypatch):
+    """Make the token greedy decoding emits second the preset's end token: without --ignore-eos the
+    first request ends there, with it the run repeats the free tokens."""
+    import dataclasses
+    from models import presets
+    flags = ["--json", "--max-new-tokens", "4", "--integrity", "off", "--prompt", "hello"]
+    free = run.main(flags)["requests"][0]
+    end = free["tokens"][1]
+    cfg = dataclasses.replace(presets.PRESETS[run.DEFAULT_MODEL], eos_token_ids=(end,))
+    monkeypatch.setitem(presets.PRESETS, run.DEFAULT_MODEL, cfg)
+    ended = run.main(flags)["requests"][0]
+    stop_at = free["tokens"].index(end) + 1
+    assert ended["tokens"] == free["tokens"][:stop_at] and ended["stop_reason"] == end
+    assert run.main([*flags, "--ignore-eos"])["requests"][0]["tokens"] == free["tokens"]
 
 
 def test_stop_strings_cut_each_request_at_the_first_one(capsys):
