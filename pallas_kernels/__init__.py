@@ -8,7 +8,8 @@ Pallas interpreter, for CPU tests); None/"auto" picks "pallas" on GPU, else
 Tensor names end in their axes, one capital letter per axis:
 
   Paged attention (paged_attention_gqa.py, paged_attention_mla.py, tiled_fp8.py)
-    B  requests in the decode batch (one query token each)
+    B  requests in the decode batch (one query token each, or Q)
+    Q  query tokens of one request (speculative verification: its last token and drafts)
     H  query heads
     K  KV heads (GQA); H = K * G
     G  query heads sharing one KV head

@@ -305,12 +305,13 @@ def empty_partial(rows: int, value_dim: int, swap_pv: bool) -> SoftmaxPartial:
 
 def online_softmax_step(
     state: SoftmaxPartial, logits_RT: jax.Array, values_TV: jax.Array, valid_T: jax.Array,
-    partial: jax.Array | None, zero_values: bool, swap_pv: bool,
+    seen_RT: jax.Array, partial: jax.Array | None, zero_values: bool, swap_pv: bool,
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
-    Invalid tokens (past the request's length) get probability exactly 0.
-    Their values must be finite, since 0 * NaN would poison acc: loaded as
+    seen_RT [1, T] or [R, T]: the tokens each row attends to; the others get
+    probability exactly 0. valid_T: the tokens any row attends to. The values
+    of the rest must be finite, since 0 * NaN would poison acc: loaded as
     zeros (gather_pages with a mask), or zeroed here (zero_values) when a
     stale slot was loaded as it is. values_TV is in the dot operand dtype; the
     probabilities are rounded to it for the tensor-core dot (as
@@ -326,7 +327,7 @@ def online_softmax_step(
     in the GQA kernel, 128 + 128 in MLA's.
     """
     def mask(logits_RT, values_TV):
-        logits_RT = jnp.where(valid_T[None, :], logits_RT, -jnp.inf)
+        logits_RT = jnp.where(seen_RT, logits_RT, -jnp.inf)
         if zero_values:
             values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
         return logits_RT, values_TV
@@ -348,12 +349,15 @@ def online_softmax_step(
 
 
 def attend_split(
-    slots_ref, length: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
+    slots_ref, lengths: jax.Array, split: jax.Array, page_size: int, plan: SplitPlan,
     rows: int, value_dim: int, gather: Callable, logits_and_values: Callable, tuning: AttentionTuning,
 ) -> SoftmaxPartial:
     """Online softmax over the token blocks of one split of one request.
 
-    slots_ref holds this split's page ids. gather(pages, valid_T) loads
+    lengths: [1], the tokens every row attends to, or [R], each row its own
+    (several query tokens of a request, each seeing the cache up to itself:
+    speculative verification, see row_lengths). slots_ref holds this split's
+    page ids. gather(pages, valid_T) loads
     those pages as stored (gather_pages; valid_T None: a plain load), and
     logits_and_values(tiles) turns them into (logits [R, T] f32, values [T, V]).
     The loop stops at the request's last page, so blocks past the length cost
@@ -377,6 +381,9 @@ def attend_split(
     are masked per token (stale slots read as zeros, nothing read past the
     split's last block), which also spares zeroing the values in registers.
     """
+    per_row = lengths.shape[0] > 1
+    length = jnp.max(lengths) if per_row else lengths[0]  # the longest row's
+    shortest = jnp.min(lengths) if per_row else length
     first_slot = split * plan.pages_per_split
     used_slots = (length + page_size - 1) // page_size - first_slot
     num_blocks = jnp.clip(
@@ -397,9 +404,11 @@ def attend_split(
 
     def fold(block, tiles, state):
         logits_RT, values_TV = logits_and_values(tiles)
+        tokens_T = first_token(block) + jnp.arange(block_tokens)
+        seen_RT = tokens_T[None, :] < (lengths[:, None] if per_row else length)
         # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
-        return online_softmax_step(state, logits_RT, values_TV, valid_tokens(block),
-                                   partial=first_token(block) + block_tokens > length if tuning.branch_masks else None,
+        return online_softmax_step(state, logits_RT, values_TV, tokens_T < length, seen_RT,
+                                   partial=first_token(block) + block_tokens > shortest if tuning.branch_masks else None,
                                    zero_values=not tuning.prefetch, swap_pv=tuning.swap_pv)
 
     empty = empty_partial(rows, value_dim, tuning.swap_pv)
@@ -581,16 +590,51 @@ def merge_over_axis(out_RV: jax.Array, lse_R: jax.Array, axis_name: str) -> jax.
     return merged_RV / jnp.where(total_R > 0, total_R, 1.0)[..., None]
 
 
+def query_tokens(q: jax.Array, lengths: jax.Array, name: str) -> tuple[jax.Array, jax.Array]:
+    """An op's (q, lengths) as [B, Q, H, D] and [B, Q]: q [B, H, D] with lengths [B] is one query
+    token per request (Q = 1); q [B, Q, H, D] with lengths [B, Q] is Q query tokens per request
+    over its one page table, query j seeing the first lengths[b, j] tokens (speculative
+    verification: the last token and its drafts, each up to itself, as FlashMLA's seqlen_q)."""
+    if q.ndim == 3 and lengths.ndim == 1:
+        q, lengths = q[:, None], lengths[:, None]
+    if q.ndim != 4:
+        raise ValueError(f"expected {name} [B, H, D] or [B, Q, H, D], got {q.shape}")
+    if lengths.shape != q.shape[:2]:
+        raise ValueError(f"lengths_B must be [B] for {name} [B, H, D], or [B, Q] for {name} [B, Q, H, D]; "
+                         f"got {lengths.shape} for {name} {q.shape}")
+    return q, lengths
+
+
+def row_lengths(lengths_BQ: jax.Array, heads: int, rows: int) -> jax.Array:
+    """Kernel lengths [B] (one query token) or [B, R] per query row, for rows laid out
+    query-major (row j * heads + h is query j's head h). The padding rows take their request's
+    longest length: their outputs are dropped, and a length of 0 would send every block into
+    the masked branch (attend_split)."""
+    b, q = lengths_BQ.shape
+    if q == 1:
+        return lengths_BQ[:, 0]
+    longest_B1 = jnp.max(lengths_BQ, axis=1, keepdims=True)
+    return jnp.concatenate([jnp.repeat(lengths_BQ, heads, axis=1),
+                            jnp.broadcast_to(longest_B1, (b, rows - q * heads))], axis=1)
+
+
+def lengths_spec(lengths: jax.Array) -> pl.BlockSpec:
+    """The block of row_lengths' output a (request, ...) grid step reads: [1] or [R]."""
+    if lengths.ndim == 1:
+        return pl.BlockSpec((1,), lambda b, *rest: (b,))
+    return pl.BlockSpec((None, lengths.shape[1]), lambda b, *rest: (b, 0))
+
+
 def check_paging(page_table_BN: jax.Array, lengths_B: jax.Array, batch: int) -> None:
-    """Static checks of the page table and lengths shared by both ops."""
+    """Static checks of the page table and lengths ([B], or [B, Q] per query token) shared by both ops."""
     if page_table_BN.ndim != 2 or page_table_BN.shape[0] != batch:
         raise ValueError(f"page_table_BN must be [B={batch}, N], got {page_table_BN.shape}")
     if not jnp.issubdtype(page_table_BN.dtype, jnp.integer):
         raise ValueError(f"page_table_BN must be integer, got {page_table_BN.dtype}")
     if page_table_BN.shape[1] == 0:
         raise ValueError("page_table_BN has no columns: give each request at least one page slot")
-    if lengths_B.shape != (batch,) or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
-        raise ValueError(f"lengths_B must be int [B={batch}], got {lengths_B.dtype}{lengths_B.shape}")
+    if lengths_B.ndim not in (1, 2) or lengths_B.shape[0] != batch or not jnp.issubdtype(lengths_B.dtype, jnp.integer):
+        raise ValueError(f"lengths_B must be int [B={batch}] (or [B, Q]), got {lengths_B.dtype}{lengths_B.shape}")
 
 
 def check_kernel_page_size(page_size: int) -> None:

@@ -2,7 +2,10 @@
 
 One decode token per request attends to that request's pages of a paged KV
 cache. All G query heads sharing a KV head are one kernel block, so each K/V
-page is read from HBM once per step, not G times.
+page is read from HBM once per step, not G times. Several query tokens of one
+request (speculative verification: the last token and its drafts, each
+seeing the cache up to itself) share that block too, Q * G rows over one read
+of the pages, as FlashMLA folds seqlen_q into its head rows.
 
 Why Triton-backed Pallas (jax.experimental.pallas.triton) rather than Mosaic
 GPU: the kernel is a gather (pages picked through the page table) followed by
@@ -23,12 +26,13 @@ rounding beyond the reference is the probabilities fed to the PV dot in bf16
 (bf16 queries only), as in FlashAttention.
 
 Shapes (see the glossary in pallas_kernels/__init__.py):
-  q_BHD            [B, H, D]   bf16 or f32, H = K * G
+  q_BHD            [B, H, D]   bf16 or f32, H = K * G; or q_BQHD [B, Q, H, D]
   k/v_pages_KPSD   [K, P, S, D] bf16, f32, float8_e4m3fn or float8_e5m2
   page_table_BN    [B, N] int32 physical page of each logical page slot
-  lengths_B        [B] int32 valid tokens per request (0 allowed)
+  lengths_B        [B] int32 valid tokens per request (0 allowed); with
+                   q_BQHD, lengths_BQ [B, Q]: the tokens each query token sees
   k_scale, v_scale f32 scalar or [K]: real value = stored value * scale
-  out_BHD          [B, H, D] in q's dtype
+  out_BHD          [B, H, D] (or [B, Q, H, D]) in q's dtype
 """
 
 import functools
@@ -59,39 +63,42 @@ def paged_attention_gqa(
     backend: str | None = None,
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
 ) -> jax.Array:
-    """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens.
+    """softmax(q k^T * softmax_scale) v over each request's first lengths_B tokens
+    (each query token's, with q [B, Q, H, D] and lengths [B, Q]: fd.query_tokens).
 
     tuning: the kernel's launch choices (block size, splits, warps); not the result.
     """
     backend = resolve_backend(backend)
-    _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B)
+    q_BQHD, lengths_BQ = fd.query_tokens(q_BHD, lengths_B, "q")
+    _check_shapes(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ)
     num_kv_heads = k_pages_KPSD.shape[0]
     k_scale_K = _per_head(k_scale, num_kv_heads, "k_scale")
     v_scale_K = _per_head(v_scale, num_kv_heads, "v_scale")
     softmax_scale = jnp.float32(softmax_scale)
     if backend == "xla":
-        return _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
-                          k_scale_K, v_scale_K, softmax_scale)
-    fd.check_kernel_page_size(k_pages_KPSD.shape[2])
-    return _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
-                   k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret",
-                   tuning=tuning)
+        out_BQHD = _reference(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
+                              k_scale_K, v_scale_K, softmax_scale)
+    else:
+        fd.check_kernel_page_size(k_pages_KPSD.shape[2])
+        out_BQHD = _kernel(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
+                           k_scale_K, v_scale_K, softmax_scale, interpret=backend == "interpret", tuning=tuning)
+    return out_BQHD.reshape(q_BHD.shape)
 
 
-def _check_shapes(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B) -> None:
-    if q_BHD.ndim != 3 or k_pages_KPSD.ndim != 4:
-        raise ValueError(f"expected q [B, H, D] and pages [K, P, S, D], got {q_BHD.shape}, {k_pages_KPSD.shape}")
+def _check_shapes(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ) -> None:
+    if k_pages_KPSD.ndim != 4:
+        raise ValueError(f"expected pages [K, P, S, D], got {k_pages_KPSD.shape}")
     if k_pages_KPSD.shape != v_pages_KPSD.shape or k_pages_KPSD.dtype != v_pages_KPSD.dtype:
         raise ValueError(f"k/v pages differ: {k_pages_KPSD.dtype}{k_pages_KPSD.shape} vs {v_pages_KPSD.dtype}{v_pages_KPSD.shape}")
     if k_pages_KPSD.dtype not in fd.KV_DTYPES:
         raise ValueError(f"unsupported KV dtype {k_pages_KPSD.dtype}; expected one of {fd.KV_DTYPES}")
-    if q_BHD.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"q must be bf16 or f32, got {q_BHD.dtype}")
-    b, h, d = q_BHD.shape
+    if q_BQHD.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bf16 or f32, got {q_BQHD.dtype}")
+    b, _, h, d = q_BQHD.shape
     kvh, _, _, kd = k_pages_KPSD.shape
     if kd != d or h % kvh:
         raise ValueError(f"q [B, H={h}, D={d}] does not fit pages [K={kvh}, P, S, D={kd}]: need H % K == 0 and equal D")
-    fd.check_paging(page_table_BN, lengths_B, b)
+    fd.check_paging(page_table_BN, lengths_BQ, b)
 
 
 def _per_head(scale, num_kv_heads: int, name: str) -> jax.Array:
@@ -104,10 +111,10 @@ def _per_head(scale, num_kv_heads: int, name: str) -> jax.Array:
 
 
 @jax.jit
-def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+def _reference(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
                k_scale_K, v_scale_K, softmax_scale):
     """Gather the pages, dequantize to f32, masked softmax: the spec, in jnp."""
-    b, h, d = q_BHD.shape
+    b, nq, h, d = q_BQHD.shape
     kvh, _, page_size, _ = k_pages_KPSD.shape
     n = page_table_BN.shape[1]
 
@@ -116,22 +123,22 @@ def _reference(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         values_BKTD = gathered_KBNSD.transpose(1, 0, 2, 3, 4).reshape(b, kvh, n * page_size, d)
         return values_BKTD * scale_K[None, :, None, None]
 
-    valid_BT = jnp.arange(n * page_size)[None, :] < lengths_B[:, None]
+    valid_BQT = jnp.arange(n * page_size)[None, None, :] < lengths_BQ[:, :, None]
     k_BKTD = dequantized_BKTD(k_pages_KPSD, k_scale_K)
     # Slots past the length may hold stale NaN/Inf bits: zero them, since
     # probability 0 times NaN is still NaN.
-    v_BKTD = jnp.where(valid_BT[:, None, :, None], dequantized_BKTD(v_pages_KPSD, v_scale_K), 0.0)
-    q_BKGD = q_BHD.astype(jnp.float32).reshape(b, kvh, h // kvh, d)
-    logits_BKGT = jnp.einsum("bkgd,bktd->bkgt", q_BKGD, k_BKTD,
-                             precision=jax.lax.Precision.HIGHEST) * softmax_scale
-    logits_BKGT = jnp.where(valid_BT[:, None, None, :], logits_BKGT, -jnp.inf)
+    v_BKTD = jnp.where(valid_BQT.any(1)[:, None, :, None], dequantized_BKTD(v_pages_KPSD, v_scale_K), 0.0)
+    q_BQKGD = q_BQHD.astype(jnp.float32).reshape(b, nq, kvh, h // kvh, d)
+    logits_BQKGT = jnp.einsum("bqkgd,bktd->bqkgt", q_BQKGD, k_BKTD,
+                              precision=jax.lax.Precision.HIGHEST) * softmax_scale
+    logits_BQKGT = jnp.where(valid_BQT[:, :, None, None, :], logits_BQKGT, -jnp.inf)
     # An empty request has all logits -inf; its output is defined as zeros.
-    max_BKG = jnp.max(logits_BKGT, axis=-1, keepdims=True)
-    p_BKGT = jnp.exp(logits_BKGT - jnp.where(jnp.isfinite(max_BKG), max_BKG, 0.0))
-    sum_BKG = jnp.sum(p_BKGT, axis=-1, keepdims=True)
-    out_BKGD = jnp.einsum("bkgt,bktd->bkgd", p_BKGT / jnp.where(sum_BKG > 0, sum_BKG, 1.0), v_BKTD,
-                          precision=jax.lax.Precision.HIGHEST)
-    return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)
+    max_BQKG = jnp.max(logits_BQKGT, axis=-1, keepdims=True)
+    p_BQKGT = jnp.exp(logits_BQKGT - jnp.where(jnp.isfinite(max_BQKG), max_BQKG, 0.0))
+    sum_BQKG = jnp.sum(p_BQKGT, axis=-1, keepdims=True)
+    out_BQKGD = jnp.einsum("bqkgt,bktd->bqkgd", p_BQKGT / jnp.where(sum_BQKG > 0, sum_BQKG, 1.0), v_BKTD,
+                           precision=jax.lax.Precision.HIGHEST)
+    return out_BQKGD.reshape(b, nq, h, d).astype(q_BQHD.dtype)
 
 
 def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_scale_ref,
@@ -139,8 +146,8 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
                 tuning: fd.AttentionTuning):
     """One (request, KV head, split) grid step.
 
-    Refs: q [R, D] (R = G padded), k/v pages [P, S, D] of this KV head, the
-    split's page ids [pages_per_split], length [1], logit scale [1];
+    Refs: q [R, D] (R = Q * G padded), k/v pages [P, S, D] of this KV head, the
+    split's page ids [pages_per_split], lengths [1] or [R] (fd.row_lengths), logit scale [1];
     outputs acc [R, D], max [R], sum [R].
     """
     (q_RD,), unscale_R = fd.scaled_query((q_ref[...],), dot_dtype)
@@ -157,27 +164,29 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
         k_TD, v_TD = (t.reshape(block_tokens, head_dim).astype(dot_dtype) for t in tiles)
         return mma.dot_nt(q_RD, k_TD) * logit_scale, v_TD
 
-    state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(2), page_size, plan,
+    state = fd.attend_split(slots_ref, length_ref[...], pl.program_id(2), page_size, plan,
                             rows, head_dim, gather, logits_and_values, tuning)
     fd.store_partial(state, acc_ref, max_ref, sum_ref, tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
-def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
+def _kernel(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
             k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, tuning: fd.AttentionTuning):
-    b, h, d = q_BHD.shape
+    b, nq, h, d = q_BQHD.shape
     page_table_BN, k_pages_KPSD, v_pages_KPSD = fd.cut_pages(page_table_BN, tuning.block_tokens, 1,
                                                              k_pages_KPSD, v_pages_KPSD)
     kvh, _, page_size, _ = k_pages_KPSD.shape
     g = h // kvh
-    rows = mma.padded_rows(g)
+    real_rows = nq * g  # query-major: row j * G + i is query token j's head i of this KV head
+    rows = mma.padded_rows(real_rows)
     plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh,
                           kv_bytes_per_token=2 * d * k_pages_KPSD.dtype.itemsize,
                           partial_bytes=rows * (d + 2) * 4, target_programs=TARGET_PROGRAMS, tuning=tuning)
-    dtype = fd.compute_dtype(q_BHD.dtype, k_pages_KPSD.dtype, tuning)
-    q_BKRD = jnp.pad(q_BHD.reshape(b, kvh, g, d).astype(fd.kernel_query_dtype(dtype, q_BHD.dtype)),
-                     ((0, 0), (0, 0), (0, rows - g), (0, 0)))
-    slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
+    dtype = fd.compute_dtype(q_BQHD.dtype, k_pages_KPSD.dtype, tuning)
+    q_BKRD = q_BQHD.reshape(b, nq, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, real_rows, d)
+    q_BKRD = jnp.pad(q_BKRD.astype(fd.kernel_query_dtype(dtype, q_BQHD.dtype)),
+                     ((0, 0), (0, 0), (0, rows - real_rows), (0, 0)))
+    slots_BXN, lengths = fd.split_page_table(page_table_BN, fd.row_lengths(lengths_BQ, g, rows), page_size, plan)
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
@@ -189,7 +198,7 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
             pool_spec,
             pool_spec,
             pl.BlockSpec((None, None, plan.pages_per_split), lambda bi, ki, xi: (bi, xi, 0)),
-            pl.BlockSpec((1,), lambda bi, ki, xi: (bi,)),
+            fd.lengths_spec(lengths),
             pl.BlockSpec((1,), lambda bi, ki, xi: (ki,)),
         ],
         out_specs=fd.partial_specs(3, rows, d),
@@ -197,10 +206,11 @@ def _kernel(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_B,
         compiler_params=fd.compiler_params(tuning, 4, dtype),
         interpret=interpret,
         name="paged_attention_gqa",
-    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths_B, logit_scale_K)
+    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths, logit_scale_K)
     if tuning.combine == "pallas":
-        out_BKGD, _ = fd.combine_splits(*partials, rows=g, scale_S=v_scale_K, out_dtype=q_BHD.dtype,
+        out_BKRD, _ = fd.combine_splits(*partials, rows=real_rows, scale_S=v_scale_K, out_dtype=q_BQHD.dtype,
                                         with_lse=False, interpret=interpret)
-        return out_BKGD.reshape(b, h, d)
-    out_BKGD = fd.combine_partials(*partials)[0][:, :, :g] * v_scale_K[None, :, None, None]
-    return out_BKGD.reshape(b, h, d).astype(q_BHD.dtype)
+    else:
+        out_BKRD = fd.combine_partials(*partials)[0][:, :, :real_rows] * v_scale_K[None, :, None, None]
+    out_BKQGD = out_BKRD.reshape(b, kvh, nq, g, d).astype(q_BQHD.dtype)
+    return out_BKQGD.transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d)

@@ -16,7 +16,9 @@ blocks must be powers of two and C = 576 is not, so the kernel reads the
 latent as two column views, [.., :L] and [.., L:], and adds their logits
 (so L and R must each be powers of two on GPU: 512 and 64 are). Numerics and
 split-K are as in paged_attention_gqa.py; the one scale multiplies the logits
-(with softmax_scale) and the combined output.
+(with softmax_scale) and the combined output. Several query tokens of a
+request (speculative verification) fold into the rows as there: Q * H rows,
+query-major, over one read of the latents (FlashMLA's seqlen_q * heads).
 
 Sparse decode (DSA, GLM-5): `sparse_paged_attention_mla` attends only to the
 tokens the indexer chose. Each chosen token is one row of the pool viewed as
@@ -32,7 +34,8 @@ exactly (power-of-two scales), so the dots see the same operands as a bf16
 pool holding the dequantized values; `scale` does not apply.
 
 Shapes (see the glossary in pallas_kernels/__init__.py):
-  q_BHC             [B, H, C]  bf16 or f32
+  q_BHC             [B, H, C]  bf16 or f32; or q_BQHC [B, Q, H, C] with
+                    lengths_BQ [B, Q], and out_BQHL [B, Q, H, L]
   latent_pages_PSC  [P, S, C]  bf16, f32, float8_e4m3fn or float8_e5m2;
                     or TiledLatentPages: nope [P, S, L] e4m3, scales [P, S, L/tile] f32,
                     rope [P, S, C - L] bf16
@@ -98,7 +101,8 @@ def paged_attention_mla(
     tuning: fd.AttentionTuning = fd.AttentionTuning(),
     return_lse: bool = False,
 ):
-    """softmax(q latent^T * softmax_scale) latent[:, :L] per request.
+    """softmax(q latent^T * softmax_scale) latent[:, :L] per request (per query token, with
+    q [B, Q, H, C] and lengths [B, Q]: fd.query_tokens).
 
     scale: real latent = stored * scale, a per-tensor scalar (None: 1); tiled pages
       carry their own scales and take None.
@@ -106,9 +110,11 @@ def paged_attention_mla(
     return_lse: also return the logits' log-sum-exp [B, H] (-inf for an empty
       request), with the output in float32, so that outputs over disjoint token
       sets (e.g. the slots each device holds) merge exactly (fd.merge_over_axis).
+      With q [B, Q, H, C] it is [B, Q, H].
     """
     backend = resolve_backend(backend)
-    _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank)
+    q_BQHC, lengths_BQ = fd.query_tokens(q_BHC, lengths_B, "q")
+    _check_shapes(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, kv_lora_rank)
     if isinstance(latent_pages_PSC, TiledLatentPages) and scale is not None:
         raise ValueError("tiled FP8 latent pages carry a scale per token and tile: pass scale=None")
     scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
@@ -116,14 +122,15 @@ def paged_attention_mla(
         raise ValueError(f"MLA latent scale must be a per-tensor scalar, got shape {scale.shape}")
     softmax_scale = jnp.float32(softmax_scale)
     if backend == "xla":
-        out_BHL, lse_BH = _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                                     kv_lora_rank=kv_lora_rank)
+        out_BQHL, lse_BQH = _reference(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_scale,
+                                       kv_lora_rank=kv_lora_rank)
     else:
         fd.check_kernel_page_size(latent_pages_PSC.shape[1])
-        out_BHL, lse_BH = _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale,
-                                  kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning,
-                                  return_lse=return_lse)
-    return (out_BHL, lse_BH) if return_lse else out_BHL.astype(q_BHC.dtype)
+        out_BQHL, lse_BQH = _kernel(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_scale,
+                                    kv_lora_rank=kv_lora_rank, interpret=backend == "interpret", tuning=tuning,
+                                    return_lse=return_lse)
+    out = out_BQHL.reshape(*q_BHC.shape[:-1], kv_lora_rank)
+    return (out, lse_BQH.reshape(q_BHC.shape[:-1])) if return_lse else out.astype(q_BHC.dtype)
 
 
 def sparse_paged_attention_mla(
@@ -146,6 +153,8 @@ def sparse_paged_attention_mla(
     to (each below its length, no repeats); entries past counts_B[b] are
     ignored and may hold anything. Output [B, H, L] as paged_attention_mla.
     """
+    if q_BHC.ndim != 3:
+        raise ValueError(f"sparse MLA takes one query token per request, q [B, H, C], got {q_BHC.shape}")
     if token_ids_BK.ndim != 2 or token_ids_BK.shape[0] != q_BHC.shape[0]:
         raise ValueError(f"token_ids_BK must be [B={q_BHC.shape[0]}, K], got {token_ids_BK.shape}")
     fd.check_paging(page_table_BN, counts_B, q_BHC.shape[0])
@@ -175,32 +184,32 @@ def _check_tiled(pages: TiledLatentPages, kv_lora_rank: int) -> None:
                          f"got {scales.shape[2]}")
 
 
-def _check_shapes(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, kv_lora_rank: int) -> None:
+def _check_shapes(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, kv_lora_rank: int) -> None:
     if isinstance(latent_pages_PSC, TiledLatentPages):
         _check_tiled(latent_pages_PSC, kv_lora_rank)
     elif latent_pages_PSC.ndim == 3 and latent_pages_PSC.dtype not in fd.KV_DTYPES:
         raise ValueError(f"unsupported latent dtype {latent_pages_PSC.dtype}; expected one of {fd.KV_DTYPES}")
-    if q_BHC.ndim != 3 or len(latent_pages_PSC.shape) != 3:
-        raise ValueError(f"expected q [B, H, C] and latent pages [P, S, C], got {q_BHC.shape}, {latent_pages_PSC.shape}")
-    if q_BHC.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"q must be bf16 or f32, got {q_BHC.dtype}")
-    b, _, c = q_BHC.shape
+    if len(latent_pages_PSC.shape) != 3:
+        raise ValueError(f"expected latent pages [P, S, C], got {latent_pages_PSC.shape}")
+    if q_BQHC.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q must be bf16 or f32, got {q_BQHC.dtype}")
+    b, _, _, c = q_BQHC.shape
     latent_c = latent_pages_PSC.shape[2]
     if latent_c != c:
         raise ValueError(f"q width C={c} differs from latent width {latent_c}")
     if not 0 < kv_lora_rank <= c:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be in (0, C={c}]")
-    fd.check_paging(page_table_BN, lengths_B, b)
+    fd.check_paging(page_table_BN, lengths_BQ, b)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank",))
-def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
+def _reference(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_scale, *,
                kv_lora_rank: int):
     """Gather the latents, dequantize to f32, masked softmax: the spec, in jnp -> (out float32, lse)."""
-    b, _, c = q_BHC.shape
+    b, _, _, c = q_BQHC.shape
     n = page_table_BN.shape[1]
     page_size = latent_pages_PSC.shape[1]
-    valid_BT = jnp.arange(n * page_size)[None, :] < lengths_B[:, None]
+    valid_BQT = jnp.arange(n * page_size)[None, None, :] < lengths_BQ[:, :, None]
     if isinstance(latent_pages_PSC, TiledLatentPages):
         nope, scales, rope = (x[page_table_BN] for x in latent_pages_PSC)
         latent_BNSC = jnp.concatenate([dequantize_tiles(nope, scales), rope.astype(jnp.float32)], axis=-1)
@@ -208,27 +217,28 @@ def _reference(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax
         latent_BNSC = latent_pages_PSC[page_table_BN].astype(jnp.float32) * scale
     latent_BTC = latent_BNSC.reshape(b, n * page_size, c)
     # Slots past the length may hold stale NaN/Inf bits; 0 * NaN is NaN.
-    latent_BTC = jnp.where(valid_BT[:, :, None], latent_BTC, 0.0)
-    logits_BHT = jnp.einsum("bhc,btc->bht", q_BHC.astype(jnp.float32), latent_BTC,
-                            precision=jax.lax.Precision.HIGHEST) * softmax_scale
-    logits_BHT = jnp.where(valid_BT[:, None, :], logits_BHT, -jnp.inf)
+    latent_BTC = jnp.where(valid_BQT.any(1)[:, :, None], latent_BTC, 0.0)
+    logits_BQHT = jnp.einsum("bqhc,btc->bqht", q_BQHC.astype(jnp.float32), latent_BTC,
+                             precision=jax.lax.Precision.HIGHEST) * softmax_scale
+    logits_BQHT = jnp.where(valid_BQT[:, :, None, :], logits_BQHT, -jnp.inf)
     # An empty request has all logits -inf; its output is defined as zeros.
-    max_BH = jnp.max(logits_BHT, axis=-1, keepdims=True)
-    p_BHT = jnp.exp(logits_BHT - jnp.where(jnp.isfinite(max_BH), max_BH, 0.0))
-    sum_BH = jnp.sum(p_BHT, axis=-1, keepdims=True)
-    out_BHL = jnp.einsum("bht,btl->bhl", p_BHT / jnp.where(sum_BH > 0, sum_BH, 1.0),
-                         latent_BTC[..., :kv_lora_rank], precision=jax.lax.Precision.HIGHEST)
-    lse_BH = jnp.where(sum_BH > 0, max_BH + jnp.log(jnp.where(sum_BH > 0, sum_BH, 1.0)), -jnp.inf)[..., 0]
-    return out_BHL, lse_BH
+    max_BQH = jnp.max(logits_BQHT, axis=-1, keepdims=True)
+    p_BQHT = jnp.exp(logits_BQHT - jnp.where(jnp.isfinite(max_BQH), max_BQH, 0.0))
+    sum_BQH = jnp.sum(p_BQHT, axis=-1, keepdims=True)
+    out_BQHL = jnp.einsum("bqht,btl->bqhl", p_BQHT / jnp.where(sum_BQH > 0, sum_BQH, 1.0),
+                          latent_BTC[..., :kv_lora_rank], precision=jax.lax.Precision.HIGHEST)
+    lse_BQH = jnp.where(sum_BQH > 0, max_BQH + jnp.log(jnp.where(sum_BQH > 0, sum_BQH, 1.0)), -jnp.inf)[..., 0]
+    return out_BQHL, lse_BQH
 
 
 def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: int, dot_dtype,
                 tuning: fd.AttentionTuning, tiled: bool):
     """One (request, split) grid step.
 
-    Refs: q [R, C] (R = H padded); the latent pages [P, S, C], or (tiled) nope
-    [P, S, L], tile scales [P, S, L/tile] and rope [P, S, C - L]; the split's page
-    ids [pages_per_split], length [1], logit scale [1]; outputs acc [R, L],
+    Refs: q [R, C] (R = Q * H padded, or a block of head_rows of them); the latent
+    pages [P, S, C], or (tiled) nope [P, S, L], tile scales [P, S, L/tile] and rope
+    [P, S, C - L]; the split's page ids [pages_per_split], lengths [1] or [R]
+    (fd.row_lengths), logit scale [1]; outputs acc [R, L],
     max [R], sum [R].
     """
     page_refs, (slots_ref, length_ref, logit_scale_ref, acc_ref, max_ref, sum_ref) = refs[:-6], refs[-6:]
@@ -259,59 +269,64 @@ def _mla_kernel(q_ref, *refs, plan: fd.SplitPlan, page_size: int, kv_lora_rank: 
             logits_RT += mma.dot_nt(q_RR, rope[0])
         return logits_RT * logit_scale, latent_TL
 
-    state = fd.attend_split(slots_ref, length_ref[0], pl.program_id(1), page_size, plan,
+    state = fd.attend_split(slots_ref, length_ref[...], pl.program_id(1), page_size, plan,
                             rows, kv_lora_rank, gather, logits_and_values, tuning)
     fd.store_partial(state, acc_ref, max_ref, sum_ref, tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_lora_rank", "interpret", "tuning", "return_lse"))
-def _kernel(q_BHC, latent_pages_PSC, page_table_BN, lengths_B, scale, softmax_scale, *,
+def _kernel(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_scale, *,
             kv_lora_rank: int, interpret: bool, tuning: fd.AttentionTuning, return_lse: bool):
-    """-> (out [B, H, L], log-sum-exp [B, H]); out in float32 with return_lse, else
+    """-> (out [B, Q, H, L], log-sum-exp [B, Q, H]); out in float32 with return_lse, else
     in q's dtype or float32 (the caller casts), and the log-sum-exp may be None."""
-    b, h, c = q_BHC.shape
-    blocks = -(-h // tuning.head_rows)
-    if blocks > 1:  # each block of head_rows heads is a request of its own over the same pages
-        padded = blocks * tuning.head_rows
-        q_XRC = jnp.pad(q_BHC, ((0, 0), (0, padded - h), (0, 0))).reshape(b * blocks, tuning.head_rows, c)
-        out, lse = _kernel(q_XRC, latent_pages_PSC, jnp.repeat(page_table_BN, blocks, axis=0),
-                           jnp.repeat(lengths_B, blocks), scale, softmax_scale, kv_lora_rank=kv_lora_rank,
-                           interpret=interpret, tuning=tuning, return_lse=return_lse)
-        return out.reshape(b, padded, -1)[:, :h], (lse.reshape(b, padded)[:, :h] if return_lse else None)
+    b, nq, h, c = q_BQHC.shape
+    real_rows = nq * h  # query-major: row j * H + i is query token j's head i
+    # More rows than head_rows run in blocks of head_rows, each a request of its own over the same pages.
+    blocks = -(-real_rows // tuning.head_rows)
+    rows = tuning.head_rows if blocks > 1 else mma.padded_rows(real_rows)
+    kept = rows if blocks > 1 else real_rows  # rows of each block the combine keeps
+    x = b * blocks
+    q_XRC = jnp.pad(q_BQHC.reshape(b, real_rows, c), ((0, 0), (0, blocks * rows - real_rows), (0, 0)))
+    q_XRC = q_XRC.reshape(x, rows, c)
+    lengths = fd.row_lengths(lengths_BQ, h, blocks * rows)
+    lengths = lengths.reshape(x, rows) if lengths.ndim == 2 else jnp.repeat(lengths, blocks)
     tiled = isinstance(latent_pages_PSC, TiledLatentPages)
     pools = tuple(latent_pages_PSC) if tiled else (latent_pages_PSC,)
-    page_table_BN, *pools = fd.cut_pages(page_table_BN, tuning.block_tokens, 0, *pools)
+    page_table_XN, *pools = fd.cut_pages(jnp.repeat(page_table_BN, blocks, axis=0), tuning.block_tokens, 0, *pools)
     page_size = pools[0].shape[1]
-    rows = mma.padded_rows(h)
-    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b,
+    plan = fd.plan_splits(page_table_XN.shape[1], page_size, x,
                           kv_bytes_per_token=latent_bytes_per_token(latent_pages_PSC),
                           partial_bytes=rows * (kv_lora_rank + 2) * 4, target_programs=TARGET_PROGRAMS,
                           tuning=tuning)
     # Tiled values are dequantized into the dot dtype: bf16 (f16 lacks the scales' range).
-    dtype = fd.compute_dtype(q_BHC.dtype, jnp.bfloat16 if tiled else pools[0].dtype, tuning)
-    q_BRC = jnp.pad(q_BHC.astype(fd.kernel_query_dtype(dtype, q_BHC.dtype)), ((0, 0), (0, rows - h), (0, 0)))
-    slots_BXN, lengths_B = fd.split_page_table(page_table_BN, lengths_B, page_size, plan)
+    dtype = fd.compute_dtype(q_BQHC.dtype, jnp.bfloat16 if tiled else pools[0].dtype, tuning)
+    q_XRC = q_XRC.astype(fd.kernel_query_dtype(dtype, q_BQHC.dtype))
+    slots_XYN, lengths = fd.split_page_table(page_table_XN, lengths, page_size, plan)
     logit_scale = (scale * softmax_scale).reshape(1)
     partials = pl.pallas_call(
         functools.partial(_mla_kernel, plan=plan, page_size=page_size, kv_lora_rank=kv_lora_rank,
                           dot_dtype=dtype, tuning=tuning, tiled=tiled),
-        grid=(b, plan.num_splits),
+        grid=(x, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, rows, c), lambda bi, xi: (bi, 0, 0)),
-            *(pl.BlockSpec(x.shape, lambda bi, xi: (0, 0, 0)) for x in pools),
+            *(pl.BlockSpec(p.shape, lambda bi, xi: (0, 0, 0)) for p in pools),
             pl.BlockSpec((None, None, plan.pages_per_split), lambda bi, xi: (bi, xi, 0)),
-            pl.BlockSpec((1,), lambda bi, xi: (bi,)),
+            fd.lengths_spec(lengths),
             pl.BlockSpec((1,), lambda bi, xi: (0,)),
         ],
         out_specs=fd.partial_specs(2, rows, kv_lora_rank),
-        out_shape=fd.partial_shapes((b, plan.num_splits), rows, kv_lora_rank),
+        out_shape=fd.partial_shapes((x, plan.num_splits), rows, kv_lora_rank),
         compiler_params=fd.compiler_params(tuning, 8, dtype),
         interpret=interpret,
         name="paged_attention_mla",
-    )(q_BRC, *pools, slots_BXN, lengths_B, logit_scale)
+    )(q_XRC, *pools, slots_XYN, lengths, logit_scale)
     if tuning.combine == "pallas":
-        return fd.combine_splits(*partials, rows=h, scale_S=scale.reshape(1),
-                                 out_dtype=jnp.float32 if return_lse else q_BHC.dtype, with_lse=return_lse,
-                                 interpret=interpret)
-    out_BRL, lse_BR = fd.combine_partials(*partials)
-    return out_BRL[:, :h] * scale, lse_BR[:, :h]
+        out_XRL, lse_XR = fd.combine_splits(*partials, rows=kept, scale_S=scale.reshape(1),
+                                            out_dtype=jnp.float32 if return_lse else q_BQHC.dtype,
+                                            with_lse=return_lse, interpret=interpret)
+    else:
+        out_XRL, lse_XR = fd.combine_partials(*partials)
+        out_XRL, lse_XR = out_XRL[:, :kept] * scale, lse_XR[:, :kept]
+    out_BQHL = out_XRL.reshape(b, blocks * kept, kv_lora_rank)[:, :real_rows].reshape(b, nq, h, kv_lora_rank)
+    lse_BQH = None if lse_XR is None else lse_XR.reshape(b, blocks * kept)[:, :real_rows].reshape(b, nq, h)
+    return out_BQHL, lse_BQH

@@ -31,6 +31,7 @@ Tolerances (u_x = unit roundoff of format x: f32 2^-24, bf16 2^-8, e4m3 2^-4):
 * FP8 vs BF16 on the same unquantized values: see test_fp8_within_e4m3_bound.
 """
 
+import copy
 import functools
 import math
 import os
@@ -458,6 +459,107 @@ def test_mla_slot_shares_merge_into_the_whole(backend, kv_dtype, tuning):
         _check_close(merged[d], expected, tol, seed, f"merged slot shares (device {d})")
 
 
+# Several query tokens per request (speculative verification), q [B, Q, H, D] with lengths [B, Q]:
+# (GQA: kv_heads, group, head_dim | MLA: heads, width, rank), page_size, num_slots, lengths [B][Q].
+# Query j usually sees one token more than query j - 1 (each its own token and the ones before);
+# a request whose last queries see nothing (an engine row with fewer drafts than slots), an
+# empty request, queries across page ends; rows Q * G or Q * H of 8 to 36 (MLA: 24 and 32 are
+# two blocks of the default 16 head rows).
+GQA_TOKEN_SHAPES = [
+    (1, 12, 64, 8, 40, ((1, 2, 3), (298, 299, 300), (0, 0, 0), (36, 37, 0))),
+    (2, 4, 32, 16, 20, ((16, 17), (0, 1), (320, 0))),
+    (2, 1, 128, 32, 8, ((30, 31, 32, 33), (247, 248, 249, 250))),
+]
+MLA_TOKEN_SHAPES = [
+    (8, 576, 512, 16, 12, ((148, 149, 150), (0, 1, 2), (0, 0, 0))),
+    (5, 48, 32, 8, 7, ((55, 56), (2, 3))),
+    (16, 96, 64, 32, 10, ((69, 70), (299, 300), (0, 0), (63, 64))),
+]
+
+
+def _query_token_inputs(rng, kind, shape, kv_dtype, q_dtype):
+    """The op's arguments with q [B, Q, ...] and lengths [B, Q]; the cache is poisoned past each
+    request's longest query."""
+    *dims, s, n, lengths = shape
+    lengths_BQ = np.asarray(lengths, np.int32)
+    b, nq = lengths_BQ.shape
+    if kind == "gqa":
+        kvh, g, d = dims
+        args, cache = _gqa_inputs(rng, batch=b, kv_heads=kvh, group=g, head_dim=d, page_size=s, num_slots=n,
+                                  lengths=lengths_BQ.max(1), kv_dtype=kv_dtype, q_dtype=q_dtype, per_head=True)
+        q_name, q_shape = "q_BHD", (b, nq, kvh * g, d)
+    else:
+        h, c, rank = dims
+        args, cache = _mla_inputs(rng, heads=h, width=c, rank=rank, page_size=s, num_slots=n,
+                                  lengths=lengths_BQ.max(1), kv_dtype=kv_dtype, q_dtype=q_dtype)
+        q_name, q_shape = "q_BHC", (b, nq, h, c)
+    args = {**args, q_name: jnp.asarray(rng.standard_normal(q_shape), q_dtype), "lengths_B": jnp.asarray(lengths_BQ)}
+    return args, cache, lengths_BQ
+
+
+def _one_query(kind, args, j):
+    """The arguments of query token j alone: q [B, ...], lengths [B]."""
+    q_name = "q_BHD" if kind == "gqa" else "q_BHC"
+    return {**args, q_name: args[q_name][:, j], "lengths_B": args["lengths_B"][:, j]}
+
+
+TOKEN_CASES = [("gqa", shape) for shape in GQA_TOKEN_SHAPES] + [("mla", shape) for shape in MLA_TOKEN_SHAPES]
+
+
+@pytest.mark.parametrize("kind, shape", TOKEN_CASES)
+def test_query_tokens_reference_matches_float64(kind, shape):
+    seed = _seed()
+    args, cache, lengths_BQ = _query_token_inputs(_rng(seed), kind, shape, jnp.float8_e4m3fn, jnp.float32)
+    op = paged_attention_gqa if kind == "gqa" else paged_attention_mla
+    got = _as_np(op(**args, backend="xla"))
+    for j in range(lengths_BQ.shape[1]):
+        view = copy.copy(cache)
+        view.lengths = lengths_BQ[:, j]
+        one = _one_query(kind, args, j)
+        if kind == "gqa":
+            expected, v_max = _gqa_expected(one, view), _max_abs_v(args)
+        else:
+            expected = _mla_float64(_as_np(one["q_BHC"]), _as_np(args["latent_pages_PSC"]), view,
+                                    args["kv_lora_rank"], float(args["scale"]), args["softmax_scale"])
+            v_max = _mla_max_abs_v(args)
+        _check_close(got[:, j], expected, F32_TOL * v_max, seed, f"{kind} reference, query token {j}")
+
+
+@pytest.mark.parametrize("kind, shape, kv_dtype, q_dtype, tuning", [
+    ("gqa", GQA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=3)),
+    ("gqa", GQA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(prefetch=True, block_tokens=16,
+                                                                                  num_splits=2)),
+    ("gqa", GQA_TOKEN_SHAPES[1], jnp.bfloat16, jnp.float32, AttentionTuning(swap_pv=True, num_splits=2)),
+    ("gqa", GQA_TOKEN_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(combine="pallas", num_splits=3)),
+    ("gqa", GQA_TOKEN_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(branch_masks=False, block_tokens=16)),
+    ("gqa", GQA_TOKEN_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(fp8_dots="bfloat16")),
+    ("mla", MLA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
+    ("mla", MLA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(head_rows=32, combine="pallas")),
+    ("mla", MLA_TOKEN_SHAPES[1], jnp.bfloat16, jnp.bfloat16, AttentionTuning(prefetch=True, swap_pv=True)),
+    ("mla", MLA_TOKEN_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(block_tokens=16, num_splits=3)),
+    ("mla", MLA_TOKEN_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(combine="pallas", num_splits=2,
+                                                                                 branch_masks=False)),
+])
+def test_query_tokens_kernel_matches_reference_and_each_token_alone(kind, shape, kv_dtype, q_dtype, tuning):
+    """The folded kernel against the reference, and each query token's rows against the same
+    kernel run for that token alone (Q = 1: another split plan, so within the same tolerance);
+    a query token that sees nothing gets zeros."""
+    seed = _seed()
+    args, cache, lengths_BQ = _query_token_inputs(_rng(seed), kind, shape, kv_dtype, q_dtype)
+    op = paged_attention_gqa if kind == "gqa" else paged_attention_mla
+    v_max = _max_abs_v(args) if kind == "gqa" else _mla_max_abs_v(args)
+    tol = (F32_TOL if q_dtype == jnp.float32 else BF16_TOL) * v_max
+    got = op(**args, backend=KERNEL_BACKEND, tuning=tuning)
+    q = args["q_BHD" if kind == "gqa" else "q_BHC"]
+    assert got.shape == (*q.shape[:-1], got.shape[-1]) and got.dtype == q_dtype
+    _check_close(got, _as_np(op(**args, backend="xla")), tol, seed, f"{kind} kernel vs reference")
+    got = _as_np(got)
+    for j in range(lengths_BQ.shape[1]):
+        alone = op(**_one_query(kind, args, j), backend=KERNEL_BACKEND, tuning=tuning)
+        _check_close(got[:, j], _as_np(alone), tol, seed, f"{kind} query token {j} vs alone")
+        assert np.all(got[lengths_BQ[:, j] == 0, j] == 0), f"query tokens that see nothing give zeros, seed={seed}"
+
+
 @pytest.mark.parametrize("lead, splits, value_dim, rows, scales, out_dtype, with_lse", [
     ((2, 3), 5, 32, 12, 3, jnp.bfloat16, False),  # GQA-like: per-KV-head scales, 12 of 16 rows
     ((1,), 37, 64, 8, 1, jnp.float32, True),  # odd split count, one chunk
@@ -683,6 +785,25 @@ def test_kernels_lower_to_triton_at_gpu_shapes(kv_dtype, q_dtype):
     [kernel] = triton_kernels_for_cuda(sparse, spec((4, 8, 576), q_dtype), spec((512, 64, 576), kv_dtype),
                                        spec((4, 64), jnp.int32), spec((4, 2048), jnp.int32), spec((4,), jnp.int32))
     assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4
+
+
+@pytest.mark.triton_ir
+def test_query_tokens_lower_to_one_program_row_per_request():
+    """Speculative verification's shapes (the last token and 2 drafts per request) lower to Triton
+    with the query tokens folded into a program's rows: the grid has one row per request, not
+    per query token, so each page is read once for all of them."""
+    spec = jax.ShapeDtypeStruct
+    fp8 = jnp.float8_e4m3fn
+    gqa = functools.partial(paged_attention_gqa, k_scale=jnp.ones((1,)), v_scale=1.0, softmax_scale=0.1,
+                            backend="pallas")
+    [kernel] = triton_kernels_for_cuda(gqa, spec((4, 3, 12, 128), jnp.bfloat16), spec((1, 512, 16, 128), fp8),
+                                       spec((1, 512, 16, 128), fp8), spec((4, 128), jnp.int32),
+                                       spec((4, 3), jnp.int32))
+    assert kernel.name == "paged_attention_gqa" and kernel.grid[0] == 4
+    mla = functools.partial(paged_attention_mla, kv_lora_rank=512, scale=1.0, softmax_scale=0.1, backend="pallas")
+    [kernel] = triton_kernels_for_cuda(mla, spec((4, 2, 8, 576), jnp.bfloat16), spec((512, 64, 576), fp8),
+                                       spec((4, 32), jnp.int32), spec((4, 2), jnp.int32))
+    assert kernel.name == "paged_attention_mla" and kernel.grid[0] == 4  # 2 tokens x 8 heads: one block of 16
 
 
 @pytest.mark.triton_ir
@@ -916,6 +1037,10 @@ def test_backend_resolution_and_errors():
         paged_attention_gqa(**{**args, "k_scale": jnp.ones((3,))}, backend="xla")
     with pytest.raises(ValueError, match="lengths_B"):
         paged_attention_gqa(**{**args, "lengths_B": jnp.zeros((2,), jnp.int32)}, backend="xla")
+    tokens = {**args, "q_BHD": jnp.stack([args["q_BHD"]] * 3, axis=1)}  # [B, Q=3, H, D]
+    for lengths in (jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32)):
+        with pytest.raises(ValueError, match=r"lengths_B must be \[B\] .* or \[B, Q\]"):
+            paged_attention_gqa(**{**tokens, "lengths_B": lengths}, backend="xla")
     # The reference takes any page size; the kernels need 2^n (Triton blocks).
     odd_pages = {**args, "k_pages_KPSD": args["k_pages_KPSD"][:, :, :6], "v_pages_KPSD": args["v_pages_KPSD"][:, :, :6]}
     assert np.isfinite(_as_np(paged_attention_gqa(**odd_pages, backend="xla"))).all()
