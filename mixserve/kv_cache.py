@@ -197,16 +197,32 @@ class TokenSelection(NamedTuple):
 
 
 def latent_attention(q_BHC, arrays: dict, scale, pages_BN, row, *, kv_lora_rank: int, softmax_scale: float,
-                     backend: str, return_lse: bool = False):
+                     backend: str, return_lse: bool = False, verify_tokens: int = 1):
     """The MLA decode kernel (or its reference) over one layer's latent arrays (SPLIT_ENTRY's, as
-    stored_names lists them): `row` is the rows' lengths_B, or a TokenSelection (DSA)."""
+    stored_names lists them): `row` is the rows' lengths_B, or a TokenSelection (DSA: each row
+    its own tokens, so verification rows are not folded; PagedKV.verify_tokens)."""
     tiled = SPLIT_ENTRY + "_scale" in arrays
     pool = TiledLatentPages(*(arrays[a] for a in stored_names(arrays, SPLIT_ENTRY))) if tiled else arrays[SPLIT_ENTRY]
     common = dict(kv_lora_rank=kv_lora_rank, scale=None if tiled else scale, softmax_scale=softmax_scale,
                   backend=backend, return_lse=return_lse)
     if isinstance(row, TokenSelection):
         return pallas_kernels.sparse_paged_attention_mla(q_BHC, pool, pages_BN, row.token_ids_BK, row.count_B, **common)
-    return pallas_kernels.paged_attention_mla(q_BHC, pool, pages_BN, row, **common)
+    q, pages, lengths = fold_tokens(verify_tokens, q_BHC, pages_BN, row)
+    out = pallas_kernels.paged_attention_mla(q, pool, pages, lengths, **common)
+    return tuple(unfold_tokens(verify_tokens, x) for x in out) if return_lse else unfold_tokens(verify_tokens, out)
+
+
+def fold_tokens(tokens: int, q_X, pages_XN, lengths_X):
+    """Verification rows as the decode kernels' per-request form: runs of `tokens` consecutive rows
+    (one request's query tokens, on its pages) -> q [X / tokens, tokens, ...], pages [X / tokens, N],
+    lengths [X / tokens, tokens]. unfold_tokens undoes it on the output."""
+    if tokens == 1:
+        return q_X, pages_XN, lengths_X
+    return q_X.reshape(-1, tokens, *q_X.shape[1:]), pages_XN[::tokens], lengths_X.reshape(-1, tokens)
+
+
+def unfold_tokens(tokens: int, out):
+    return out if tokens == 1 else out.reshape(-1, *out.shape[2:])
 
 
 @dataclasses.dataclass
@@ -222,6 +238,11 @@ class PagedKV:
     # Decode context parallelism (MLA): each device of the mesh's "model" axis holds a contiguous
     # share of every page's slots of the latent pools (SPLIT_ENTRY's arrays), pool_shardings.
     split_slots: bool = False
+    # Speculative verification: the rows come in runs of verify_tokens, one request's query tokens
+    # (its last token and drafts, each a row of one token) on the same pages; the decode kernels
+    # take each run as one request of several query tokens (fold_tokens), so its pages are read
+    # once, not once per token.
+    verify_tokens: int = 1
     new_pools: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
@@ -320,8 +341,12 @@ class LayerKV:
         v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)["v"]
         if T == 1 and kv.backend != "xla":
             pages, lengths = self._kernel_table(k_pool.shape[1])
-            kernel = lambda q, k, v, ks, vs, pages, lengths: pallas_kernels.paged_attention_gqa(
-                q, k, v, pages, lengths, k_scale=ks, v_scale=vs, softmax_scale=scale, backend=kv.backend)
+
+            def kernel(q, k, v, ks, vs, pages, lengths):
+                q, pages, lengths = fold_tokens(kv.verify_tokens, q, pages, lengths)
+                return unfold_tokens(kv.verify_tokens, pallas_kernels.paged_attention_gqa(
+                    q, k, v, pages, lengths, k_scale=ks, v_scale=vs, softmax_scale=scale, backend=kv.backend))
+
             # Tensor parallel: each device attends with its query heads over its KV heads' pools.
             mesh = partitioning.context_mesh()
             head = partitioning.split_if(k_pool.shape[0] % partitioning.tp_size(mesh) == 0)
@@ -357,7 +382,8 @@ class LayerKV:
                 out_lat = self._attend_slot_shares(q, stored, latent_scale, index_mask, L, scale)
             elif kv.backend != "xla":  # the indexer gave a TokenSelection (or none): see index_select
                 pages, lengths = self._kernel_table(stored[SPLIT_ENTRY].shape[0])
-                kernel = functools.partial(latent_attention, kv_lora_rank=L, softmax_scale=scale, backend=kv.backend)
+                kernel = functools.partial(latent_attention, kv_lora_rank=L, softmax_scale=scale, backend=kv.backend,
+                                           verify_tokens=kv.verify_tokens)
                 # Tensor parallel: each device runs its query heads over the whole (replicated) latent pool.
                 mesh = partitioning.context_mesh()
                 head = partitioning.split_if(H % partitioning.tp_size(mesh) == 0)
@@ -397,7 +423,7 @@ class LayerKV:
             else:
                 row = row // S * share + jnp.clip(row % S - first, 0, share)
             out, lse = latent_attention(q, arrays, s, pages, row, kv_lora_rank=L, softmax_scale=scale,
-                                        backend=self.kv.backend, return_lse=True)
+                                        backend=self.kv.backend, return_lse=True, verify_tokens=self.kv.verify_tokens)
             return merge_over_axis(out, lse, partitioning.MODEL_AXIS)
 
         mesh, split = partitioning.context_mesh(), P(None, partitioning.MODEL_AXIS)

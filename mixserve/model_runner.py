@@ -232,10 +232,11 @@ class ModelRunner:
         return attended_pages(int(np.max(end_B)), c.page_size, table.max_pages_per_seq, c.min_attended_tokens)
 
     # ---- jitted functions -------------------------------------------------------------------------
-    def _paged_kv(self, pools, step, width: int):
+    def _paged_kv(self, pools, step, width: int, verify_tokens: int = 1):
         c = self.cfg
         step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
-        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend, c.split_slots)
+        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend, c.split_slots,
+                       verify_tokens)
 
     def _placed(self, pools):
         """The step's new pools, kept in the pools' sharding (so the next step neither reshards
@@ -352,7 +353,7 @@ class ModelRunner:
             start_X = (start_R[:, None] + jnp.arange(J)).reshape(-1)
             count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
             step_X, ok_X = self._checked_step(table, jnp.repeat(slots_R, J), start_X, count_X)
-            kv = self._paged_kv(pools, step_X, width)
+            kv = self._paged_kv(pools, step_X, width, verify_tokens=J)  # the kernels read a request's pages once
             logits_X1V, hidden_X1D = module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
                                                   valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
             ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check

@@ -116,6 +116,36 @@ def test_greedy_speculative_emits_the_plain_decode_tokens(preset):
     assert steps[(3, None)] < steps[(3, 1)] < steps[(2, 0)] == 23
 
 
+@pytest.mark.parametrize("preset, max_seq_len", [("tiny-kimi", None), ("tiny-glm4", None), ("tiny-glm5", None),
+                                                 ("tiny-glm5", 16)])
+def test_decode_kernels_verify_a_requests_tokens_in_one_call(preset, max_seq_len, monkeypatch):
+    """With the decode kernels (interpreted), verification hands each request's last token and
+    drafts to the attention kernels as one request of k + 1 query tokens (q [R, k + 1, H, D]),
+    and greedy output is still plain decoding's, with the same logprobs. GLM-5's indexer chooses
+    tokens per position (the sparse kernel, one row per position), unless its top-k (16) covers
+    the context (max_seq_len 16): then it keeps every token and the dense kernel runs folded."""
+    model = mixserve.load(preset, dtype="float32", mtp=True)
+    seen = []
+    for name in ("paged_attention_gqa", "paged_attention_mla"):
+        def recording(q, *args, _kernel=getattr(mixserve.kv_cache.pallas_kernels, name), **kw):
+            seen.append(q.shape)
+            return _kernel(q, *args, **kw)
+        monkeypatch.setattr(mixserve.kv_cache.pallas_kernels, name, recording)
+    prompts = _prompts(model.config.vocab_size, 2 if max_seq_len else 3)
+    request = dict(max_new_tokens=4 if max_seq_len else 10, temperature=0.0, logprobs=1)
+    kw = dict(attention_backend="interpret", max_seq_len=max_seq_len)
+    plain = _engine(model, **kw).generate(prompts, **request)
+    engine = _engine(model, speculative_tokens=2, **kw)
+    got = _run_with_oracle(engine, prompts, plain, 2, 1, **request)
+    assert all(r.status == "ok" for r in plain) and [r.tokens for r in got] == [r.tokens for r in plain]
+    for g, p in zip(got, plain):
+        np.testing.assert_allclose([lp.logprob for lp in g.logprobs], [lp.logprob for lp in p.logprobs], atol=1e-5)
+    assert engine.counters.accepted_tokens > 0
+    folded = [shape for shape in seen if len(shape) == 4]
+    dense_kernel = preset != "tiny-glm5" or max_seq_len is not None
+    assert bool(folded) == dense_kernel and all(shape[1] == 3 for shape in folded), sorted(set(seen))
+
+
 @pytest.mark.parametrize("name", ["kimi-yarn-groups", "glm5-dsa-shared"])
 def test_real_mtp_drafts_keep_greedy_output(name, tmp_path):
     ref.save_with_mtp(name, str(tmp_path))
@@ -235,7 +265,8 @@ def test_disaggregated_prefill_sends_the_mtp_cache_and_first_drafts(preset):
 
 def test_tensor_expert_and_context_parallel_speculative_decoding_keeps_the_tokens():
     """TP4, EP4 and decode context parallelism on 4 CPU devices (a subprocess: the device count is fixed when JAX starts): the
-    MTP layer's parameters and pool are placed by their logical axes like every layer's."""
+    MTP layer's parameters and pool are placed by their logical axes like every layer's, and the
+    decode kernels verify per device."""
     script = textwrap.dedent("""
         import jax, numpy as np, mixserve
         from mixserve import sharding
@@ -246,9 +277,11 @@ def test_tensor_expert_and_context_parallel_speculative_decoding_keeps_the_token
             prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 320, 5 + 7 * i)] for i in range(3)]
             kw = dict(num_pages=64, page_size=8, max_batch=4, speculative_tokens=2)
             one = Engine(m, **kw).generate(prompts, max_new_tokens=10, temperature=0.0)
-            # Decode context parallelism (MLA: each device holds a share of every page's slots).
-            splits = [dict(expert_parallel=False), dict(expert_parallel=True)]
-            splits += [dict(decode_context_parallel=True)] if name == "tiny-kimi" else []
+            # Decode context parallelism (MLA: each device holds a share of every page's slots);
+            # the kernels (interpreted) take each request's tokens as one request (fold_tokens).
+            kernels = dict(attention_backend="interpret")
+            splits = [dict(expert_parallel=False, **kernels), dict(expert_parallel=True)]
+            splits += [dict(decode_context_parallel=True, **kernels)] if name == "tiny-kimi" else []
             for split in splits:
                 got = Engine(m, mesh=sharding.tp_mesh(4), **split, **kw).generate(
                     prompts, max_new_tokens=10, temperature=0.0)
