@@ -534,6 +534,39 @@ def _sparse_mla_rows(bench: Bench, name, shape, q, pages, table, scale, key) -> 
     bench.measure(f"MLA sparse {name}", shape, "xla", functools.partial(op, backend="xla"), args, nbytes)
 
 
+VERIFY_TOKENS = 3  # speculative verification with 2 drafts: a request's last token and its drafts
+
+
+def verify_rows(bench: Bench, key) -> None:
+    """Speculative verification over FP8 pages at the longest context: each request's
+    VERIFY_TOKENS query tokens (query j sees the cache up to itself) folded into one program's
+    rows (q [B, Q, H, D]: the pages read once), against one kernel row per token (q [B * Q, H, D]
+    on a repeated page table: what the engine ran before 2026-12-02). Bytes: the folded call's
+    (each request's pages once), so the per-token rows' GB/s is an effective rate."""
+    cfg = bench.cfg
+    context = max(cfg.contexts)
+    steps = jnp.arange(VERIFY_TOKENS, dtype=jnp.int32) - (VERIFY_TOKENS - 1)
+    for batch in sorted(cfg.batches, reverse=True):
+        key, kg, km, kq = jax.random.split(key, 4)
+        shape = f"B={batch} ctx={context} Q={VERIFY_TOKENS}"
+        gqa, mla = _gqa_case(cfg, kg, batch, context, names=("fp8",)), _mla_case(cfg, km, batch, context, names=("fp8",))
+        (kp, vp, ks), (latent, ls) = gqa.pages["fp8"], mla.pages["fp8"]
+        cases = (("GQA", _gqa_op(cfg, ks), (kp, vp), gqa, 2 * kp.shape[-1]),
+                 ("MLA", _mla_op(cfg, ls), (latent,), mla, latent_bytes_per_token(latent)))
+        for name, op, pools, case, token_bytes in cases:
+            lengths_BQ = case.lengths[:, None] + steps
+            q_BQ = jax.random.normal(kq, (batch, VERIFY_TOKENS, *case.q.shape[1:]), jnp.bfloat16)
+            folded = (q_BQ, *pools, case.table, lengths_BQ)
+            per_token = (q_BQ.reshape(-1, *case.q.shape[1:]), *pools, jnp.repeat(case.table, VERIFY_TOKENS, axis=0),
+                         lengths_BQ.reshape(-1))
+            ref = op(*folded, backend="xla")
+            nbytes = int(jnp.sum(case.lengths)) * token_bytes
+            run = functools.partial(op, backend=cfg.kernel_backend)
+            bench.measure(f"{name} fp8 verify, folded", shape, cfg.kernel_backend, run, folded, nbytes, ref)
+            bench.measure(f"{name} fp8 verify, a row per token", shape, cfg.kernel_backend,
+                          lambda *args, run=run: run(*args).reshape(ref.shape), per_token, nbytes, ref)
+
+
 def _int4_weights(key, lead: tuple[int, ...], k: int, n: int, group: int):
     kv, ks = jax.random.split(key)
     values = jax.random.randint(kv, (*lead, k, n), -8, 8, jnp.int8)
@@ -916,7 +949,8 @@ def sweep_markdown(rows: list[Row], copy_bw: float) -> str:
     return "\n".join(out)
 
 
-PARTS = {"int4": int4_rows, "moe": moe_rows, "fp8": fp8_block_rows, "gqa": gqa_rows, "mla": mla_rows}
+PARTS = {"int4": int4_rows, "moe": moe_rows, "fp8": fp8_block_rows, "gqa": gqa_rows, "mla": mla_rows,
+         "verify": verify_rows}
 
 
 def main() -> None:

@@ -144,6 +144,14 @@ def cases(cfg: Config) -> list[Case]:
     for name, tuning in (("", AttentionTuning(head_rows=64)), (" swap-pv", AttentionTuning(head_rows=64, swap_pv=True))):
         out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share, head_rows=64{name}", jnp.float8_e4m3fn, tuning,
                              max(cfg.batches), max(cfg.contexts) // DCP))
+    # Speculative verification: a request's last token and 1-3 drafts folded into one program's rows
+    # (GQA Q * 12 -> 32 or 64 rows; MLA Q * 8 -> 16, or 32 as two programs of 16 or one of 32).
+    for queries in (2, 4):
+        out.append(_gqa_case(cfg, "GQA fp8 f16-dots verify", jnp.float8_e4m3fn, AttentionTuning(), max(cfg.batches),
+                             max(cfg.contexts), queries))
+        for name, tuning in (("", AttentionTuning()), (" head_rows=32", AttentionTuning(head_rows=32))):
+            out.append(_mla_case(cfg, f"MLA fp8 f16-dots verify{name}", jnp.float8_e4m3fn, tuning, max(cfg.batches),
+                                 max(cfg.contexts), queries))
     k, n = cfg.matmul_k, cfg.matmul_n
     for group in (32, 128):
         weights = (spec((k // 8, n), jnp.int32), spec((k // group, n), jnp.bfloat16))
@@ -194,18 +202,29 @@ def _fp8_block_cases(ms, k: int, n: int, experts: int, moe_tokens, x_dtype, tuni
     return out
 
 
-def _gqa_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
+def _query_specs(batch: int, queries: int, heads: int, width: int):
+    """(q, lengths) specs and a shape label suffix: one query token per request, or `queries`
+    (speculative verification, q [B, Q, H, C])."""
+    spec = jax.ShapeDtypeStruct
+    if queries == 1:
+        return spec((batch, heads, width), jnp.bfloat16), spec((batch,), jnp.int32), ""
+    return (spec((batch, queries, heads, width), jnp.bfloat16), spec((batch, queries), jnp.int32),
+            f" Q={queries}")
+
+
+def _gqa_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int,
+              queries: int = 1) -> Case:
     spec = jax.ShapeDtypeStruct
     n = context // cfg.gqa_page
     pages = spec((1, batch * n, cfg.gqa_page, cfg.gqa_head_dim), dtype)
     gqa = functools.partial(paged_attention_gqa, k_scale=1.0, v_scale=1.0, softmax_scale=0.1, backend="pallas",
                             tuning=tuning)
-    return Case(kernel, f"B={batch} ctx={context}", gqa,
-                (spec((batch, cfg.gqa_q_heads, cfg.gqa_head_dim), jnp.bfloat16), pages, pages,
-                 spec((batch, n), jnp.int32), spec((batch,), jnp.int32)))
+    q, lengths, label = _query_specs(batch, queries, cfg.gqa_q_heads, cfg.gqa_head_dim)
+    return Case(kernel, f"B={batch} ctx={context}{label}", gqa, (q, pages, pages, spec((batch, n), jnp.int32), lengths))
 
 
-def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int) -> Case:
+def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: int, context: int,
+              queries: int = 1) -> Case:
     """dtype: of the latent pages, or "tiled" for FlashMLA's layout (TiledLatentPages)."""
     n = context // cfg.mla_page
     width = cfg.mla_rank + cfg.mla_rope
@@ -218,9 +237,8 @@ def _mla_case(cfg: Config, kernel: str, dtype, tuning: AttentionTuning, batch: i
         pages = pool(width, dtype)
     mla = functools.partial(paged_attention_mla, kv_lora_rank=cfg.mla_rank, scale=None if dtype == "tiled" else 1.0,
                             softmax_scale=0.1, backend="pallas", tuning=tuning)
-    return Case(kernel, f"B={batch} ctx={context}", mla,
-                (spec((batch, cfg.mla_heads, width), jnp.bfloat16), pages,
-                 spec((batch, n), jnp.int32), spec((batch,), jnp.int32)))
+    q, lengths, label = _query_specs(batch, queries, cfg.mla_heads, width)
+    return Case(kernel, f"B={batch} ctx={context}{label}", mla, (q, pages, spec((batch, n), jnp.int32), lengths))
 
 
 def test_cases() -> list[Case]:

@@ -22,6 +22,7 @@ def test_gpu_kernels_script_runs_on_cpu(tmp_path):
     assert "NOT kernel performance" in out and "| MLA fp8 |" in out and "| MLA fp8 tiled |" in out
     assert "| MLA fp8, DCP8 share |" in out and "| MoE FP8-block | T=" in out and "| xla: dequantize, dot |" in out
     assert "| NVFP4 matmul | M=" in out
+    assert "| GQA fp8 verify, folded | B=2 ctx=48 Q=3 |" in out and "| MLA fp8 verify, a row per token |" in out
     assert (tmp_path / "k.md").read_text().count("\n") > 10
 
 
