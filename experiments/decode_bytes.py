@@ -148,7 +148,7 @@ def kv_bytes_per_request(cfg: ModelConfig, fmt: KVFormat, context: int, tp: int)
 @functools.lru_cache(maxsize=None)
 def weight_reads(cfg: ModelConfig, plan: WeightPlan, tp: int) -> tuple[float, float]:
     """(bytes every step reads, bytes of one routed expert over all MoE layers), on one of tp GPUs."""
-    wb = weight_bytes(cfg.replace(num_mtp_layers=0), plan=plan, tp=tp)  # mixserve does not run MTP
+    wb = weight_bytes(cfg.replace(num_mtp_layers=0), plan=plan, tp=tp)  # MTP passes: speculative_bytes_per_token
     lm_head = wb.embeddings if cfg.tie_word_embeddings else wb.embeddings // 2
     # Every replicated byte is among these (norms, router, MLA down-projections, indexer).
     always = wb.attention + wb.dense + wb.other + lm_head
@@ -288,8 +288,9 @@ def speculative_bytes_per_token(cfg: ModelConfig, plan: WeightPlan, *, tp: int, 
                                 k: int, acceptance: float, folded: bool, kv_dtype: str = "fp8_e4m3") -> float:
     """Bytes one GPU reads per emitted token when each step verifies k MTP drafts per request.
     - The model runs c (k + 1) tokens: the experts they touch, the weights once.
-    - KV: mixserve verifies each position as its own decode row, which reads its request's cache
-      again: (k + 1) c caches. folded: FlashMLA's way (positions folded into the query heads), c.
+    - KV: each position verified as its own decode row reads its request's cache again: (k + 1) c
+      caches. folded: the positions folded into the query rows (FlashMLA's seqlen_q; mixserve's
+      GQA and dense MLA kernels), c.
     - The MTP layer runs k times over c tokens; each pass reads about one decoder layer (the
       step's weights and c tokens' experts over num_layers) and one layer of the caches.
     k = 0 is plain decode."""
@@ -303,29 +304,36 @@ def speculative_bytes_per_token(cfg: ModelConfig, plan: WeightPlan, *, tp: int, 
 
 
 def speculative_table(copy_bw: float) -> list[str]:
-    """GLM 5.2 (INT4 experts, rest FP8; FP8 KV) with MTP drafts: bytes per emitted token against
-    plain decode's, so the bytes-only speedup, for verify rows as mixserve runs them and folded."""
-    cfg, plan = get_preset("glm-5"), PLANS["int4 g32 experts, rest fp8"]
+    """GLM 5.2 and GLM-4.7 (INT4 experts, rest FP8; FP8 KV) with MTP drafts: bytes per emitted
+    token against plain decode's, so the bytes-only speedup, with verify rows reading the caches
+    once per position and folded (once per request)."""
     cases = [(1, 0.85), (3, 0.85), (3, 0.6)]
     lines = ["## Speculative decoding with MTP drafts: bytes per emitted token", "",
-             "GLM 5.2 at TP8, INT4 experts (rest FP8), FP8 KV. Each cell: the bytes-only speedup over plain decode "
+             "TP8, INT4 experts (rest FP8), FP8 KV. Each cell: the bytes-only speedup over plain decode "
              "(plain bytes per token / speculative bytes per token), with each position verified as its own decode "
-             "row (mixserve: its request's cache read again) / with the positions folded into one read (FlashMLA). "
+             "row (its request's cache read again) / with the positions folded into one read (FlashMLA's seqlen_q). "
+             "mixserve's decode kernels fold GQA (GLM-4.x) and dense MLA since 2026-12-02 (the second number); "
+             "GLM-5's sparse DSA decode keeps a row per position, since each chose its own top-k tokens, and so "
+             "does its indexer (the first number). "
              "Acceptance: the chance each draft is kept, the same for every draft (assumed; DeepSeek-V3's report, as "
              "quoted, gives 85-90% for its one MTP token, and later drafts of a reused layer do worse). Bytes only: "
              "verifying more tokens costs compute that a bytes model does not count.", "",
-             "| context | concurrency | " + " | ".join(f"k={k}, acceptance {a:.0%}" for k, a in cases) + " |",
-             "|---:|---:|" + "---|" * len(cases)]
-    for context in (DEFAULT_CONTEXT, 32768):
-        for c in (1, 8, 64):
-            plain = speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c, context=context, k=0, acceptance=0,
-                                                folded=False)
-            cells = []
-            for k, a in cases:
-                rows, folded = (plain / speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c, context=context,
-                                                                    k=k, acceptance=a, folded=f) for f in (False, True))
-                cells.append(f"{rows:.2f}x / {folded:.2f}x")
-            lines.append(f"| {context} | {c} | " + " | ".join(cells) + " |")
+             "| model | context | concurrency | " + " | ".join(f"k={k}, acceptance {a:.0%}" for k, a in cases) + " |",
+             "|---|---:|---:|" + "---|" * len(cases)]
+    plan = PLANS["int4 g32 experts, rest fp8"]
+    for name in ("glm-5", "glm-4.7"):
+        cfg = get_preset(name)
+        for context in (DEFAULT_CONTEXT, 32768):
+            for c in (1, 8, 64):
+                plain = speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c, context=context, k=0,
+                                                    acceptance=0, folded=False)
+                cells = []
+                for k, a in cases:
+                    rows, folded = (plain / speculative_bytes_per_token(cfg, plan, tp=TP, concurrency=c,
+                                                                        context=context, k=k, acceptance=a, folded=f)
+                                    for f in (False, True))
+                    cells.append(f"{rows:.2f}x / {folded:.2f}x")
+                lines.append(f"| {name} | {context} | {c} | " + " | ".join(cells) + " |")
     return lines
 
 
