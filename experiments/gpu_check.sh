@@ -54,7 +54,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # triton_ir read Triton IR out of jaxlib <= 0.10.2's CUDA lowering (CPU CI);
 # newer jaxlibs compile during lowering, which this step exercises anyway. (A
 # filter on test names, until 2026-12-01, let four such tests through.)
-# 192 tests: run 3 took 138 s for 123 in one process, mostly compiling, so
+# 248 tests (2026-12-02): run 3 took 138 s for 123 in one process, mostly compiling, so
 # they run in TEST_WORKERS processes (pytest-xdist is in the GPU image; the
 # machine has 16 cores), each allocating GPU memory as it needs it rather
 # than 75% of it up front.

@@ -356,7 +356,11 @@ def attend_split(
 
     lengths: [1], the tokens every row attends to, or [R], each row its own
     (several query tokens of a request, each seeing the cache up to itself:
-    speculative verification, see row_lengths). slots_ref holds this split's
+    speculative verification, see row_lengths). The rows share the value
+    tiles, zeroed only past the longest row: a NaN value of a token some row
+    sees (a NaN activation; FP8 writes saturate) reaches every row of the
+    request (probability 0 times NaN), where one row per token would keep it
+    to the rows that see the token. slots_ref holds this split's
     page ids. gather(pages, valid_T) loads
     those pages as stored (gather_pages; valid_T None: a plain load), and
     logits_and_values(tiles) turns them into (logits [R, T] f32, values [T, V]).
@@ -597,25 +601,28 @@ def query_tokens(q: jax.Array, lengths: jax.Array, name: str) -> tuple[jax.Array
     verification: the last token and its drafts, each up to itself, as FlashMLA's seqlen_q)."""
     if q.ndim == 3 and lengths.ndim == 1:
         q, lengths = q[:, None], lengths[:, None]
-    if q.ndim != 4:
+    if q.ndim not in (3, 4):
         raise ValueError(f"expected {name} [B, H, D] or [B, Q, H, D], got {q.shape}")
-    if lengths.shape != q.shape[:2]:
+    if q.ndim == 3 or lengths.shape != q.shape[:2]:
         raise ValueError(f"lengths_B must be [B] for {name} [B, H, D], or [B, Q] for {name} [B, Q, H, D]; "
                          f"got {lengths.shape} for {name} {q.shape}")
+    if q.shape[1] == 0:
+        raise ValueError(f"{name} [B, Q, H, D] needs at least one query token per request, got {q.shape}")
     return q, lengths
 
 
 def row_lengths(lengths_BQ: jax.Array, heads: int, rows: int) -> jax.Array:
     """Kernel lengths [B] (one query token) or [B, R] per query row, for rows laid out
-    query-major (row j * heads + h is query j's head h). The padding rows take their request's
-    longest length: their outputs are dropped, and a length of 0 would send every block into
-    the masked branch (attend_split)."""
+    query-major (row j * heads + h is query j's head h). The padding rows (their outputs are
+    dropped) take the last query's length, so that they change neither the shortest row's
+    length nor the longest of a block they share with it (attend_split): a length of 0 would
+    send every block into the masked branch, the request's longest would make a block of
+    queries that see nothing (an MLA head block) stream pages."""
     b, q = lengths_BQ.shape
     if q == 1:
         return lengths_BQ[:, 0]
-    longest_B1 = jnp.max(lengths_BQ, axis=1, keepdims=True)
     return jnp.concatenate([jnp.repeat(lengths_BQ, heads, axis=1),
-                            jnp.broadcast_to(longest_B1, (b, rows - q * heads))], axis=1)
+                            jnp.broadcast_to(lengths_BQ[:, -1:], (b, rows - q * heads))], axis=1)
 
 
 def lengths_spec(lengths: jax.Array) -> pl.BlockSpec:

@@ -153,8 +153,9 @@ def sparse_paged_attention_mla(
     to (each below its length, no repeats); entries past counts_B[b] are
     ignored and may hold anything. Output [B, H, L] as paged_attention_mla.
     """
-    if q_BHC.ndim != 3:
-        raise ValueError(f"sparse MLA takes one query token per request, q [B, H, C], got {q_BHC.shape}")
+    if q_BHC.ndim != 3 or counts_B.ndim != 1:
+        raise ValueError(f"sparse MLA takes one query token per request, q [B, H, C] and counts_B [B], got "
+                         f"{q_BHC.shape} and {counts_B.shape}")
     if token_ids_BK.ndim != 2 or token_ids_BK.shape[0] != q_BHC.shape[0]:
         raise ValueError(f"token_ids_BK must be [B={q_BHC.shape[0]}, K], got {token_ids_BK.shape}")
     fd.check_paging(page_table_BN, counts_B, q_BHC.shape[0])

@@ -45,7 +45,7 @@ from conftest import KERNEL_BACKEND, dots_below_the_mma_minimum, ttir_dots
 
 from pallas_kernels import paged_attention_gqa, paged_attention_mla, sparse_paged_attention_mla
 from pallas_kernels.backend import lower_for_cuda, resolve_backend, triton_kernels_for_cuda
-from pallas_kernels.flash_decoding import AttentionTuning, merge_over_axis
+from pallas_kernels.flash_decoding import AttentionTuning, merge_over_axis, row_lengths
 
 # Unit roundoff, half the spacing at 1: bf16 keeps 8 significant bits, so 2^-8. It read 2^-9
 # until 2026-11-29, which halved every bf16 bound; one seed rounded an output of -4.1106 to
@@ -501,6 +501,26 @@ def _one_query(kind, args, j):
     """The arguments of query token j alone: q [B, ...], lengths [B]."""
     q_name = "q_BHD" if kind == "gqa" else "q_BHC"
     return {**args, q_name: args[q_name][:, j], "lengths_B": args["lengths_B"][:, j]}
+
+
+def test_padding_rows_take_the_last_query_tokens_length():
+    """fd.row_lengths: each query token's length for its heads, then the padding rows at the last
+    token's, so that they move neither the shortest row nor a block's longest."""
+    got = row_lengths(jnp.asarray([[5, 6, 0], [7, 8, 9]], jnp.int32), heads=2, rows=8)
+    assert got.tolist() == [[5, 5, 6, 6, 0, 0, 0, 0], [7, 7, 8, 8, 9, 9, 9, 9]]
+    assert row_lengths(jnp.asarray([[4], [0]], jnp.int32), heads=2, rows=16).tolist() == [4, 0]  # one token: [B]
+
+
+def test_sparse_mla_refuses_several_query_tokens():
+    """Each query token of DSA chooses its own tokens: the sparse op takes one per request."""
+    args, _ = _mla_inputs(_rng(0), heads=4, width=48, rank=32, page_size=8, num_slots=2, lengths=(9, 3),
+                          kv_dtype=jnp.bfloat16, q_dtype=jnp.float32)
+    ids = jnp.zeros((2, 4), jnp.int32)
+    common = dict(kv_lora_rank=32, softmax_scale=0.1, backend="xla")
+    for q, counts in ((jnp.stack([args["q_BHC"]] * 2, axis=1), jnp.ones((2,), jnp.int32)),
+                      (args["q_BHC"], jnp.ones((2, 2), jnp.int32))):
+        with pytest.raises(ValueError, match="one query token per request"):
+            sparse_paged_attention_mla(q, args["latent_pages_PSC"], args["page_table_BN"], ids, counts, **common)
 
 
 TOKEN_CASES = [("gqa", shape) for shape in GQA_TOKEN_SHAPES] + [("mla", shape) for shape in MLA_TOKEN_SHAPES]
@@ -1038,9 +1058,13 @@ def test_backend_resolution_and_errors():
     with pytest.raises(ValueError, match="lengths_B"):
         paged_attention_gqa(**{**args, "lengths_B": jnp.zeros((2,), jnp.int32)}, backend="xla")
     tokens = {**args, "q_BHD": jnp.stack([args["q_BHD"]] * 3, axis=1)}  # [B, Q=3, H, D]
-    for lengths in (jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32)):
+    for q, lengths in ((tokens["q_BHD"], jnp.zeros((1,), jnp.int32)), (tokens["q_BHD"], jnp.zeros((1, 2), jnp.int32)),
+                       (args["q_BHD"], jnp.zeros((1, 3), jnp.int32))):
         with pytest.raises(ValueError, match=r"lengths_B must be \[B\] .* or \[B, Q\]"):
-            paged_attention_gqa(**{**tokens, "lengths_B": lengths}, backend="xla")
+            paged_attention_gqa(**{**tokens, "q_BHD": q, "lengths_B": lengths}, backend="xla")
+    with pytest.raises(ValueError, match="at least one query token"):
+        paged_attention_gqa(**{**tokens, "q_BHD": tokens["q_BHD"][:, :0], "lengths_B": jnp.zeros((1, 0), jnp.int32)},
+                            backend=KERNEL_BACKEND)
     # The reference takes any page size; the kernels need 2^n (Triton blocks).
     odd_pages = {**args, "k_pages_KPSD": args["k_pages_KPSD"][:, :, :6], "v_pages_KPSD": args["v_pages_KPSD"][:, :, :6]}
     assert np.isfinite(_as_np(paged_attention_gqa(**odd_pages, backend="xla"))).all()
