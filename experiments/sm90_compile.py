@@ -144,11 +144,15 @@ def cases(cfg: Config) -> list[Case]:
     for name, tuning in (("", AttentionTuning(head_rows=64)), (" swap-pv", AttentionTuning(head_rows=64, swap_pv=True))):
         out.append(_mla_case(share, f"MLA fp8, DCP{DCP} share, head_rows=64{name}", jnp.float8_e4m3fn, tuning,
                              max(cfg.batches), max(cfg.contexts) // DCP))
-    # Speculative verification: a request's last token and 1-3 drafts folded into one program's rows
-    # (GQA Q * 12 -> 32 or 64 rows; MLA Q * 8 -> 16, or 32 as two programs of 16 or one of 32).
-    for queries in (2, 4):
+    # Speculative verification: a request's last token and 1-7 drafts folded into program rows
+    # (GQA Q * 12 -> 32 or 64 rows, or at Q=8 two programs of 64 (AttentionTuning.gqa_rows) or one
+    # of 128; MLA Q * 8 -> 16, or 32 as two programs of 16 or one of 32).
+    for queries in (2, 4, 8):
         out.append(_gqa_case(cfg, "GQA fp8 f16-dots verify", jnp.float8_e4m3fn, AttentionTuning(), max(cfg.batches),
                              max(cfg.contexts), queries))
+    out.append(_gqa_case(cfg, "GQA fp8 f16-dots verify gqa_rows=128", jnp.float8_e4m3fn, AttentionTuning(gqa_rows=128),
+                         max(cfg.batches), max(cfg.contexts), 8))
+    for queries in (2, 4):
         for name, tuning in (("", AttentionTuning()), (" head_rows=32", AttentionTuning(head_rows=32))):
             out.append(_mla_case(cfg, f"MLA fp8 f16-dots verify{name}", jnp.float8_e4m3fn, tuning, max(cfg.batches),
                                  max(cfg.contexts), queries))

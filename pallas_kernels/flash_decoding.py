@@ -97,6 +97,12 @@ class AttentionTuning:
       one program of 64 heads (decode context parallelism at 8 ways runs
       them all) compiles for sm_90a to 255 registers with 1204 B of spills
       and 180 KiB of shared memory (experiments/results/sm90_compile.md).
+    gqa_rows: GQA: the most query rows (Q query tokens x G heads) one
+      program holds, a power of two >= 16; more run in blocks of this many,
+      each its own program that reads the pages again. For sm_90a at 4 warps
+      (FP8, float16 dots, B=64): 16 rows (one token of GLM-4.x's 12 heads)
+      124 registers, 64 (3-4 tokens) 201, 128 (6-8 tokens) 255 with 700 B of
+      spills (experiments/results/sm90_compile_verify.md).
     """
 
     block_tokens: int = 64
@@ -111,9 +117,10 @@ class AttentionTuning:
     combine: str = "xla"
     branch_masks: bool = True
     head_rows: int = 16
+    gqa_rows: int = 64
 
     def __post_init__(self):
-        for name in ("block_tokens", "head_rows"):
+        for name in ("block_tokens", "head_rows", "gqa_rows"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
@@ -623,6 +630,46 @@ def row_lengths(lengths_BQ: jax.Array, heads: int, rows: int) -> jax.Array:
         return lengths_BQ[:, 0]
     return jnp.concatenate([jnp.repeat(lengths_BQ, heads, axis=1),
                             jnp.broadcast_to(lengths_BQ[:, -1:], (b, rows - q * heads))], axis=1)
+
+
+class RowBlocks(NamedTuple):
+    """How a request's real query rows are laid into programs of at most `cap` rows: `blocks`
+    programs of `rows` rows each (a power of two), of which the combine keeps the first `kept`."""
+
+    real: int
+    blocks: int
+    rows: int
+    kept: int
+
+    @classmethod
+    def of(cls, real_rows: int, cap: int) -> "RowBlocks":
+        if real_rows <= cap:
+            return cls(real_rows, 1, mma.padded_rows(real_rows), real_rows)
+        return cls(real_rows, -(-real_rows // cap), cap, cap)
+
+    def split(self, x_BR, axis: int):
+        """x [B, ..., real rows (at axis), ...] -> [B * blocks, ..., rows, ...], padded with zeros."""
+        pad = [(0, 0)] * x_BR.ndim
+        pad[axis] = (0, self.blocks * self.rows - self.real)
+        x = jnp.pad(x_BR, pad)
+        x = x.reshape(*x.shape[:axis], self.blocks, self.rows, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 1).reshape(-1, *x.shape[1:axis], self.rows, *x.shape[axis + 2:])
+
+    def join(self, x_XR, axis: int):
+        """split's inverse on the kept rows: [B * blocks, ..., kept, ...] -> [B, ..., real rows, ...]."""
+        x = x_XR.reshape(-1, self.blocks, *x_XR.shape[1:])
+        x = jnp.moveaxis(x, 1, axis)
+        x = x.reshape(*x.shape[:axis], self.blocks * self.kept, *x.shape[axis + 2:])
+        return jax.lax.slice_in_dim(x, 0, self.real, axis=axis)
+
+    def lengths(self, lengths_BQ: jax.Array, heads: int) -> jax.Array:
+        """row_lengths per program: [B * blocks] (one query token) or [B * blocks, rows]."""
+        lengths = row_lengths(lengths_BQ, heads, self.blocks * self.rows)
+        return lengths.reshape(-1, self.rows) if lengths.ndim == 2 else jnp.repeat(lengths, self.blocks)
+
+    def table(self, page_table_BN: jax.Array) -> jax.Array:
+        """Each program's page table: its request's."""
+        return page_table_BN if self.blocks == 1 else jnp.repeat(page_table_BN, self.blocks, axis=0)
 
 
 def lengths_spec(lengths: jax.Array) -> pl.BlockSpec:

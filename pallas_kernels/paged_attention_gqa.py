@@ -173,26 +173,28 @@ def _gqa_kernel(q_ref, k_pages_ref, v_pages_ref, slots_ref, length_ref, logit_sc
 def _kernel(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
             k_scale_K, v_scale_K, softmax_scale, *, interpret: bool, tuning: fd.AttentionTuning):
     b, nq, h, d = q_BQHD.shape
-    page_table_BN, k_pages_KPSD, v_pages_KPSD = fd.cut_pages(page_table_BN, tuning.block_tokens, 1,
-                                                             k_pages_KPSD, v_pages_KPSD)
-    kvh, _, page_size, _ = k_pages_KPSD.shape
+    kvh = k_pages_KPSD.shape[0]
     g = h // kvh
-    real_rows = nq * g  # query-major: row j * G + i is query token j's head i of this KV head
-    rows = mma.padded_rows(real_rows)
-    plan = fd.plan_splits(page_table_BN.shape[1], page_size, b * kvh,
+    # Query-major rows of one KV head (row j * G + i is query token j's head i of it); more than
+    # gqa_rows run in blocks of gqa_rows, each a request of its own over the same pages.
+    blocks = fd.RowBlocks.of(nq * g, tuning.gqa_rows)
+    rows, x = blocks.rows, b * blocks.blocks
+    page_table_XN, k_pages_KPSD, v_pages_KPSD = fd.cut_pages(blocks.table(page_table_BN), tuning.block_tokens, 1,
+                                                             k_pages_KPSD, v_pages_KPSD)
+    page_size = k_pages_KPSD.shape[2]
+    plan = fd.plan_splits(page_table_XN.shape[1], page_size, x * kvh,
                           kv_bytes_per_token=2 * d * k_pages_KPSD.dtype.itemsize,
                           partial_bytes=rows * (d + 2) * 4, target_programs=TARGET_PROGRAMS, tuning=tuning)
     dtype = fd.compute_dtype(q_BQHD.dtype, k_pages_KPSD.dtype, tuning)
-    q_BKRD = q_BQHD.reshape(b, nq, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, real_rows, d)
-    q_BKRD = jnp.pad(q_BKRD.astype(fd.kernel_query_dtype(dtype, q_BQHD.dtype)),
-                     ((0, 0), (0, 0), (0, rows - real_rows), (0, 0)))
-    slots_BXN, lengths = fd.split_page_table(page_table_BN, fd.row_lengths(lengths_BQ, g, rows), page_size, plan)
+    q_BKRD = q_BQHD.reshape(b, nq, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, nq * g, d)
+    q_XKRD = blocks.split(q_BKRD.astype(fd.kernel_query_dtype(dtype, q_BQHD.dtype)), axis=2)
+    slots_XYN, lengths = fd.split_page_table(page_table_XN, blocks.lengths(lengths_BQ, g), page_size, plan)
     logit_scale_K = k_scale_K * softmax_scale
     pool_spec = pl.BlockSpec((None, *k_pages_KPSD.shape[1:]), lambda bi, ki, xi: (ki, 0, 0, 0))
     partials = pl.pallas_call(
         functools.partial(_gqa_kernel, plan=plan, page_size=page_size, dot_dtype=dtype,
                           tuning=tuning),
-        grid=(b, kvh, plan.num_splits),
+        grid=(x, kvh, plan.num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, ki, xi: (bi, ki, 0, 0)),
             pool_spec,
@@ -202,15 +204,15 @@ def _kernel(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ,
             pl.BlockSpec((1,), lambda bi, ki, xi: (ki,)),
         ],
         out_specs=fd.partial_specs(3, rows, d),
-        out_shape=fd.partial_shapes((b, kvh, plan.num_splits), rows, d),
+        out_shape=fd.partial_shapes((x, kvh, plan.num_splits), rows, d),
         compiler_params=fd.compiler_params(tuning, 4, dtype),
         interpret=interpret,
         name="paged_attention_gqa",
-    )(q_BKRD, k_pages_KPSD, v_pages_KPSD, slots_BXN, lengths, logit_scale_K)
+    )(q_XKRD, k_pages_KPSD, v_pages_KPSD, slots_XYN, lengths, logit_scale_K)
     if tuning.combine == "pallas":
-        out_BKRD, _ = fd.combine_splits(*partials, rows=real_rows, scale_S=v_scale_K, out_dtype=q_BQHD.dtype,
+        out_XKRD, _ = fd.combine_splits(*partials, rows=blocks.kept, scale_S=v_scale_K, out_dtype=q_BQHD.dtype,
                                         with_lse=False, interpret=interpret)
     else:
-        out_BKRD = fd.combine_partials(*partials)[0][:, :, :real_rows] * v_scale_K[None, :, None, None]
-    out_BKQGD = out_BKRD.reshape(b, kvh, nq, g, d).astype(q_BQHD.dtype)
+        out_XKRD = fd.combine_partials(*partials)[0][:, :, :blocks.kept] * v_scale_K[None, :, None, None]
+    out_BKQGD = blocks.join(out_XKRD, axis=2).reshape(b, kvh, nq, g, d).astype(q_BQHD.dtype)
     return out_BKQGD.transpose(0, 2, 1, 3, 4).reshape(b, nq, h, d)

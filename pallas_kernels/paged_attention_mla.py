@@ -281,19 +281,15 @@ def _kernel(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_
     """-> (out [B, Q, H, L], log-sum-exp [B, Q, H]); out in float32 with return_lse, else
     in q's dtype or float32 (the caller casts), and the log-sum-exp may be None."""
     b, nq, h, c = q_BQHC.shape
-    real_rows = nq * h  # query-major: row j * H + i is query token j's head i
-    # More rows than head_rows run in blocks of head_rows, each a request of its own over the same pages.
-    blocks = -(-real_rows // tuning.head_rows)
-    rows = tuning.head_rows if blocks > 1 else mma.padded_rows(real_rows)
-    kept = rows if blocks > 1 else real_rows  # rows of each block the combine keeps
-    x = b * blocks
-    q_XRC = jnp.pad(q_BQHC.reshape(b, real_rows, c), ((0, 0), (0, blocks * rows - real_rows), (0, 0)))
-    q_XRC = q_XRC.reshape(x, rows, c)
-    lengths = fd.row_lengths(lengths_BQ, h, blocks * rows)
-    lengths = lengths.reshape(x, rows) if lengths.ndim == 2 else jnp.repeat(lengths, blocks)
+    # Query-major rows (row j * H + i is query token j's head i); more than head_rows run in
+    # blocks of head_rows, each a request of its own over the same pages.
+    blocks = fd.RowBlocks.of(nq * h, tuning.head_rows)
+    rows, x = blocks.rows, b * blocks.blocks
+    q_XRC = blocks.split(q_BQHC.reshape(b, nq * h, c), axis=1)
+    lengths = blocks.lengths(lengths_BQ, h)
     tiled = isinstance(latent_pages_PSC, TiledLatentPages)
     pools = tuple(latent_pages_PSC) if tiled else (latent_pages_PSC,)
-    page_table_XN, *pools = fd.cut_pages(jnp.repeat(page_table_BN, blocks, axis=0), tuning.block_tokens, 0, *pools)
+    page_table_XN, *pools = fd.cut_pages(blocks.table(page_table_BN), tuning.block_tokens, 0, *pools)
     page_size = pools[0].shape[1]
     plan = fd.plan_splits(page_table_XN.shape[1], page_size, x,
                           kv_bytes_per_token=latent_bytes_per_token(latent_pages_PSC),
@@ -322,12 +318,11 @@ def _kernel(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, scale, softmax_
         name="paged_attention_mla",
     )(q_XRC, *pools, slots_XYN, lengths, logit_scale)
     if tuning.combine == "pallas":
-        out_XRL, lse_XR = fd.combine_splits(*partials, rows=kept, scale_S=scale.reshape(1),
+        out_XRL, lse_XR = fd.combine_splits(*partials, rows=blocks.kept, scale_S=scale.reshape(1),
                                             out_dtype=jnp.float32 if return_lse else q_BQHC.dtype,
                                             with_lse=return_lse, interpret=interpret)
     else:
         out_XRL, lse_XR = fd.combine_partials(*partials)
-        out_XRL, lse_XR = out_XRL[:, :kept] * scale, lse_XR[:, :kept]
-    out_BQHL = out_XRL.reshape(b, blocks * kept, kv_lora_rank)[:, :real_rows].reshape(b, nq, h, kv_lora_rank)
-    lse_BQH = None if lse_XR is None else lse_XR.reshape(b, blocks * kept)[:, :real_rows].reshape(b, nq, h)
-    return out_BQHL, lse_BQH
+        out_XRL, lse_XR = out_XRL[:, :blocks.kept] * scale, lse_XR[:, :blocks.kept]
+    out_BQHL = blocks.join(out_XRL, axis=1).reshape(b, nq, h, kv_lora_rank)
+    return out_BQHL, None if lse_XR is None else blocks.join(lse_XR, axis=1).reshape(b, nq, h)

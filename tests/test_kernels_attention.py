@@ -469,6 +469,7 @@ GQA_TOKEN_SHAPES = [
     (1, 12, 64, 8, 40, ((1, 2, 3), (298, 299, 300), (0, 0, 0), (36, 37, 0))),
     (2, 4, 32, 16, 20, ((16, 17), (0, 1), (320, 0))),
     (2, 1, 128, 32, 8, ((30, 31, 32, 33), (247, 248, 249, 250))),
+    (2, 6, 32, 16, 12, ((40, 41, 42), (0, 1, 2), (100, 101, 0))),  # 18 rows per KV head
 ]
 MLA_TOKEN_SHAPES = [
     (8, 576, 512, 16, 12, ((148, 149, 150), (0, 1, 2), (0, 0, 0))),
@@ -553,6 +554,10 @@ def test_query_tokens_reference_matches_float64(kind, shape):
     ("gqa", GQA_TOKEN_SHAPES[1], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(combine="pallas", num_splits=3)),
     ("gqa", GQA_TOKEN_SHAPES[2], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(branch_masks=False, block_tokens=16)),
     ("gqa", GQA_TOKEN_SHAPES[2], jnp.float8_e5m2, jnp.bfloat16, AttentionTuning(fp8_dots="bfloat16")),
+    # Rows in programs of at most 16 (18 rows of 2 KV heads: 2 blocks each) or 32 (36 rows: 2
+    # blocks, the second 4 real rows and 28 of padding).
+    ("gqa", GQA_TOKEN_SHAPES[3], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(gqa_rows=16, num_splits=2)),
+    ("gqa", GQA_TOKEN_SHAPES[0], jnp.bfloat16, jnp.float32, AttentionTuning(gqa_rows=32, combine="pallas")),
     ("mla", MLA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.bfloat16, AttentionTuning(num_splits=2)),
     ("mla", MLA_TOKEN_SHAPES[0], jnp.float8_e4m3fn, jnp.float32, AttentionTuning(head_rows=32, combine="pallas")),
     ("mla", MLA_TOKEN_SHAPES[1], jnp.bfloat16, jnp.bfloat16, AttentionTuning(prefetch=True, swap_pv=True)),
@@ -726,7 +731,7 @@ def test_a_page_table_without_columns_is_refused():
 def test_attention_tuning_rejects_an_unknown_dot_dtype_and_odd_blocks():
     with pytest.raises(ValueError, match="fp8_dots"):
         AttentionTuning(fp8_dots="float8")
-    for field in ("block_tokens", "head_rows"):
+    for field in ("block_tokens", "head_rows", "gqa_rows"):
         for value in (8, 24):
             with pytest.raises(ValueError, match=f"{field} must be a power of two >= 16, got {value}"):
                 AttentionTuning(**{field: value})
