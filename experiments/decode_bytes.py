@@ -145,6 +145,15 @@ def kv_bytes_per_request(cfg: ModelConfig, fmt: KVFormat, context: int, tp: int)
     return index * context + latent * min(context, cfg.index_topk)
 
 
+def kv_bytes_per_query(cfg: ModelConfig, fmt: KVFormat, context: int, tp: int) -> float:
+    """The part of kv_bytes_per_request that a query token chose for itself, so that another
+    query token of the same request reads it again even when they share one read of the pages:
+    DSA's top-k latents (the index keys are shared); none for dense attention."""
+    if cfg.family != "glm_moe_dsa":
+        return 0.0
+    return bytes_per_token(cfg, fmt, entry="latent") * min(context, cfg.index_topk)
+
+
 @functools.lru_cache(maxsize=None)
 def weight_reads(cfg: ModelConfig, plan: WeightPlan, tp: int) -> tuple[float, float]:
     """(bytes every step reads, bytes of one routed expert over all MoE layers), on one of tp GPUs."""
@@ -290,14 +299,16 @@ def speculative_bytes_per_token(cfg: ModelConfig, plan: WeightPlan, *, tp: int, 
     - The model runs c (k + 1) tokens: the experts they touch, the weights once.
     - KV: each position verified as its own decode row reads its request's cache again: (k + 1) c
       caches. folded: the positions folded into the query rows (FlashMLA's seqlen_q; mixserve's
-      GQA and dense MLA kernels), c.
+      kernels and XLA path), c caches, plus what each position chose for itself (DSA's top-k
+      latents, kv_bytes_per_query) k c more times.
     - The MTP layer runs k times over c tokens; each pass reads about one decoder layer (the
       step's weights and c tokens' experts over num_layers) and one layer of the caches.
     k = 0 is plain decode."""
     tokens = concurrency * (k + 1)
     verify = step_bytes(cfg, plan, tp=tp, concurrency=tokens, context=context, kv_dtype=kv_dtype)
     kv_per_request = verify.kv / tokens
-    kv = kv_per_request * (concurrency if folded else tokens)
+    again = kv_bytes_per_query(cfg, kv_format(kv_dtype, "bfloat16"), context, tp) if folded else kv_per_request
+    kv = concurrency * (kv_per_request + k * again)
     one_pass = step_bytes(cfg, plan, tp=tp, concurrency=concurrency, context=context, kv_dtype=kv_dtype)
     mtp = k * one_pass.total / cfg.num_layers
     return (verify.weights + verify.experts + kv + mtp) / (concurrency * emitted_per_step(acceptance, k))
@@ -312,9 +323,8 @@ def speculative_table(copy_bw: float) -> list[str]:
              "TP8, INT4 experts (rest FP8), FP8 KV. Each cell: the bytes-only speedup over plain decode "
              "(plain bytes per token / speculative bytes per token), with each position verified as its own decode "
              "row (its request's cache read again) / with the positions folded into one read (FlashMLA's seqlen_q). "
-             "mixserve's decode kernels fold GQA (GLM-4.x) and dense MLA since 2026-12-02 (the second number); "
-             "GLM-5's sparse DSA decode keeps a row per position, since each chose its own top-k tokens, and so "
-             "does its indexer (the first number). "
+             "mixserve folds them since 2026-12-02 (the second number); GLM-5's positions share the read of the "
+             "index keys, but each reads the top-k latents it chose (counted in the second number too). "
              "Acceptance: the chance each draft is kept, the same for every draft (assumed; DeepSeek-V3's report, as "
              "quoted, gives 85-90% for its one MTP token, and later drafts of a reused layer do worse). Bytes only: "
              "verifying more tokens costs compute that a bytes model does not count.", "",

@@ -321,16 +321,22 @@ class LayerKV:
         return causal & (jnp.arange(T)[None, None, :] < step.count_B[:, None, None])
 
     def _gather(self, pool, head_axis: bool):
-        """Pages of every row in logical order: [B, N*S, ...] (GQA: [B, N*S, KVH, D])."""
-        pages = self.kv.step.pages_BN
+        """Pages of every request in logical order: [B, N*S, ...] (GQA: [B, N*S, KVH, D]), one per
+        run of PagedKV.verify_tokens rows (the decode paths fold those rows with _per_request)."""
+        pages = self.kv.step.pages_BN[::self.kv.verify_tokens]
         B, N = pages.shape
         if head_axis:
             g = pool[:, pages]  # [KVH, B, N, S, D]
             return jnp.moveaxis(g, 0, -2).reshape(B, N * pool.shape[2], pool.shape[0], pool.shape[-1])
         return pool[pages].reshape(B, N * pool.shape[1], *pool.shape[2:])
 
+    def _per_request(self, x_X1):
+        """A decode tensor [rows, 1, ...] as [requests, verify_tokens, ...]: a verify run's rows are
+        its request's query tokens over the pages _gather reads once (fold_tokens' XLA twin)."""
+        return x_X1.reshape(-1, self.kv.verify_tokens, *x_X1.shape[2:])
+
     def _read(self, stored: dict, name: str, scale, dtype):
-        """Entry `name` (MLA latent or DSA index keys) of every row in logical order: [B, N*S, width]."""
+        """Entry `name` (MLA latent or DSA index keys) of every request in logical order: [B, N*S, width]."""
         return decode({array: self._gather(pool, False) for array, pool in stored.items()}, name, scale, dtype)
 
     # ---- the model-facing interface ------------------------------------------------------------
@@ -360,7 +366,9 @@ class LayerKV:
         k_ctx = dequantize_from_pool(self._gather(k_pool, True), head_scale(kv.k_scale), dt)
         v_ctx = dequantize_from_pool(self._gather(v_pool, True), head_scale(kv.v_scale), dt)
         if decode:
-            return masked_attention(q_BTHD, k_ctx, v_ctx, self._context_mask(T, True), scale)
+            out = masked_attention(self._per_request(q_BTHD), k_ctx, v_ctx, self._per_request(self._context_mask(T, True)),
+                                   scale)
+            return out.reshape(q_BTHD.shape)
         keys = jnp.concatenate([k_ctx, k_BTKD.astype(dt)], axis=1)
         values = jnp.concatenate([v_ctx, v_BTKD.astype(dt)], axis=1)
         mask = jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
@@ -390,9 +398,10 @@ class LayerKV:
                 kernel = partitioning.per_device(kernel, mesh, (P(None, head),) + (P(),) * 4, P(None, head))
                 out_lat = kernel(q, stored, latent_scale, pages, lengths if index_mask is None else index_mask)
             else:
-                latent = self._read(stored, "latent", latent_scale, dt)  # [B, N*S, C]
+                latent = self._read(stored, "latent", latent_scale, dt)  # [requests, N*S, C]
                 mask = self._context_mask(1, True) if index_mask is None else index_mask
-                out_lat = masked_attention(q[:, None], latent[:, :, None, :], latent[:, :, None, :L], mask, scale)[:, 0]
+                out_lat = masked_attention(self._per_request(q[:, None]), latent[:, :, None, :], latent[:, :, None, :L],
+                                           self._per_request(mask), scale).reshape(B, H, L)
             out = jnp.einsum("bhl,lhv->bhv", out_lat.astype(dt), w_uv.astype(dt), preferred_element_type=jnp.float32)
             return out.astype(dt)[:, None]
         latent = self._read(stored, "latent", latent_scale, dt)
@@ -438,19 +447,18 @@ class LayerKV:
         T, kv = q_BTHD.shape[1], self.kv
         scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
         k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
-        if T == 1 and (self.kv.backend != "xla" or self._slot_mesh(SPLIT_ENTRY) is not None):
-            # top_k_mask's choice, kept as positions for the sparse kernel (or its reference).
+        if T == 1:  # each verified token scores the keys its request's pages hold, read once
             valid_B1S = self._context_mask(1, True)
+            scores = lambda: index_scores(self._per_request(q_BTHD), k_ctx, self._per_request(w_BTH), scale)
+            if self.kv.backend == "xla" and self._slot_mesh(SPLIT_ENTRY) is None:
+                return top_k_mask(scores(), self._per_request(valid_B1S), top_k).reshape(valid_B1S.shape)
+            # top_k_mask's choice, kept as positions for the sparse kernel (or its reference).
             if top_k >= valid_B1S.shape[-1]:
                 return None  # every cached token is chosen: the dense kernel reads them page by page
-            chosen_BK = top_k_positions(index_scores(q_BTHD, k_ctx, w_BTH, scale), valid_B1S, top_k)[:, 0]
+            chosen_BK = top_k_positions(scores(), self._per_request(valid_B1S), top_k).reshape(-1, top_k)
             return TokenSelection(chosen_BK, jnp.minimum(jnp.sum(valid_B1S[:, 0], axis=-1), top_k))
-        if T == 1:
-            keys, valid = k_ctx, self._context_mask(1, True)
-        else:
-            keys = jnp.concatenate([k_ctx, k_BTD], axis=1)
-            valid = self._prefill_mask(T)
-        return top_k_mask(index_scores(q_BTHD, keys, w_BTH, scale), valid, top_k)
+        keys = jnp.concatenate([k_ctx, k_BTD], axis=1)
+        return top_k_mask(index_scores(q_BTHD, keys, w_BTH, scale), self._prefill_mask(T), top_k)
 
 
 @dataclasses.dataclass

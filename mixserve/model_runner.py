@@ -345,7 +345,8 @@ class ModelRunner:
     @functools.cached_property
     def _speculative_fn(self):
         """One speculative decode step (mixserve/speculative.py): verify each request's token and
-        drafts, one row per position, accept, and draft the next ones."""
+        drafts, one row per position (the attention reads each request's pages once for its rows:
+        PagedKV.verify_tokens), accept, and draft the next ones."""
         module, c = self.decode_model.module, self.cfg
 
         def step_fn(params, pools, table, slots_R, start_R, count_R, tokens_RJ, room_R, sampling, *, width):

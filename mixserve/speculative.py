@@ -5,10 +5,11 @@ lookup).
 
 One decode step of a request with n tokens t_0..t_{n-1} and k draft tokens d_1..d_k (guesses at
 t_n.., made by the MTP layer in the previous step):
-  1. verify: the model runs t_{n-1}, d_1, .., d_k at positions n-1 .. n-1+k, one row each, through
-     the same decode kernels as plain decode (the rows share the request's pages: each writes its
-     token's KV, then reads the pages, its siblings' writes included), so its logits at every
-     position are the ones plain decode would compute there;
+  1. verify: the model runs t_{n-1}, d_1, .., d_k at positions n-1 .. n-1+k, one row each (the
+     rows share the request's pages: each writes its token's KV, then attends to the pages up to
+     its own position, its earlier siblings' writes included), so its logits at every position
+     are the ones plain decode would compute there. The attention takes the k + 1 rows as one
+     request of k + 1 query tokens, reading its pages once (kv_cache.PagedKV.verify_tokens);
   2. `accept`: d_{j+1} is kept while the model agrees (greedy: it is the argmax; sampled: with
      probability p_j(d_{j+1}), the rejection sampling of Leviathan et al. / Chen et al. for a
      deterministic draft, vLLM's rejection sampler without draft probabilities); the first

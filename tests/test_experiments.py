@@ -600,8 +600,9 @@ def test_decode_step_bytes_count_every_weight_once():
 def test_speculative_bytes_per_token():
     """k = 0 is plain decode; all drafts kept emit k + 1 tokens; verify rows read the caches k + 1
     times, folded once; the MTP passes add k layers' worth of one step."""
-    from experiments.decode_bytes import emitted_per_step, speculative_bytes_per_token, step_bytes
+    from experiments.decode_bytes import emitted_per_step, kv_bytes_per_query, speculative_bytes_per_token, step_bytes
     from experiments.weight_bytes import PLANS
+    from mixserve.kv_cache import kv_format
     from models.presets import get_preset
 
     assert emitted_per_step(1.0, 3) == 4 and emitted_per_step(0.0, 3) == 1 and emitted_per_step(0.5, 2) == 1.75
@@ -612,7 +613,11 @@ def test_speculative_bytes_per_token():
     four = step_bytes(cfg, plan, tp=8, concurrency=32, context=4096)
     mtp = 3 * one.total / cfg.num_layers
     assert abs(bpt(k=3, acceptance=1.0, folded=False) * 32 - (four.total + mtp)) < 1e-3 * four.total
-    assert abs(bpt(k=3, acceptance=1.0, folded=True) * 32 - (four.total - four.kv + one.kv + mtp)) < 1e-3 * four.total
+    # Folded, the positions share the index keys; each reads the top-k latents it chose.
+    chosen = 8 * kv_bytes_per_query(cfg, kv_format("fp8_e4m3", "bfloat16"), 4096, 8)
+    assert chosen > 0 and kv_bytes_per_query(get_preset("glm-4.7"), kv_format("fp8_e4m3", "bfloat16"), 4096, 8) == 0
+    folded = four.total - four.kv + one.kv + 3 * chosen + mtp
+    assert abs(bpt(k=3, acceptance=1.0, folded=True) * 32 - folded) < 1e-3 * four.total
 
 
 def test_decode_kv_bytes_follow_the_attention_kind():
