@@ -147,6 +147,12 @@ def dequantize_from_pool(x, scale, dtype):
     return (x.astype(jnp.float32) * scale).astype(dtype)
 
 
+def stored_scale(pool, scale):
+    """The scale the decode kernels undo on `pool`: an FP8 pool stores value / scale, a BF16 or
+    float32 one the value itself (quantize_for_pool), whatever scale the engine was given."""
+    return scale if is_fp8(pool.dtype) else jnp.ones_like(scale)
+
+
 def stored_names(pools: dict, name: str) -> tuple[str, ...]:
     """The arrays that hold entry `name` ("k", "v", "latent", "index") in one layer's pools."""
     if name + "_scale" not in pools:
@@ -203,7 +209,7 @@ def latent_attention(q_BHC, arrays: dict, scale, pages_BN, row, *, kv_lora_rank:
     its own tokens, so verification rows are not folded; PagedKV.verify_tokens)."""
     tiled = SPLIT_ENTRY + "_scale" in arrays
     pool = TiledLatentPages(*(arrays[a] for a in stored_names(arrays, SPLIT_ENTRY))) if tiled else arrays[SPLIT_ENTRY]
-    common = dict(kv_lora_rank=kv_lora_rank, scale=None if tiled else scale, softmax_scale=softmax_scale,
+    common = dict(kv_lora_rank=kv_lora_rank, scale=None if tiled else stored_scale(pool, scale), softmax_scale=softmax_scale,
                   backend=backend, return_lse=return_lse)
     if isinstance(row, TokenSelection):
         return pallas_kernels.sparse_paged_attention_mla(q_BHC, pool, pages_BN, row.token_ids_BK, row.count_B, **common)
@@ -359,7 +365,8 @@ class LayerKV:
             scale_spec = lambda s: P(head) if s.ndim else P()
             kernel = partitioning.per_device(kernel, mesh, (P(None, head), P(head), P(head), scale_spec(kv.k_scale),
                                                             scale_spec(kv.v_scale), P(), P()), P(None, head))
-            return kernel(q_BTHD[:, 0], k_pool, v_pool, kv.k_scale, kv.v_scale, pages, lengths)[:, None]
+            return kernel(q_BTHD[:, 0], k_pool, v_pool, stored_scale(k_pool, kv.k_scale), stored_scale(v_pool, kv.v_scale),
+                          pages, lengths)[:, None]
         decode = T == 1
         dt = q_BTHD.dtype
         head_scale = lambda s: s[:, None] if s.ndim else s  # [KVH] broadcasts over head_dim

@@ -64,17 +64,40 @@ def test_fp8_attention_within_e4m3_bound(per_head):
     assert 0 < err <= bound, f"seed {seed}: error {err:.4g} vs bound {bound:.4g}"
 
 
-def test_pallas_decode_backend_matches_xla():
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16"])
+def test_pallas_decode_backend_matches_xla(kv_dtype):
     """The engine's attention backend switch: the Pallas GQA kernel (interpret mode on CPU) on the
-    same FP8 pages as the XLA reference path, to float32 accumulation precision."""
+    same pages as the XLA reference path, to float32 accumulation precision. The scales apply to
+    FP8 pools only: a BF16 pool holds the values themselves, on either path."""
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     B, S, K, D = 2, 21, CFG.num_kv_heads, CFG.head_dim
     q = jnp.asarray(rng.normal(0, 0.5, (B, CFG.num_heads, D)), jnp.float32)
     k = jnp.asarray(rng.normal(0, 1, (B, S + 1, K, D)), jnp.float32)
     v = jnp.asarray(rng.normal(0, 1, (B, S + 1, K, D)), jnp.float32)
-    xla = run_attention("fp8_e4m3", q, k, v, 0.5, 0.25, page_size=8)
-    kernel = run_attention("fp8_e4m3", q, k, v, 0.5, 0.25, page_size=8, backend="interpret")
+    xla = run_attention(kv_dtype, q, k, v, 0.5, 0.25, page_size=8)
+    kernel = run_attention(kv_dtype, q, k, v, 0.5, 0.25, page_size=8, backend="interpret")
     np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), atol=2e-5, rtol=2e-5)
+    if kv_dtype == "bfloat16":  # the values as given, rounded to bf16 once
+        unscaled = run_attention(kv_dtype, q, k, v, 1.0, 1.0, page_size=8)
+        np.testing.assert_allclose(np.asarray(xla), np.asarray(unscaled), atol=1e-6)
+
+
+def test_scales_leave_a_bf16_latent_pool_alone_on_both_backends():
+    """MLA's latent scale, like GQA's: given with a BF16 pool, neither the XLA path nor the kernel
+    applies it (the engine serves what it would without scales)."""
+    import mixserve
+    from mixserve.engine import Engine
+
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    prompts = [list(map(int, np.random.default_rng(i).integers(0, 256, 9 + 4 * i))) for i in range(2)]
+    kw = dict(kv_dtype="bfloat16", num_pages=16, page_size=8, max_batch=2, stop_tokens=())
+    runs = [Engine(model, attention_backend=backend, **kw, **scales).generate(prompts, max_new_tokens=4, logprobs=0)
+            for backend, scales in (("xla", {}), ("xla", dict(k_scale=0.5, v_scale=0.5)),
+                                    ("interpret", dict(k_scale=0.5, v_scale=0.5)))]
+    for other in runs[1:]:
+        assert [r.tokens for r in other] == [r.tokens for r in runs[0]]
+        np.testing.assert_allclose([lp.logprob for r in other for lp in r.logprobs],
+                                   [lp.logprob for r in runs[0] for lp in r.logprobs], atol=1e-5)
 
 
 def test_calibrated_per_head_scales_feed_the_engine():
