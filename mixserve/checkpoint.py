@@ -62,8 +62,10 @@ PART_DTYPES = {"int4": {"weight_packed": "I32"},
                "nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32",
                          "weight_scale_2": "F32", "input_global_scale": "F32", "input_scale": "F32"}}
 # Calibration scales of a quantized KV cache (compressed-tensors kv_cache_scheme, ModelOpt
-# kv_cache_quant_algo): not read; the KV format is chosen when serving (Engine kv_format, k_scale).
+# kv_cache_quant_algo) on the attention modules: not weights. GQA models' per-tensor FP8 scales
+# are read apart (read_kv_scales), for the engine's FP8 KV cache; the KV format is chosen when serving.
 KV_SCALE_PARTS = {"k_scale", "v_scale"}
+KV_SCALE_UNIT = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn(?:\.[kv]_proj)?$")
 MODELOPT_ALGOS = ("NVFP4", "W4A16_NVFP4")  # ModelOpt's quant_algo for NVFP4 weights with and without NVFP4 activations
 # Static input scales of NVFP4 activations (W4A4), which mixserve serves weight-only.
 NVFP4_INPUT_PARTS = {"input_global_scale", "input_scale"}
@@ -115,7 +117,7 @@ def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations:
         nvfp4 = any(f"{unit}.{p}" in infos for p in ("weight_scale_2", "weight_global_scale"))
         if part in input_scales and nvfp4 and not (nvfp4_activations and quantizes_input(unit)):
             continue
-        if part in kv_scales and re.search(r"\.self_attn(\.[kv]_proj)?$", unit):
+        if part in kv_scales and KV_SCALE_UNIT.search(unit):
             continue
         modelopt_pack = (part == "weight" and info.dtype == "U8" and f"{unit}.weight_scale_2" in infos
                          and f"{unit}.weight_packed" not in infos)
@@ -184,7 +186,7 @@ def detect_plan(cfg: ModelConfig, infos: dict[str, TensorInfo], quant: dict,
     A category that mixes NVFP4 with another format loads dequantized and runs weight-only, with a
     warning; at least one category must be NVFP4 alone."""
     found = _stored_formats(cfg, infos, mtp=False)
-    for notice in check_quantization_config(quant, nvfp4_activations):
+    for notice in check_quantization_config(quant, nvfp4_activations, cfg):
         warnings.warn(notice, stacklevel=3)
     _check_group_size(found, quant)
     if nvfp4_activations:
@@ -256,7 +258,7 @@ def is_quantizable_unit(unit: str) -> bool:
     return leaf.endswith("_proj") and leaf != "weights_proj" or leaf in ("wq_b", "wk", "kv_a_proj_with_mqa")
 
 
-def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> list[str]:
+def check_quantization_config(quant: dict, nvfp4_activations: bool = False, cfg: ModelConfig | None = None) -> list[str]:
     """Refuse, before any tensor is read, a quantization_config whose tensors would load but mean
     something else: asymmetric or reordered INT4, other bit widths, integer or FP8 activations,
     sparsity or rotation transforms. Accepted: DeepSeek-style block FP8 (quant_method "fp8", e4m3,
@@ -268,7 +270,8 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> l
     weight-only (W4A16), as vLLM serves them on GPUs without FP4 math (Hopper: Marlin), so the
     activations stay in the model dtype, unless nvfp4_activations (then kv_b_proj alone runs
     weight-only: absorbed MLA never multiplies the latent by it); a declared KV cache scheme's
-    calibrated scales are not read (the KV format is chosen when serving)."""
+    calibrated scales are not read unless they are a GQA model's (cfg) per-tensor FP8 scales
+    (read_kv_scales)."""
     if not quant:
         return []
     method, problems, notices = quant.get("quant_method"), [], []
@@ -310,10 +313,12 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False) -> l
         notices.append("the checkpoint quantizes activations to NVFP4 (W4A4); mixserve serves it weight-only "
                        "(W4A16), as vLLM does on GPUs without FP4 math: activations stay in the model dtype and "
                        "the input scales are not read (nvfp4_activations=True quantizes them, as Blackwell does)")
-    if _kv_scheme(quant):
+    if _kv_scheme(quant) and not (fp8_kv_scheme(quant) and cfg is not None and cfg.attention_kind == "gqa"):
+        why = ("they calibrate the expanded keys and values, not the latent MLA caches"
+               if fp8_kv_scheme(quant) else "mixserve reads per-tensor FP8 KV scales only")
         notices.append(f"the checkpoint declares a quantized KV cache ({_kv_scheme(quant)}); its k_scale/v_scale "
-                       "are not read: the KV cache format is chosen when serving (kv_cache_dtype), and Engine(k_scale=, "
-                       "v_scale=) takes calibrated scales")
+                       f"are not read ({why}): the KV cache format is chosen when serving (kv_cache_dtype), and "
+                       "Engine(k_scale=, v_scale=) takes calibrated scales (mixserve.kv_cache.calibrate_scales)")
     return notices
 
 
@@ -333,6 +338,49 @@ def _is_nvfp4_activation(args: dict | None) -> bool:
 def _kv_scheme(quant: dict):
     """The declared KV cache quantization (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo)."""
     return quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo")
+
+
+def fp8_kv_scheme(quant: dict) -> bool:
+    """Does the checkpoint declare a static per-tensor FP8 KV cache (ModelOpt kv_cache_quant_algo
+    "FP8", compressed-tensors kv_cache_scheme float 8-bit by tensor)? Its k_scale/v_scale are then
+    real = stored * scale, per attention layer."""
+    scheme = _kv_scheme(quant)
+    if isinstance(scheme, str):
+        return scheme.upper() == "FP8"
+    return (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+            and scheme.get("strategy", "tensor") == "tensor" and not scheme.get("dynamic", False))
+
+
+def read_kv_scales(directory: str, cfg: ModelConfig, quant: dict, mtp: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """A GQA checkpoint's calibrated FP8 KV scales (fp8_kv_scheme), one per cache layer: (k, v)
+    float32 [num_layers] (+ the MTP layer's, if mtp and it has them; else the engine gives it the
+    layers' largest, kv_cache.layer_scales). Named as compressed-tensors (self_attn.k_scale) or
+    ModelOpt (self_attn.k_proj.k_scale) writes them. None: no such scales (or an MLA model: see
+    check_quantization_config's notice)."""
+    if not fp8_kv_scheme(quant) or cfg.attention_kind != "gqa":
+        return None
+    found: dict[tuple[str, int], TensorInfo] = {}
+    for name, info in index_tensors(directory).items():
+        unit, part = split_unit(name)
+        if part in KV_SCALE_PARTS and (m := KV_SCALE_UNIT.search(unit)):
+            found[(part, int(m.group(1)))] = info
+    if not found:
+        return None
+    layers = cfg.num_layers + int(mtp and all((p, cfg.mtp_layer) in found for p in KV_SCALE_PARTS))
+    missing = [f"layer {i} {p}" for i in range(cfg.num_layers) for p in sorted(KV_SCALE_PARTS) if (p, i) not in found]
+    if missing:
+        raise CheckpointError(f"the checkpoint's FP8 KV scales miss {', '.join(missing)}: every decoder layer needs both")
+    scales = {}
+    for p in sorted(KV_SCALE_PARTS):
+        values = []
+        for i in range(layers):
+            value = np.asarray(load_tensor(found[(p, i)]), np.float32)
+            if value.size != 1 or not np.isfinite(value).all() or value.item() <= 0:
+                raise CheckpointError(f"layer {i}'s {p} is {value.tolist()} (shape {value.shape}): mixserve reads one "
+                                      "finite positive FP8 KV scale per layer")
+            values.append(value.item())
+        scales[p] = np.asarray(values, np.float32)
+    return scales["k_scale"], scales["v_scale"]
 
 
 def _unsupported_group(group: dict, default_format) -> list[str]:

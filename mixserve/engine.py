@@ -35,7 +35,7 @@ import pallas_kernels
 from mixserve import page_table as pt
 from mixserve import sharding, speculative
 from mixserve.frontend import Frontend
-from mixserve.kv_cache import bytes_per_token, kv_format
+from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
@@ -50,7 +50,7 @@ DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifie
 class Engine(Frontend):
     def __init__(self, model: Model, *, kv_dtype: str = "auto", page_size: int = 16, num_pages: int | None = None,
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
-                 prefill_chunk: int = 64, integrity: str = "off", k_scale=1.0, v_scale=1.0,
+                 prefill_chunk: int = 64, integrity: str = "off", k_scale=None, v_scale=None,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
@@ -117,14 +117,14 @@ class Engine(Frontend):
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
         self.max_pages_per_seq = math.ceil(self.max_seq_len / page_size)
-        k_scale, v_scale = jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)
-        if cfg.attention_kind == "mla" and (k_scale.ndim or v_scale.ndim):
-            raise ValueError("MLA keeps one latent per token: use a per-tensor (scalar) k_scale")
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s.ndim and s.shape != (cfg.num_kv_heads,):
-                raise ValueError(f"{name} must be a scalar or one value per KV head ({cfg.num_kv_heads})")
-            if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
-                raise ValueError(f"{name} must be finite and positive")
+        # FP8 KV scales (real = stored * scale): given as a scalar, per KV head or per layer
+        # (kv_cache.layer_scales); None: the checkpoint's calibrated ones when it ships them and the
+        # pools are untiled FP8 (tiled pools carry their own), else 1.
+        shipped = model.kv_scales if is_fp8(self.kv_format.dtype) and not self.kv_format.tiled else None
+        self.kv_scales_from_checkpoint = shipped is not None and (k_scale is None or v_scale is None)
+        k_scale, v_scale = (
+            layer_scales((1.0 if shipped is None else shipped[i][:, None]) if given is None else given, name, cfg, mtp)
+            for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))))
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.tokenizer = model.tokenizer  # decodes the outputs of requests with stop strings
         sharding.check_mesh(mesh, cfg.n_routed_experts, expert_parallel)

@@ -101,6 +101,30 @@ def cache_layers(cfg: ModelConfig, mtp: bool = False) -> int:
     return cfg.num_layers + int(mtp)
 
 
+def layer_scales(scale, name: str, cfg: ModelConfig, mtp: bool = False) -> jax.Array:
+    """An engine's k_scale or v_scale as one per cache layer: [layers] (per tensor) or [layers, KVH]
+    (GQA, per KV head). Given as a scalar or [KVH] (every layer alike), or per layer as [L, 1] or
+    [L, KVH], L = cache_layers (or num_layers: the MTP draft's layer, calibrated by no one, then
+    takes the layers' largest scale, the widest range)."""
+    s = jnp.asarray(scale, jnp.float32)
+    layers, kvh = cache_layers(cfg, mtp), cfg.num_kv_heads if cfg.attention_kind == "gqa" else 1
+    if s.ndim == 2 and s.shape[0] == cfg.num_layers < layers:
+        s = jnp.concatenate([s, jnp.max(s, axis=0, keepdims=True)])
+    if s.ndim == 2 and s.shape[0] == cache_layers(cfg, True) > layers:  # the MTP layer's, unused without its pool
+        s = s[:layers]
+    if s.ndim < 2:
+        s = jnp.broadcast_to(s.reshape(1, -1), (layers, s.size))
+    if cfg.attention_kind == "mla" and s.shape[1:] != (1,):
+        raise ValueError(f"MLA keeps one latent per token: {name} must be per tensor (a scalar, or [layers, 1]), "
+                         f"got {jnp.shape(scale)}")
+    if s.ndim != 2 or s.shape[0] != layers or s.shape[1] not in (1, kvh):
+        raise ValueError(f"{name} must be a scalar, one value per KV head ({kvh}), or per cache layer "
+                         f"[{layers} (or {cfg.num_layers}), 1 or {kvh}], got {jnp.shape(scale)}")
+    if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
+        raise ValueError(f"{name} must be finite and positive")
+    return s[:, 0] if s.shape[1] == 1 else s
+
+
 def bytes_per_token(cfg: ModelConfig, fmt: KVFormat, entry: str | None = None, mtp: bool = False) -> int:
     """KV bytes per token over all layers (the MTP draft's too, if mtp), DSA indexer keys (and tile
     scales) included; of one MLA entry only ("latent", "index") if given."""
@@ -238,7 +262,7 @@ class PagedKV:
     pools: list[dict]
     step: StepInputs
     page_size: int
-    k_scale: jax.Array  # [] or [KVH] (GQA); the MLA latent uses k_scale's mean as its single scale
+    k_scale: jax.Array  # per layer (layer_scales): [layers] or [layers, KVH] (GQA); the MLA latent uses k_scale
     v_scale: jax.Array
     backend: str = "xla"
     # Decode context parallelism (MLA): each device of the mesh's "model" axis holds a contiguous
@@ -262,6 +286,11 @@ class PagedKV:
 class LayerKV:
     kv: PagedKV
     i: int
+
+    @property
+    def scales(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's (k_scale, v_scale): [] or [KVH]."""
+        return self.kv.k_scale[self.i], self.kv.v_scale[self.i]
 
     # ---- writing ------------------------------------------------------------------------------
     def _slots(self, T: int):
@@ -349,8 +378,9 @@ class LayerKV:
     def attend_gqa(self, q_BTHD, k_BTKD, v_BTKD, *, scale):
         kv = self.kv
         T = q_BTHD.shape[1]
-        k_pool = self._write("k", k_BTKD, kv.k_scale, head_axis=True)["k"]
-        v_pool = self._write("v", v_BTKD, kv.v_scale, head_axis=True)["v"]
+        k_scale, v_scale = self.scales
+        k_pool = self._write("k", k_BTKD, k_scale, head_axis=True)["k"]
+        v_pool = self._write("v", v_BTKD, v_scale, head_axis=True)["v"]
         if T == 1 and kv.backend != "xla":
             pages, lengths = self._kernel_table(k_pool.shape[1])
 
@@ -363,15 +393,15 @@ class LayerKV:
             mesh = partitioning.context_mesh()
             head = partitioning.split_if(k_pool.shape[0] % partitioning.tp_size(mesh) == 0)
             scale_spec = lambda s: P(head) if s.ndim else P()
-            kernel = partitioning.per_device(kernel, mesh, (P(None, head), P(head), P(head), scale_spec(kv.k_scale),
-                                                            scale_spec(kv.v_scale), P(), P()), P(None, head))
-            return kernel(q_BTHD[:, 0], k_pool, v_pool, stored_scale(k_pool, kv.k_scale), stored_scale(v_pool, kv.v_scale),
+            kernel = partitioning.per_device(kernel, mesh, (P(None, head), P(head), P(head), scale_spec(k_scale),
+                                                            scale_spec(v_scale), P(), P()), P(None, head))
+            return kernel(q_BTHD[:, 0], k_pool, v_pool, stored_scale(k_pool, k_scale), stored_scale(v_pool, v_scale),
                           pages, lengths)[:, None]
         decode = T == 1
         dt = q_BTHD.dtype
         head_scale = lambda s: s[:, None] if s.ndim else s  # [KVH] broadcasts over head_dim
-        k_ctx = dequantize_from_pool(self._gather(k_pool, True), head_scale(kv.k_scale), dt)
-        v_ctx = dequantize_from_pool(self._gather(v_pool, True), head_scale(kv.v_scale), dt)
+        k_ctx = dequantize_from_pool(self._gather(k_pool, True), head_scale(k_scale), dt)
+        v_ctx = dequantize_from_pool(self._gather(v_pool, True), head_scale(v_scale), dt)
         if decode:
             out = masked_attention(self._per_request(q_BTHD), k_ctx, v_ctx, self._per_request(self._context_mask(T, True)),
                                    scale)
@@ -385,7 +415,7 @@ class LayerKV:
         kv = self.kv
         B, T, H, N = q_nope.shape
         L = c_kv.shape[-1]
-        latent_scale = pool_scale("latent", kv.k_scale, kv.v_scale)
+        latent_scale = pool_scale("latent", *self.scales)
         stored = self._write("latent", jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1), latent_scale, False)
         dt = q_nope.dtype
         if T == 1:  # absorbed decode: queries move into latent space; values stay latent until W_UV
@@ -451,8 +481,8 @@ class LayerKV:
 
     def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
         """DSA over the cache: the index keys live in their own pool; same masks as attention."""
-        T, kv = q_BTHD.shape[1], self.kv
-        scale_1 = pool_scale("index", kv.k_scale, kv.v_scale)
+        T = q_BTHD.shape[1]
+        scale_1 = pool_scale("index", *self.scales)
         k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
         if T == 1:  # each verified token scores the keys its request's pages hold, read once
             valid_B1S = self._context_mask(1, True)
@@ -495,10 +525,13 @@ class _RecordingKV:
         return NoCache().index_select(*args, **kw)
 
 
-def calibrate_scales(model, tokens_BT, *, kv_dtype: str = "fp8_e4m3", per_head: bool = False):
+def calibrate_scales(model, tokens_BT, *, kv_dtype: str = "fp8_e4m3", per_head: bool = False,
+                     per_layer: bool = False):
     """(k_scale, v_scale) = absmax over a calibration batch / the format's largest finite value,
-    so the batch's largest key or value lands exactly on it (one scale for all layers, as
-    SGLang/vLLM's per-tensor k_scale/v_scale). MLA gets one scale for its latent."""
+    so the batch's largest key or value lands exactly on it: one scale for all layers, or with
+    per_layer one per decoder layer ([num_layers, 1], or [num_layers, KVH] per head: Engine's
+    layer_scales forms), as ModelOpt and llm-compressor calibrate the k_scale/v_scale they ship.
+    MLA gets one scale for its latent."""
     if per_head and model.config.attention_kind == "mla":
         raise ValueError("MLA keeps one latent per token for all heads: per-head scales do not apply")
     fmt = kv_format(kv_dtype, model.dtype)
@@ -509,7 +542,10 @@ def calibrate_scales(model, tokens_BT, *, kv_dtype: str = "fp8_e4m3", per_head: 
     def absmax(params, tokens):
         kv = _RecordingKV(per_head)
         model.module.apply({"params": params}, tokens, kv=kv)
-        return jnp.max(jnp.stack(kv.k_max), axis=0), jnp.max(jnp.stack(kv.v_max), axis=0)
+        k_max, v_max = jnp.stack(kv.k_max), jnp.stack(kv.v_max)  # [layers] or [layers, KVH]
+        if not per_layer:
+            return jnp.max(k_max, axis=0), jnp.max(v_max, axis=0)
+        return (k_max, v_max) if per_head else (k_max[:, None], v_max[:, None])
 
     k_max, v_max = jax.jit(absmax)(model.params, jnp.asarray(tokens_BT, jnp.int32))
     return k_max / fp8_max, v_max / fp8_max

@@ -50,17 +50,17 @@ def layout(pools) -> tuple:
 def export_pages(pools, page_ids_N, src_scales, dst_scales, *, dst_layout: tuple, convert: bool):
     """Pages page_ids_N of every layer, as the receiver stores them (dst_layout: `layout` of its
     pools): a list (per layer) of dicts of [..., N, S, ...] arrays. src_scales / dst_scales:
-    (k_scale, v_scale) of the two engines."""
+    (k_scale, v_scale) of the two engines, one per layer (kv_cache.layer_scales)."""
     sent = []
-    for layer, dst in zip(pools, dst_layout):
+    for i, (layer, dst) in enumerate(zip(pools, dst_layout)):
         pages = {name: jnp.take(pool, page_ids_N, axis=page_axis(name), mode="clip") for name, pool in layer.items()}
         if convert:
             like = {name: jax.ShapeDtypeStruct((width,), jnp.dtype(dtype)) for name, width, dtype in dst}
             converted = {}
             for entry in entries(layer):
                 real = decode({n: pages[n] for n in stored_names(layer, entry)}, entry,
-                              _per_page(pool_scale(entry, *src_scales)), jnp.float32)
-                converted |= encode(like, entry, real, _per_page(pool_scale(entry, *dst_scales)))
+                              _per_page(pool_scale(entry, *(x[i] for x in src_scales))), jnp.float32)
+                converted |= encode(like, entry, real, _per_page(pool_scale(entry, *(x[i] for x in dst_scales))))
             pages = converted
         sent.append(pages)
     return sent

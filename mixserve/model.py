@@ -10,9 +10,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mixserve import sharding
-from mixserve.checkpoint import checkpoint_index, detect_mtp_plan, detect_plan, has_mtp, load_params, read_config
+from mixserve.checkpoint import (checkpoint_index, detect_mtp_plan, detect_plan, has_mtp, load_params, read_config,
+                                 read_kv_scales)
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.presets import FULL_PRESETS, get_preset
@@ -44,6 +46,9 @@ class Model:
     source: str = ""
     expert_parallel: bool = False  # set by mixserve.sharding.shard_model, with the experts' placement
     mtp_plan: WeightPlan | None = None  # the MTP layer's formats; None: the model holds no MTP layer
+    # The checkpoint's calibrated FP8 KV scales (checkpoint.read_kv_scales): (k, v) float32, one per
+    # cache layer; an Engine with an FP8 KV cache uses them unless given k_scale/v_scale.
+    kv_scales: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def module(self) -> Transformer:
@@ -116,7 +121,7 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
         params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement,
                              mtp_plan=mtp_plan)
         return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset, expert_parallel,
-                     mtp_plan)
+                     mtp_plan, read_kv_scales(path_or_preset, config, quant, mtp_plan is not None))
     if path_or_preset in FULL_PRESETS:
         raise ValueError(
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "

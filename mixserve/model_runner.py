@@ -76,7 +76,7 @@ class RunnerConfig:
     kv_format: KVFormat
     max_batch: int
     prefill_chunk: int
-    k_scale: jax.Array
+    k_scale: jax.Array  # per cache layer: [layers] or [layers, KVH] (kv_cache.layer_scales)
     v_scale: jax.Array
     attention_backend: str
     integrity: str

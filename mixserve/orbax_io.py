@@ -6,6 +6,7 @@ nodes, so packed int32, float8 values and scales are stored as they are) beside 
 
     PATH/params/      orbax StandardCheckpointer
     PATH/model.json   {"config": ModelConfig, "plan": WeightPlan, "mtp_plan": WeightPlan or null,
+                       "kv_scales": the checkpoint's FP8 KV scales ([k per layer], [v per layer]) or null,
                        "dtype": "bfloat16"} (dataclasses.asdict)
     PATH/tokenizer*   copied from the source checkpoint directory, when it had them
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from mixserve.gptq import abstract_params, is_quantized
@@ -54,6 +56,7 @@ def save_params(path: str, model: Model) -> None:
         ckpt.save(os.path.join(path, "params"), model.params)
     meta = {"config": dataclasses.asdict(model.config), "plan": dataclasses.asdict(model.plan),
             "mtp_plan": None if model.mtp_plan is None else dataclasses.asdict(model.mtp_plan),
+            "kv_scales": None if model.kv_scales is None else [np.asarray(x).tolist() for x in model.kv_scales],
             "dtype": jnp.dtype(model.dtype).name}
     with open(os.path.join(path, "model.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -85,7 +88,9 @@ def restore_params(path: str, *, shardings: Any = None, target: Any = None, back
         target = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(path, "params"), target)
-    return Model(config, params, load_tokenizer(path), plan, dtype, backend, path, mtp_plan=mtp_plan)
+    kv_scales = None if meta.get("kv_scales") is None else tuple(np.asarray(x, np.float32) for x in meta["kv_scales"])
+    return Model(config, params, load_tokenizer(path), plan, dtype, backend, path, mtp_plan=mtp_plan,
+                 kv_scales=kv_scales)
 
 
 def config_from_dict(d: dict) -> ModelConfig:

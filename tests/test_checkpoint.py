@@ -285,6 +285,63 @@ def test_kv_cache_scheme_is_a_notice(int4_dir, tmp_path):
     assert model.plan == plan_for(WeightFormat("int4", 32), "experts")
 
 
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+@pytest.mark.parametrize("name", ["self_attn.{kv}_scale", "self_attn.{kv}_proj.{kv}_scale"],
+                         ids=["compressed-tensors", "modelopt"])
+def test_fp8_kv_scales_of_a_gqa_checkpoint_are_read_and_served(tmp_path, name):
+    """A GQA checkpoint's calibrated FP8 KV scales (per tensor, per layer; named as llm-compressor
+    or ModelOpt writes them) load with the model, and an FP8 KV engine writes its pages with them
+    unless given others; a BF16 cache ignores them. A layer without its scales is named."""
+    import warnings
+    from mixserve.engine import Engine
+
+    d = str(tmp_path / "glm4")
+    ref.save(ref.build("glm4-qknorm-bias"), d)
+    layers = json.loads(open(os.path.join(d, "config.json")).read())["num_hidden_layers"]
+    written = {(kv, i): 0.01 * (i + 2) * (3 if kv == "v" else 1) for i in range(layers) for kv in "kv"}
+    _rewrite(d, lambda t: t.update({f"model.layers.{i}.{name.format(kv=kv)}": np.asarray(v, np.float32)
+                                    for (kv, i), v in written.items()}))
+    path = os.path.join(d, "config.json")
+    config = json.loads(open(path).read())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": FP8_KV_SCHEME}
+    open(path, "w").write(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read as declared: no notice
+        model = mixserve.load(d, dtype="float32", progress=False)
+    for i, kv in enumerate("kv"):
+        np.testing.assert_allclose(model.kv_scales[i], [written[kv, j] for j in range(layers)], rtol=1e-7)
+    broken = _copy(d, tmp_path / "broken")
+    _rewrite(broken, lambda t: t.pop(f"model.layers.1.{name.format(kv='v')}"))
+    with pytest.raises(CheckpointError, match="FP8 KV scales miss layer 1 v_scale"):
+        mixserve.load(str(broken), dtype="float32", progress=False)
+    if "proj" in name:
+        return  # served alike whatever their names: the engines once
+    kw = dict(kv_dtype="fp8_e4m3", num_pages=16, page_size=8, max_batch=2, stop_tokens=())
+    shipped, explicit, unit = (Engine(model, **kw, **scales) for scales in (
+        {}, dict(k_scale=model.kv_scales[0][:, None], v_scale=model.kv_scales[1][:, None]),
+        dict(k_scale=1.0, v_scale=1.0)))
+    np.testing.assert_array_equal(shipped.runner.cfg.k_scale, model.kv_scales[0])
+    prompts = [list(map(int, np.random.default_rng(i).integers(0, 150, 9 + 5 * i))) for i in range(2)]
+    out = [e.generate(prompts, max_new_tokens=3) for e in (shipped, explicit, unit)]
+    assert [r.tokens for r in out[0]] == [r.tokens for r in out[1]]
+    stored = [np.asarray(e.runner.pools[layers - 1]["v"], np.float32) for e in (shipped, explicit, unit)]
+    np.testing.assert_array_equal(stored[0], stored[1])
+    assert not np.array_equal(stored[0], stored[2])  # value / 0.03 * layers, not the value
+    bf16 = Engine(model, **{**kw, "kv_dtype": "auto"})
+    assert np.all(np.asarray(bf16.runner.cfg.k_scale) == 1.0)
+    assert shipped.kv_scales_from_checkpoint and not explicit.kv_scales_from_checkpoint
+    from mixserve import run
+    from mixserve.orbax_io import restore_params, save_params
+    flags = ["--json", "--model", d, "--max-new-tokens", "1", "--integrity", "off", "--prompt", "hi"]
+    assert run.main(flags)["kv_scales"] == "checkpoint"
+    assert run.main([*flags, "--kv-cache-dtype", "bfloat16"])["kv_scales"] == "1"
+    save_params(str(tmp_path / "orbax"), model)  # a restart keeps them
+    for restored, loaded in zip(restore_params(str(tmp_path / "orbax")).kv_scales, model.kv_scales):
+        np.testing.assert_array_equal(restored, loaded)
+
+
 def test_supported_int4_config_variants_load(int4_dir, tmp_path):
     """actorder 'weight' reorders only during quantization (no tensor records it); llm-compressor
     writes sparsity_config format 'dense' for no sparsity."""

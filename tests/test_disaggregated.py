@@ -103,11 +103,11 @@ def test_export_converts_to_the_receivers_format_and_import_writes_only_its_page
     FP8 bytes, so a page written wrongly, or written where it should not be, shows."""
     cfg = mixserve.load(name, dtype="float32").config
     rng = np.random.default_rng()
-    H = cfg.num_kv_heads
-    src_scales = (jnp.asarray(rng.uniform(0.5, 2, H), jnp.float32), jnp.asarray(rng.uniform(0.5, 2, H), jnp.float32))
-    dst_scales = (jnp.asarray(rng.uniform(0.01, 0.05, H), jnp.float32), jnp.asarray(rng.uniform(0.01, 0.05, H), jnp.float32))
-    if cfg.attention_kind == "mla":
-        src_scales, dst_scales = (jnp.float32(1.5), jnp.float32(1.5)), (jnp.float32(0.02), jnp.float32(0.02))
+    # Per layer (kv_cache.layer_scales): GQA per KV head too, MLA one scale for the latent.
+    shape = (cfg.num_layers, cfg.num_kv_heads) if cfg.attention_kind == "gqa" else (cfg.num_layers,)
+    src_scales, dst_scales = ((jnp.asarray(rng.uniform(low, high, shape), jnp.float32) for _ in "kv")
+                              for low, high in ((0.5, 2), (0.01, 0.05)))
+    src_scales, dst_scales = tuple(src_scales), tuple(dst_scales)
     src = _random_pools(cfg, 12, sender, rng)
     dst = _random_pools(cfg, 10, jnp.float8_e4m3fn, rng)
     before = jax.tree.map(np.asarray, dst)
@@ -123,10 +123,10 @@ def test_export_converts_to_the_receivers_format_and_import_writes_only_its_page
             if key in ("k", "v"):
                 i = "kv".index(key)
                 shape = (1, -1, 1, 1)  # per KV head, after moving pages first: [N, KVH, S, D]
-                sender, receiver = np.asarray(src_scales[i]).reshape(shape), np.asarray(dst_scales[i]).reshape(shape)
+                sender, receiver = (np.asarray(x[i][layer]).reshape(shape) for x in (src_scales, dst_scales))
             else:
                 sender, receiver = (np.float32(1), np.float32(1)) if key == "index" else (
-                    np.asarray(src_scales[0]), np.asarray(dst_scales[0]))
+                    np.asarray(src_scales[0][layer]), np.asarray(dst_scales[0][layer]))
             want = _fp8_reference(s[src_ids], sender, receiver)
             np.testing.assert_array_equal(got[dst_ids].view(np.uint8), want.view(np.uint8))
             untouched = [p for p in range(got.shape[0]) if p not in dst_ids]
@@ -135,13 +135,17 @@ def test_export_converts_to_the_receivers_format_and_import_writes_only_its_page
     assert checked == ({"k", "v"} if cfg.attention_kind == "gqa" else {"latent", "index"})
 
 
-def test_bf16_prefill_pages_reach_the_fp8_decode_pool_as_an_fp8_engine_stores_them():
+@pytest.mark.parametrize("scales", [dict(k_scale=jnp.asarray([0.03, 0.05]), v_scale=0.02),
+                                    dict(k_scale=jnp.asarray([[0.03, 0.05], [0.02, 0.04], [0.05, 0.01]]),
+                                         v_scale=jnp.asarray([[0.02], [0.06], [0.01]]))],
+                         ids=["per-head", "per-layer"])
+def test_bf16_prefill_pages_reach_the_fp8_decode_pool_as_an_fp8_engine_stores_them(scales):
     """The seed's split: prefill keeps BF16 KV, decode FP8. With prompts of one chunk, prefill
     attends only to its fresh keys, so the FP8 pages that arrive must equal an FP8 engine's byte
-    for byte: the same tokens follow. The transfer carries FP8 bytes, half of BF16."""
+    for byte (each layer under its own scales): the same tokens follow. The transfer carries FP8
+    bytes, half of BF16."""
     model = mixserve.load("tiny-glm4", dtype="bfloat16")
     ps = [p[:8] for p in prompts(2)]
-    scales = dict(k_scale=jnp.asarray([0.03, 0.05]), v_scale=0.02)
     want = Engine(model, num_pages=64, kv_dtype="fp8_e4m3", **CFG, **scales).generate(ps, max_new_tokens=8)
     dis = pair(model, prefill_kw=dict(kv_dtype="bfloat16"), decode_kw=dict(kv_dtype="fp8_e4m3", **scales))
     got = dis.generate(ps, max_new_tokens=8)
@@ -294,12 +298,12 @@ def test_export_into_the_tiled_layout_is_the_format_bit_for_bit(sender):
     rng = np.random.default_rng()
     src_fmt, dst_fmt = kv_format(sender, jnp.float32), kv_format("fp8_ds_mla", jnp.float32)
     src, dst = _random_tiled_or_plain(cfg, src_fmt, 12, rng), _random_tiled_or_plain(cfg, dst_fmt, 10, rng)
-    src_scales = (jnp.float32(1.5), jnp.float32(1.5))
+    src_scales, dst_scales = ((jnp.full((cfg.num_layers,), value, jnp.float32),) * 2 for value in (1.5, 0.02))
     before = jax.tree.map(np.asarray, dst)
     src_ids, dst_ids = [3, 11, 0, 7, 5], [9, 2, 4, 0, 6]
-    convert = kv_transfer.needs_conversion(src_fmt, src_scales, dst_fmt, (jnp.float32(0.02), jnp.float32(0.02)))
+    convert = kv_transfer.needs_conversion(src_fmt, src_scales, dst_fmt, dst_scales)
     assert convert == (sender != "fp8_ds_mla")
-    sent = kv_transfer.export_pages(src, kv_transfer.padded(src_ids, 0), src_scales, (jnp.float32(0.02),) * 2,
+    sent = kv_transfer.export_pages(src, kv_transfer.padded(src_ids, 0), src_scales, dst_scales,
                                     dst_layout=kv_transfer.layout(dst), convert=convert)
     new = kv_transfer.import_pages(dst, kv_transfer.padded(dst_ids, 10), sent)
     L = cfg.kv_lora_rank

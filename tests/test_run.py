@@ -15,6 +15,7 @@ def test_default_run_reports_fp8_capacity_and_serves_everything(capsys):
     report = run.main(["--json", "--max-new-tokens", "3"])
     out = json.loads(capsys.readouterr().out)
     assert out["random_weights"] is True and out["kv_cache_dtype"] == "fp8_e4m3" and out["integrity"] == "check"
+    assert out["kv_scales"] == "1"  # a preset ships no calibrated scales
     assert [r["status"] for r in report["requests"]] == ["ok"] * len(run.DEFAULT_PROMPTS)
     assert all(len(r["tokens"]) == 3 for r in report["requests"])
     cap = report["pool_tokens_at_same_memory"]
