@@ -92,19 +92,35 @@ def _run_with_oracle(engine, prompts, reference, k, wrong_at, **request):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_speculative_emits_the_plain_decode_tokens(preset):
+def test_greedy_speculative_emits_the_plain_decode_tokens(preset, monkeypatch):
+    """With oracle drafts, right, right but one, or wrong: plain decoding's tokens and logprobs.
+    On the XLA path too a request's verified tokens are folded: attention (and GLM-5's indexer)
+    gets q [R, k + 1, ...] over keys gathered once per request."""
     model = mixserve.load(preset, dtype="float32", mtp=True)
+    seen = []
+    for name in ("masked_attention", "index_scores"):
+        def recording(q, keys, *args, _fn=getattr(mixserve.kv_cache, name), _name=name, **kw):
+            seen.append((_name, q.shape[:2], keys.shape[:2]))
+            return _fn(q, keys, *args, **kw)
+        monkeypatch.setattr(mixserve.kv_cache, name, recording)
     prompts = _prompts(model.config.vocab_size)
     request = dict(max_new_tokens=24, temperature=0.0, logprobs=2)
     plain = _engine(model).generate(prompts, **request)
     steps = {}
     for k, wrong_at in ((3, None), (3, 1), (2, 0)):
+        seen.clear()
         engine = _engine(model, speculative_tokens=k)
         got = _run_with_oracle(engine, prompts, plain, k, wrong_at, **request)
         assert [r.tokens for r in got] == [r.tokens for r in plain], (k, wrong_at)
         for g, p in zip(got, plain):  # each token's logprobs come from its own verified position
             np.testing.assert_allclose([lp.logprob for lp in g.logprobs], [lp.logprob for lp in p.logprobs], atol=1e-5)
             assert [lp.top[0][0] for lp in g.logprobs] == [lp.top[0][0] for lp in p.logprobs]
+        # Verification's calls: k + 1 query tokens over cached keys alone (whole pages of 8), where
+        # the MTP layer's extend over k + 1 tokens adds them fresh (8n + k + 1); one gather per request.
+        verify = [(name, q, keys) for name, q, keys in seen if q[1] == k + 1 and keys[1] % 8 == 0]
+        assert all(q[0] == keys[0] for _, q, keys in verify), sorted(set(seen))
+        expected = {"masked_attention", "index_scores"} if preset == "tiny-glm5" else {"masked_attention"}
+        assert {name for name, _, _ in verify} == expected and len(verify) >= model.config.num_layers
         c = engine.counters
         steps[(k, wrong_at)] = c.steps
         if wrong_at == 0:
@@ -144,33 +160,6 @@ def test_decode_kernels_verify_a_requests_tokens_in_one_call(preset, max_seq_len
     folded = [shape for shape in seen if len(shape) == 4]
     dense_kernel = preset != "tiny-glm5" or max_seq_len is not None
     assert bool(folded) == dense_kernel and all(shape[1] == 3 for shape in folded), sorted(set(seen))
-
-
-@pytest.mark.parametrize("preset", PRESETS)
-def test_xla_verification_reads_a_requests_pages_once(preset, monkeypatch):
-    """The XLA path folds a request's verified tokens too: attention (and GLM-5's indexer) gets
-    q [R, k + 1, ...] over keys gathered once per request, and the tokens stay plain decoding's."""
-    model = mixserve.load(preset, dtype="float32", mtp=True)
-    seen = []
-    for name in ("masked_attention", "index_scores"):
-        def recording(q, keys, *args, _fn=getattr(mixserve.kv_cache, name), _name=name, **kw):
-            seen.append((_name, q.shape[:2], keys.shape[:2]))
-            return _fn(q, keys, *args, **kw)
-        monkeypatch.setattr(mixserve.kv_cache, name, recording)
-    prompts = _prompts(model.config.vocab_size)
-    request = dict(max_new_tokens=6, temperature=0.0)
-    plain = _engine(model).generate(prompts, **request)
-    seen.clear()
-    engine = _engine(model, speculative_tokens=2)
-    got = _run_with_oracle(engine, prompts, plain, 2, None, **request)
-    assert [r.tokens for r in got] == [r.tokens for r in plain] and engine.counters.accepted_tokens > 0
-    # Verification's calls: 3 query tokens over cached keys alone (whole pages of 8), where the MTP
-    # layer's extend over 3 tokens adds them fresh (8n + 3); one gather per request.
-    verify = [(name, q, keys) for name, q, keys in seen if q[1] == 3 and keys[1] % 8 == 0]
-    assert verify and all(q[0] == keys[0] for _, q, keys in verify), sorted(set(seen))
-    called = {name for name, _, _ in verify}
-    assert called == ({"masked_attention", "index_scores"} if preset == "tiny-glm5" else {"masked_attention"})
-    assert len(verify) >= model.config.num_layers
 
 
 @pytest.mark.parametrize("name", ["kimi-yarn-groups", "glm5-dsa-shared"])
