@@ -410,15 +410,18 @@ def attend_split(
     def first_token(block):
         return (first_slot + block * plan.pages_per_block) * page_size
 
+    def tokens_of(block):
+        return first_token(block) + jnp.arange(block_tokens)
+
     def valid_tokens(block):
-        return first_token(block) + jnp.arange(block_tokens) < length
+        return tokens_of(block) < length
 
     def fold(block, tiles, state):
         logits_RT, values_TV = logits_and_values(tiles)
-        tokens_T = first_token(block) + jnp.arange(block_tokens)
+        tokens_T = tokens_of(block)
         seen_RT = tokens_T[None, :] < (lengths[:, None] if per_row else length)
         # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
-        return online_softmax_step(state, logits_RT, values_TV, tokens_T < length, seen_RT,
+        return online_softmax_step(state, logits_RT, values_TV, valid_tokens(block), seen_RT,
                                    partial=first_token(block) + block_tokens > shortest if tuning.branch_masks else None,
                                    zero_values=not tuning.prefetch, swap_pv=tuning.swap_pv)
 
@@ -639,13 +642,18 @@ class RowBlocks(NamedTuple):
     real: int
     blocks: int
     rows: int
-    kept: int
 
     @classmethod
     def of(cls, real_rows: int, cap: int) -> "RowBlocks":
         if real_rows <= cap:
-            return cls(real_rows, 1, mma.padded_rows(real_rows), real_rows)
-        return cls(real_rows, -(-real_rows // cap), cap, cap)
+            return cls(real_rows, 1, mma.padded_rows(real_rows))
+        return cls(real_rows, -(-real_rows // cap), cap)
+
+    @property
+    def kept(self) -> int:
+        """Rows per program that join keeps: a lone program's real rows, or every row of several
+        (the last one's padding is cut after the rejoin)."""
+        return self.rows if self.blocks > 1 else self.real
 
     def split(self, x_BR, axis: int):
         """x [B, ..., real rows (at axis), ...] -> [B * blocks, ..., rows, ...], padded with zeros."""
