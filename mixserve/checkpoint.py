@@ -109,7 +109,7 @@ def served_tensors(infos: dict[str, TensorInfo], quant: dict, nvfp4_activations:
     of NVFP4 layers that run weight-only (all of them unless nvfp4_activations; those that stay in
     the model dtype, e.g. weights_proj, always), and the scales of a quantized KV cache on the
     attention modules. Any other such tensor stays, and _check refuses it."""
-    kv_scales = KV_SCALE_PARTS if _kv_scheme(quant) else set()
+    kv_scales = KV_SCALE_PARTS if kv_cache_scheme(quant) else set()
     input_scales = NVFP4_INPUT_PARTS if _nvfp4_activations(quant) else set()
     out = {}
     for name, info in infos.items():
@@ -313,10 +313,10 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False, cfg:
         notices.append("the checkpoint quantizes activations to NVFP4 (W4A4); mixserve serves it weight-only "
                        "(W4A16), as vLLM does on GPUs without FP4 math: activations stay in the model dtype and "
                        "the input scales are not read (nvfp4_activations=True quantizes them, as Blackwell does)")
-    if _kv_scheme(quant) and not (fp8_kv_scheme(quant) and cfg is not None and cfg.attention_kind == "gqa"):
+    if kv_cache_scheme(quant) and not (fp8_kv_scheme(quant) and cfg is not None and cfg.attention_kind == "gqa"):
         why = ("they calibrate the expanded keys and values, not the latent MLA caches"
                if fp8_kv_scheme(quant) else "mixserve reads per-tensor FP8 KV scales only")
-        notices.append(f"the checkpoint declares a quantized KV cache ({_kv_scheme(quant)}); its k_scale/v_scale "
+        notices.append(f"the checkpoint declares a quantized KV cache ({kv_cache_scheme(quant)}); its k_scale/v_scale "
                        f"are not read ({why}): the KV cache format is chosen when serving (kv_cache_dtype), and "
                        "Engine(k_scale=, v_scale=) takes calibrated scales (mixserve.kv_cache.calibrate_scales)")
     return notices
@@ -335,7 +335,7 @@ def _is_nvfp4_activation(args: dict | None) -> bool:
                               {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_GROUP}.items())
 
 
-def _kv_scheme(quant: dict):
+def kv_cache_scheme(quant: dict):
     """The declared KV cache quantization (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo)."""
     return quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo")
 
@@ -344,7 +344,7 @@ def fp8_kv_scheme(quant: dict) -> bool:
     """Does the checkpoint declare a static per-tensor FP8 KV cache (ModelOpt kv_cache_quant_algo
     "FP8", compressed-tensors kv_cache_scheme float 8-bit by tensor)? Its k_scale/v_scale are then
     real = stored * scale, per attention layer."""
-    scheme = _kv_scheme(quant)
+    scheme = kv_cache_scheme(quant)
     if isinstance(scheme, str):
         return scheme.upper() == "FP8"
     return (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"

@@ -1,7 +1,7 @@
 """Write a quantized HF-format checkpoint from a BF16 one, streaming unit by unit.
 
     python -m mixserve.quantize --model DIR --out DIR --format int4 --group-size 32 [--scope experts|all]
-           [--method rtn|gptq --calibration-tokens 2048 --seed 0]
+           [--method rtn|gptq --calibration-tokens 2048 --seed 0] [--fp8-kv-scales]
     python -m mixserve.quantize --model DIR --out DIR --format fp8
     python -m mixserve.quantize --model DIR --out DIR --format nvfp4 [--scope experts|all] [--nvfp4-activations]
 
@@ -16,8 +16,10 @@ lm_head and the DSA indexer's weights_proj always stay as they are.
 
 Methods: rtn rounds each weight to nearest; gptq (mixserve/gptq.py, int4 and nvfp4) first loads the
 whole source model in float32 and runs it over calibration tokens, so it is for models that fit in
-host memory; its tensors are in the same format as RTN's. `quantize_model` does the same in
-memory, to a Model.
+host memory; its tensors are in the same format as RTN's. --fp8-kv-scales (GQA models) also
+calibrates each layer's FP8 KV cache scales, absmax / 448 of its cached keys and values over the
+calibration tokens, and writes them as llm-compressor's kv_cache_scheme does. `quantize_model`
+does the same in memory, to a Model.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ import json
 import logging
 import os
 import shutil
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import is_expert_unit, hf_source, is_mtp_layer, is_quantizable_unit, text_prefix, split_unit, read_config
+from mixserve.checkpoint import (KV_SCALE_PARTS, KV_SCALE_UNIT, is_expert_unit, hf_source, is_mtp_layer,
+                                 is_quantizable_unit, kv_cache_scheme, text_prefix, split_unit, read_config)
 from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, input_global_scales,
                            is_quantized, require_unquantized)
+from mixserve.kv_cache import calibrate_scales
 from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
 from models.weights import Int4Weight, Nvfp4Weight, Quantized, WeightFormat, WeightPlan, quantize
@@ -45,6 +50,8 @@ from pallas_kernels.nvfp4_matmul import to_compressed_tensors as nvfp4_to_compre
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30
+# compressed-tensors' kv_cache_scheme for static per-tensor FP8 keys and values, as llm-compressor writes it.
+FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 COPIED = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json", "special_tokens_map.json")
 
 
@@ -87,19 +94,22 @@ def calibration_ids(calibration: Calibration | np.ndarray | None, vocab_size: in
 
 
 def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
-                   calibration: Calibration | np.ndarray | None = None) -> tuple[Model, list[LayerReport]]:
+                   calibration: Calibration | np.ndarray | None = None,
+                   fp8_kv_scales: bool = False) -> tuple[Model, list[LayerReport]]:
     """A float model's weights converted into `plan` in memory -> (Model, GPTQ layer reports).
 
     method "rtn": every quantized weight rounded to nearest. "gptq": the int4 and nvfp4 weights by GPTQ over
     the calibration tokens (fp8 ones still RTN). Unquantized weights are cast to the model dtype.
-    A W4A4 format's input scales are calibrated over the same tokens, with either method.
+    A W4A4 format's input scales are calibrated over the same tokens, with either method, and so
+    are, with fp8_kv_scales, a GQA model's FP8 KV cache scales (Model.kv_scales; else it keeps its own).
     """
     _check_method(method, plan)
+    _check_kv_scales(fp8_kv_scales, model.config)
     source = flat_params(model.params)
     require_unquantized(source)
     abstract = abstract_params(model.config, plan, model.dtype, model.mtp_plan)  # an MTP layer stays as it is
     require_finite_targets(source, abstract)
-    gptq, reports, input_scales = _calibrated(model, plan, method, calibration)
+    gptq, reports, input_scales, kv_scales = _calibrated(model, plan, method, calibration, fp8_kv_scales)
     leaves = []
     for path, leaf in flat_params(abstract).items():
         if is_quantized(leaf):
@@ -111,7 +121,7 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
         else:
             leaves.append(source[path].astype(leaf.dtype))
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract, is_leaf=is_quantized), leaves)
-    return dataclasses.replace(model, params=params, plan=plan), reports
+    return dataclasses.replace(model, params=params, plan=plan, kv_scales=model.kv_scales if kv_scales is None else kv_scales), reports
 
 
 def require_finite(name: str, w) -> None:
@@ -130,14 +140,37 @@ def require_finite_targets(source: dict, abstract) -> None:
             require_finite("/".join(path), source[path])
 
 
-def _calibrated(model: Model, plan: WeightPlan, method: str, calibration):
-    """What the calibration tokens decide, by param path: GPTQ's weights and reports (method gptq)
-    and W4A4 input global scales (plan w4a4)."""
-    if method != "gptq" and not plan.w4a4:
-        return {}, [], {}
+class Calibrated(NamedTuple):
+    """What the calibration tokens decide."""
+
+    weights: dict  # GPTQ's weights, by param path (method gptq)
+    reports: list[LayerReport]  # GPTQ's
+    input_scales: dict  # W4A4 input global scales, by param path (plan w4a4)
+    kv_scales: tuple[np.ndarray, np.ndarray] | None  # FP8 KV (k, v) float32 [num_layers] (fp8_kv_scales)
+
+
+def _calibrates(method: str, plan: WeightPlan, fp8_kv_scales: bool) -> bool:
+    return method == "gptq" or plan.w4a4 or fp8_kv_scales
+
+
+def _calibrated(model: Model, plan: WeightPlan, method: str, calibration, fp8_kv_scales: bool) -> Calibrated:
+    if not _calibrates(method, plan, fp8_kv_scales):
+        return Calibrated({}, [], {}, None)
     ids = calibration_ids(calibration, model.config.vocab_size)
     gptq, reports, grams = gptq_weights(model, plan, ids) if method == "gptq" else ({}, [], None)
-    return gptq, reports, input_global_scales(model, plan, ids, grams) if plan.w4a4 else {}
+    input_scales = input_global_scales(model, plan, ids, grams) if plan.w4a4 else {}
+    # Per layer and per tensor, as llm-compressor's kv_cache_scheme and ModelOpt's FP8 KV calibrate
+    # them: the decoder layers' cached keys and values (the MTP layer's pool takes their largest).
+    kv_scales = (tuple(np.asarray(s, np.float32)[:, 0] for s in calibrate_scales(model, ids, per_layer=True))
+                 if fp8_kv_scales else None)
+    return Calibrated(gptq, reports, input_scales, kv_scales)
+
+
+def _check_kv_scales(fp8_kv_scales: bool, config) -> None:
+    if fp8_kv_scales and config.attention_kind != "gqa":
+        raise ValueError("FP8 KV scales are calibrated for GQA models' keys and values; this model caches an MLA "
+                         "latent, for which no checkpoint format names a scale: calibrate it when serving "
+                         "(mixserve.kv_cache.calibrate_scales)")
 
 
 def _check_method(method: str, plan: WeightPlan) -> None:
@@ -147,15 +180,15 @@ def _check_method(method: str, plan: WeightPlan) -> None:
         raise ValueError(f"GPTQ quantizes int4 and nvfp4 weights and the plan ({plan}) has none; use method='rtn'")
 
 
-def _calibrated_units(src: str, plan: WeightPlan, method: str, calibration):
-    """_calibrated over the source checkpoint (loaded whole, in float32), by bare HF unit name (one
-    per expert): ({unit: GPTQ weight [in, out]}, reports, {unit: input global scale [1]})."""
-    if method != "gptq" and not plan.w4a4:
-        return {}, [], {}
+def _calibrated_units(src: str, plan: WeightPlan, method: str, calibration, fp8_kv_scales: bool) -> Calibrated:
+    """_calibrated over the source checkpoint (loaded whole, in float32), with weights and input
+    scales by bare HF unit name (one per expert)."""
+    if not _calibrates(method, plan, fp8_kv_scales):
+        return Calibrated({}, [], {}, None)
     model = load(src, dtype="float32", progress=False)
     require_finite_targets(flat_params(model.params), abstract_params(model.config, plan, model.dtype))
-    weights, reports, input_scales = _calibrated(model, plan, method, calibration)
-    return _by_unit(weights), reports, _by_unit(input_scales)
+    c = _calibrated(model, plan, method, calibration, fp8_kv_scales)
+    return c._replace(weights=_by_unit(c.weights), input_scales=_by_unit(c.input_scales))
 
 
 def _by_unit(by_path: dict) -> dict:
@@ -200,33 +233,39 @@ def quantization_config(plan: WeightPlan, ignored: list[str]) -> dict:
 
 
 def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "rtn",
-                        calibration: Calibration | np.ndarray | None = None) -> list[LayerReport]:
+                        calibration: Calibration | np.ndarray | None = None,
+                        fp8_kv_scales: bool = False) -> list[LayerReport]:
     """Write `src` (BF16 HF checkpoint) quantized into `plan` to `dst`. Returns GPTQ's layer reports
-    (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq, and W4A4's input scales)."""
+    (empty for rtn). calibration: token ids [B, T] or a Calibration spec (gptq, W4A4's input scales,
+    and FP8 KV scales). fp8_kv_scales: also write a GQA model's per-layer FP8 KV cache scales
+    (self_attn.k_scale/v_scale with a kv_cache_scheme, as llm-compressor does), which mixserve's
+    engine and vLLM serve an FP8 cache with. A source whose quantization_config declares only a
+    KV cache scheme keeps its scales and scheme unless fp8_kv_scales calibrates new ones."""
     _check_method(method, plan)
     if os.path.isdir(dst) and os.path.samefile(src, dst):  # its shards would be rewritten while still read
         raise CheckpointError(f"the output directory {dst} is the source checkpoint: write the quantized copy elsewhere")
     config, quant = read_config(src)
-    if quant:
+    if quant and not _kv_cache_only(quant):
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
+    _check_kv_scales(fp8_kv_scales, config)
     infos = index_tensors(src)
     prefix = text_prefix(infos)
     _check_group_sizes(infos, prefix, plan, config)
-    gptq, reports, input_scales = _calibrated_units(src, plan, method, calibration)
+    calibrated = _calibrated_units(src, plan, method, calibration, fp8_kv_scales)
     os.makedirs(dst, exist_ok=True)
     shard: dict[str, np.ndarray] = {}
     shards: list[dict[str, np.ndarray]] = []
     ignored: set[str] = set()
     size = 0
-    for name, array in iter_tensors(infos):
+    for name, array in _with_kv_scales(iter_tensors(infos), calibrated.kv_scales, prefix):
         unit, part = split_unit(name)
         bare = unit.removeprefix(prefix)
         fmt = plan.experts if is_expert_unit(bare) else plan.linear
         if _quantized_here(name.removeprefix(prefix), plan, config):
             require_finite(name, array)
-            on_disk = disk_parts(gptq[bare]) if bare in gptq else quantize_unit(array, fmt)
+            on_disk = disk_parts(calibrated.weights[bare]) if bare in calibrated.weights else quantize_unit(array, fmt)
             if fmt.w4a4:  # kv_b_proj's too: mixserve does not use it, a checkpoint's other readers may
-                on_disk["input_global_scale"] = np.asarray(input_scales[bare], np.float32)
+                on_disk["input_global_scale"] = np.asarray(calibrated.input_scales[bare], np.float32)
             parts = {f"{unit}.{p}": v for p, v in on_disk.items()}
         else:
             parts = {name: np.asarray(array)}
@@ -251,12 +290,36 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         raw = json.load(f)
     target = raw["text_config"] if "text_config" in raw else raw
     target["quantization_config"] = quantization_config(plan, sorted(ignored))
+    if calibrated.kv_scales is not None or quant:
+        target["quantization_config"]["kv_cache_scheme"] = FP8_KV_SCHEME if calibrated.kv_scales is not None \
+            else kv_cache_scheme(quant)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     for name in COPIED:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-    return reports
+    return calibrated.reports
+
+
+def _kv_cache_only(quant: dict) -> bool:
+    """A compressed-tensors config that quantizes no weight, only the KV cache (llm-compressor run
+    with a kv_cache_scheme alone)."""
+    return (quant.get("quant_method") == "compressed-tensors" and not quant.get("config_groups")
+            and bool(kv_cache_scheme(quant)))
+
+
+def _with_kv_scales(tensors, kv_scales, prefix: str):
+    """The source's tensors, with FP8 KV scales calibrated here in place of any it has."""
+    if kv_scales is None:
+        yield from tensors
+        return
+    for name, array in tensors:
+        unit, part = split_unit(name)
+        if not (part in KV_SCALE_PARTS and KV_SCALE_UNIT.search(unit)):
+            yield name, array
+    for part, scales in zip(("k_scale", "v_scale"), kv_scales):
+        for layer, scale in enumerate(scales):
+            yield f"{prefix}model.layers.{layer}.self_attn.{part}", np.asarray(scale, np.float32)
 
 
 def _quantized_here(bare_name: str, plan: WeightPlan, config) -> bool:
@@ -290,22 +353,26 @@ def main(argv=None) -> None:
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
                    help="rtn: round to nearest; gptq: GPTQ over random calibration tokens (int4; loads the model)")
-    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq, W4A4: number of calibration tokens")
-    p.add_argument("--seq-len", type=int, default=128, help="gptq, W4A4: calibration sequence length")
-    p.add_argument("--seed", type=int, default=0, help="gptq, W4A4: seed of the calibration tokens")
+    p.add_argument("--fp8-kv-scales", action="store_true",
+                   help="also calibrate per-layer FP8 KV cache scales over the calibration tokens (GQA models; "
+                        "llm-compressor's kv_cache_scheme), which the engine serves an FP8 cache with; loads the model")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq, W4A4, KV scales: number of calibration tokens")
+    p.add_argument("--seq-len", type=int, default=128, help="gptq, W4A4, KV scales: calibration sequence length")
+    p.add_argument("--seed", type=int, default=0, help="gptq, W4A4, KV scales: seed of the calibration tokens")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # bad arguments or a checkpoint that cannot be quantized: a usage error, not a traceback
         fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), args.group_size, args.nvfp4_activations)
         calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
         reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
-                                      calibration=calibration)
+                                      calibration=calibration, fp8_kv_scales=args.fp8_kv_scales)
     except ValueError as e:  # CheckpointError is one
         p.error(str(e))
     for r in reports:
         fallback = f", RTN for experts {r.rtn_fallback_experts} (no tokens)" if r.rtn_fallback_experts else ""
         print(f"{r.path}: {r.rows} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")
-    print(f"wrote {args.out} ({fmt}, scope={args.scope}, method={args.method})")
+    kv = ", FP8 KV scales" if args.fp8_kv_scales else ""
+    print(f"wrote {args.out} ({fmt}, scope={args.scope}, method={args.method}{kv})")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ the kernel layout in test_kernels_int4.py."""
 
 import base64
 import dataclasses
+import glob
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ import pytest
 
 import hf_reference as ref
 import torch
+from safetensors import safe_open
 from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
@@ -24,7 +27,7 @@ from mixserve.gptq import Calibration, gptq_quantize, reconstruction_error
 from mixserve.orbax_io import restore_params, save_params
 from mixserve.quantize import main as quantize_main
 from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
-from mixserve.safetensors_io import index_tensors, load_tensor
+from mixserve.safetensors_io import index_tensors, load_tensor, write_safetensors
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
 from models.weights import (BF16, Fp8BlockWeight, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan, expert_matmul,
@@ -259,6 +262,86 @@ def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path, name
     assert loaded.plan == in_memory.plan
     assert jax.tree.structure(loaded.params) == jax.tree.structure(in_memory.params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(in_memory.params)))
+
+
+def _hf_kv_amax(model, ids: np.ndarray) -> tuple[list[float], list[float]]:
+    """The largest |key| and |value| transformers caches in each decoder layer (after the k norm and RoPE)."""
+    with torch.no_grad():
+        cache = model(torch.from_numpy(ids).long(), use_cache=True).past_key_values
+    return ([float(layer.keys.abs().max()) for layer in cache.layers],
+            [float(layer.values.abs().max()) for layer in cache.layers])
+
+
+def _kv_scales_of(directory: str) -> dict[str, np.ndarray]:
+    return {k: v for k, v in _disk(directory).items() if k.endswith(("self_attn.k_scale", "self_attn.v_scale"))}
+
+
+def test_fp8_kv_scales_are_calibrated_per_layer_as_llm_compressor_writes_them(tmp_path, monkeypatch):
+    """`mixserve.quantize --fp8-kv-scales` writes each decoder layer's self_attn.k_scale and v_scale:
+    compressed-tensors' own qparams (static per-tensor FP8, the config's kv_cache_scheme) of the
+    largest |key| and |value| transformers caches over the calibration tokens, within float32
+    forward rounding (1e-5). The checkpoint loads with them, with no notice, and quantize_model
+    gives the same in memory. A source that declares only a KV cache scheme keeps its scales
+    through quantization, or gets new ones with the flag; an MLA model is refused by name."""
+    import warnings
+
+    model = ref.build("glm4-qknorm-bias")
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "int4-kv")
+    ref.save(model, src)
+    calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
+    quantize_main(["--model", src, "--out", dst, "--format", "int4", "--group-size", "8", "--fp8-kv-scales",
+                   "--calibration-tokens", "256", "--seq-len", "32", "--seed", str(calibration.seed)])
+    quant = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+    scheme = QuantizationArgs.model_validate(quant["kv_cache_scheme"])
+    layers = model.config.num_hidden_layers
+    disk = _kv_scales_of(dst)
+    assert len(disk) == 2 * layers
+    for kv, amax in zip("kv", _hf_kv_amax(model, calibration.token_ids(model.config.vocab_size))):
+        for i, a in enumerate(amax):
+            want, _ = calculate_qparams(torch.tensor([-a]), torch.tensor([a]), scheme)
+            np.testing.assert_allclose(disk[f"model.layers.{i}.self_attn.{kv}_scale"], want.numpy()[0], rtol=1e-5,
+                                       err_msg=f"layer {i} {kv} seed={calibration.seed}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a scheme mixserve reads: no notice
+        loaded = mixserve.load(dst, dtype="float32", progress=False)
+    for i, kv in enumerate("kv"):
+        np.testing.assert_array_equal(loaded.kv_scales[i], [disk[f"model.layers.{j}.self_attn.{kv}_scale"]
+                                                            for j in range(layers)])
+    in_memory, _ = quantize_model(mixserve.load(src, dtype="float32", progress=False),
+                                  plan_for(WeightFormat("int4", 8), "experts"), calibration=calibration,
+                                  fp8_kv_scales=True)
+    assert all(np.array_equal(a, b) for a, b in zip(loaded.kv_scales, in_memory.kv_scales))
+
+    # A KV-only source (llm-compressor with a kv_cache_scheme alone): its own scales, doubled so
+    # that they differ from a calibration's, go through quantization, or are replaced with the flag.
+    kv_only = str(tmp_path / "bf16-kv")
+    shutil.copytree(src, kv_only)
+    tensors = {k: 2 * v for k, v in disk.items()} | _disk(src)  # first in file order, so in an early shard
+    os.remove(os.path.join(kv_only, "model.safetensors"))
+    write_safetensors(os.path.join(kv_only, "model.safetensors"), tensors)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": quant["kv_cache_scheme"]}
+    json.dump(config, open(os.path.join(kv_only, "config.json"), "w"))
+    plan = plan_for(WeightFormat("int4", 8), "experts")
+    monkeypatch.setattr(mixserve.quantize, "SHARD_BYTES", 1 << 14)  # a new scale and the old in different shards
+    for flag, factor in ((False, 2), (True, 1)):
+        out = str(tmp_path / f"from-kv-only-{flag}")
+        quantize_checkpoint(kv_only, out, plan, calibration=calibration, fp8_kv_scales=flag)
+        shards = [safe_open(f, "np").keys() for f in glob.glob(os.path.join(out, "*.safetensors"))]
+        assert len(shards) > 2 and sum(map(len, shards)) == len(set().union(*shards))  # each tensor written once
+        got = _kv_scales_of(out)
+        assert got.keys() == disk.keys()
+        for name, scale in disk.items():
+            np.testing.assert_allclose(got[name], factor * scale, rtol=1e-5 if flag else 0, err_msg=name)
+        served = mixserve.load(out, dtype="float32", progress=False)
+        assert served.plan == plan
+        np.testing.assert_allclose(served.kv_scales[0], [factor * disk[f"model.layers.{i}.self_attn.k_scale"]
+                                                         for i in range(layers)], rtol=1e-5 if flag else 0)
+
+    kimi = str(tmp_path / "kimi")
+    ref.save(ref.build("kimi-yarn-groups"), kimi)
+    with pytest.raises(ValueError, match="MLA latent"):
+        quantize_checkpoint(kimi, str(tmp_path / "kimi-int4"), plan, fp8_kv_scales=True)
 
 
 def test_config_ignores_every_unquantized_linear_layer(tmp_path):
