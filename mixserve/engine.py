@@ -1,4 +1,4 @@
-"""Continuous-batching engine over paged KV pools, with KV integrity tags checked every decode step.
+"""Continuous-batching engine over paged KV pools, with KV integrity tags checked every step.
 
 One request's path through the files:
   `Engine.submit` (mixserve/frontend.py) validates it (mixserve/request.py: bad input -> status
@@ -121,10 +121,10 @@ class Engine(Frontend):
         # (kv_cache.layer_scales); None: the checkpoint's calibrated ones when it ships them and the
         # pools are untiled FP8 (tiled pools carry their own), else 1.
         shipped = model.kv_scales if is_fp8(self.kv_format.dtype) and not self.kv_format.tiled else None
-        self.kv_scales_from_checkpoint = shipped is not None and (k_scale is None or v_scale is None)
-        k_scale, v_scale = (
-            layer_scales((1.0 if shipped is None else shipped[i][:, None]) if given is None else given, name, cfg, mtp)
-            for i, (name, given) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))))
+        self.kv_scales_from_checkpoint = shipped is not None and k_scale is None and v_scale is None  # both
+        defaults = (1.0, 1.0) if shipped is None else (shipped[0][:, None], shipped[1][:, None])
+        k_scale = layer_scales(defaults[0] if k_scale is None else k_scale, "k_scale", cfg, mtp)
+        v_scale = layer_scales(defaults[1] if v_scale is None else v_scale, "v_scale", cfg, mtp)
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.tokenizer = model.tokenizer  # decodes the outputs of requests with stop strings
         sharding.check_mesh(mesh, cfg.n_routed_experts, expert_parallel)
@@ -142,9 +142,11 @@ class Engine(Frontend):
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
         # two weight sets.
         self.runner = ModelRunner(model, decode_model or model, RunnerConfig(
-            self.num_pages, page_size, self.kv_format, max_batch, prefill_chunk, k_scale, v_scale,
-            self.attention_backend, integrity, min_attended_tokens, min_decode_rows, min_prefill_tokens, mesh,
-            decode_context_parallel, max_logprobs, speculative_tokens, draft))
+            num_pages=self.num_pages, page_size=page_size, kv_format=self.kv_format, max_batch=max_batch,
+            prefill_chunk=prefill_chunk, k_scale=k_scale, v_scale=v_scale, attention_backend=self.attention_backend,
+            integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
+            min_prefill_tokens=min_prefill_tokens, mesh=mesh, split_slots=decode_context_parallel,
+            max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft))
 
     # ---- public ---------------------------------------------------------------------------------
     @property

@@ -248,7 +248,11 @@ def fold_tokens(tokens: int, q_X, pages_XN, lengths_X):
     lengths [X / tokens, tokens]. unfold_tokens undoes it on the output."""
     if tokens == 1:
         return q_X, pages_XN, lengths_X
-    return q_X.reshape(-1, tokens, *q_X.shape[1:]), pages_XN[::tokens], lengths_X.reshape(-1, tokens)
+    lengths = lengths_X.reshape(-1, tokens)
+    # A row past a request's drafts (length 0; its output is dropped) takes the first row's length:
+    # the kernels take the masked path from the shortest row's block on, so a 0 would mask them all.
+    lengths = jnp.where(lengths > 0, lengths, lengths[:, :1])
+    return q_X.reshape(-1, tokens, *q_X.shape[1:]), pages_XN[::tokens], lengths
 
 
 def unfold_tokens(tokens: int, out):
@@ -294,12 +298,15 @@ class LayerKV:
 
     # ---- writing ------------------------------------------------------------------------------
     def _slots(self, T: int):
-        """Flat (page, offset) of each fresh token; padding tokens point past the pool (dropped)."""
+        """Flat (page, offset) of each fresh token; padding tokens, and any past the table's width
+        (the engine sizes the width to cover every write: a guard, not a path), point past the pool
+        (dropped) rather than into the last page's slots."""
         step, S = self.kv.step, self.kv.page_size
         pos_BT = step.start_B[:, None] + jnp.arange(T)[None, :]
-        page_BT = jnp.take_along_axis(step.pages_BN, jnp.minimum(pos_BT // S, step.pages_BN.shape[1] - 1), axis=1)
+        column_BT = pos_BT // S
+        page_BT = jnp.take_along_axis(step.pages_BN, jnp.minimum(column_BT, step.pages_BN.shape[1] - 1), axis=1)
         num_pages = self.kv.pools[self.i][next(iter(self.kv.pools[self.i]))].shape[-3]
-        real = jnp.arange(T)[None, :] < step.count_B[:, None]
+        real = (jnp.arange(T)[None, :] < step.count_B[:, None]) & (column_BT < step.pages_BN.shape[1])
         return jnp.where(real, page_BT, num_pages), pos_BT % S
 
     def _write(self, name: str, fresh, scale, head_axis: bool) -> dict:

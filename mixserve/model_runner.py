@@ -114,7 +114,7 @@ class ModelRunner:
         computed here appended to its out_prompt_logprobs (a call with such a row projects every
         chunk position onto the vocabulary: R x C x V float32 logits, not R x V)."""
         c = self.cfg
-        last_call = [None] * len(reqs)  # (sampled tokens, logprobs of the call that finished reqs[i], its row)
+        last_call = [None] * len(reqs)  # (sampled tokens, logprobs, its row, drafts) of the call that finished reqs[i]
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
         prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, count)
         while (max_calls is None or calls < max_calls) and (
@@ -280,12 +280,13 @@ class ModelRunner:
             valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
             last_R = jnp.maximum(step.count_B - 1, 0)
             prompt_logprobs = None
-            speculative = dict(return_hidden=after_R is not None)
+            return_hidden = after_R is not None
             if targets_RC is None:
                 out = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
-                                   valid_BT=valid_RC, **speculative)
+                                   valid_BT=valid_RC, return_hidden=return_hidden)
             elif self.cfg.mesh is not None:  # each device holds its share of the vocabulary's logits
-                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, **speculative)
+                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
+                                   return_hidden=return_hidden)
             else:  # rows flattened: position j of row r is row r * C + j
 
                 def project(x_RCD, head_DV):
@@ -294,8 +295,8 @@ class ModelRunner:
                             blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), c.max_logprobs))
 
                 out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
-                                   **speculative)
-            out, hidden_RCD = out if after_R is not None else (out, None)
+                                   return_hidden=return_hidden)
+            out, hidden_RCD = out if return_hidden else (out, None)
             if targets_RC is None:
                 logits = out
             elif self.cfg.mesh is not None:

@@ -2,7 +2,7 @@
 
 Every physical KV page carries a generation tag that changes each time the page is allocated
 from the free stack. A request (batch slot) records the tag of every page it was given; before a
-decode step reads the cache, `verify` checks, for all slots at once, that each mapped page is in
+step (a prefill chunk or a decode) reads the cache, `verify` checks, for all slots at once, that each mapped page is in
 range, still live and still carries the recorded tag. A failing slot must be aborted, never
 answered from someone else's (or no one's) KV.
 
@@ -51,10 +51,6 @@ class PageTable:
     @property
     def num_pool_pages(self) -> int:
         return self.tag_P.shape[0]
-
-    @property
-    def max_batch(self) -> int:
-        return self.pages_BN.shape[0]
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -112,7 +112,7 @@ class PageManager:
         """One hash per full page of tokens[:-1] (the last token is fed by decode), chained so a
         page's hash covers the whole prefix before it (and the lookahead tokens after it)."""
         S, hashes, h = self.page_size, [], 0
-        for i in range((len(tokens) - 1) // S):  # token (i + 1) * S, the lookahead's, is one of tokens[:-1]
+        for i in range((len(tokens) - 1) // S):  # token (i + 1) * S, the lookahead's, is at most the last
             h = hash((h, tuple(tokens[i * S : (i + 1) * S + self.lookahead])))
             hashes.append(h)
         return hashes

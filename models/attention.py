@@ -90,7 +90,7 @@ class MLAAttention(nn.Module):
 class LatentUpProjection(nn.Module):
     """kv_b_proj: latent c_kv [L] -> per-head (k_nope, v). Besides applying it (prefill, the
     'naive' form), decode absorbs its weight into q and the output (`dense_kernel`). Its format is
-    never W4A4 (MLAttention builds it weight-only): absorbed decode never multiplies the latent by
+    never W4A4 (MLAAttention builds it weight-only): absorbed decode never multiplies the latent by
     it, and prefill must compute what decode does (vLLM's FP4 prefill quantizes the latent, its
     decode not)."""
 

@@ -31,6 +31,23 @@ def run_attention(kv_dtype, q_BHD, k_BSKD, v_BSKD, k_scale, v_scale, page_size=4
     return decode.layer(0).attend_gqa(q_BHD[:, None], k_BSKD[:, S:], v_BSKD[:, S:], scale=D**-0.5)[:, 0]
 
 
+def test_writes_past_the_page_tables_width_are_dropped_not_wrapped_into_its_last_page():
+    """Positions 6..9 of a request whose table holds 2 pages of 4: 6 and 7 land in its second
+    page's slots 2 and 3; 8 and 9 have no page and are dropped. (The position's page column was
+    once clamped to the table's last, which wrote them over slots 0 and 1 of that page.)"""
+    rng = np.random.default_rng()
+    pools = init_pools(CFG, 4, 4, kv_format("float32", jnp.float32))
+    scales = dict(k_scale=layer_scales(1.0, "k_scale", CFG), v_scale=layer_scales(1.0, "v_scale", CFG))
+    step = StepInputs(jnp.asarray([[3, 1]], jnp.int32), jnp.asarray([6], jnp.int32), jnp.asarray([4], jnp.int32))
+    kv = PagedKV(pools, step, 4, **scales)
+    k_BTKD, v_BTKD = (jnp.asarray(rng.standard_normal((1, 4, 2, 16)), jnp.float32) for _ in range(2))
+    kv.layer(0).attend_gqa(jnp.asarray(rng.standard_normal((1, 4, 4, 16)), jnp.float32), k_BTKD, v_BTKD, scale=0.25)
+    for name, fresh_BTKD in (("k", k_BTKD), ("v", v_BTKD)):
+        want_KPSD = np.zeros(pools[0][name].shape, np.float32)
+        want_KPSD[:, 1, 2:] = np.moveaxis(np.asarray(fresh_BTKD[0, :2]), 1, 0)
+        np.testing.assert_array_equal(np.asarray(kv.new_pools[0][name]), want_KPSD)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fp8_attention_within_e4m3_bound(per_head):
     """|o_fp8 - o| <= max_j |dv_j| + (exp(2 eps) - 1) max|v|, eps = max_j |q . dk_j| * softmax_scale.

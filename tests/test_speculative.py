@@ -141,10 +141,12 @@ def test_decode_kernels_verify_a_requests_tokens_in_one_call(preset, max_seq_len
     tokens per position (the sparse kernel, one row per position), unless its top-k (16) covers
     the context (max_seq_len 16): then it keeps every token and the dense kernel runs folded."""
     model = mixserve.load(preset, dtype="float32", mtp=True)
-    seen = []
+    seen, folded_lengths = [], []
     for name in ("paged_attention_gqa", "paged_attention_mla"):
         def recording(q, *args, _kernel=getattr(mixserve.kv_cache.pallas_kernels, name), **kw):
             seen.append(q.shape)
+            if q.ndim == 4:  # lengths, the last positional argument: [R, k + 1]
+                jax.debug.callback(lambda lengths: folded_lengths.append(np.asarray(lengths)), args[-1])
             return _kernel(q, *args, **kw)
         monkeypatch.setattr(mixserve.kv_cache.pallas_kernels, name, recording)
     prompts = _prompts(model.config.vocab_size, 2 if max_seq_len else 3)
@@ -160,6 +162,11 @@ def test_decode_kernels_verify_a_requests_tokens_in_one_call(preset, max_seq_len
     folded = [shape for shape in seen if len(shape) == 4]
     dense_kernel = preset != "tiny-glm5" or max_seq_len is not None
     assert bool(folded) == dense_kernel and all(shape[1] == 3 for shape in folded), sorted(set(seen))
+    # A request's rows past its drafts (fewer near max_new_tokens) see its first row's tokens, not
+    # none: the kernels mask every block from the shortest row's on (fold_tokens).
+    lengths = np.concatenate(folded_lengths) if dense_kernel else np.zeros((0, 3))
+    assert dense_kernel == bool(len(lengths)) and ((lengths.min(1) > 0) | (lengths.max(1) == 0)).all()
+    assert dense_kernel == ((lengths.max(1) > 0) & (lengths[:, -1] == lengths[:, 0])).any()  # fewer than 2 drafts
 
 
 @pytest.mark.parametrize("name", ["kimi-yarn-groups", "glm5-dsa-shared"])
