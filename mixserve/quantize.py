@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import (KV_SCALE_PARTS, KV_SCALE_UNIT, is_expert_unit, hf_source, is_mtp_layer,
-                                 is_quantizable_unit, kv_cache_scheme, text_prefix, split_unit, read_config)
+from mixserve.checkpoint import (KV_SCALE_PARTS, KV_SCALE_UNIT, check_quantization_config, is_expert_unit, hf_source,
+                                 is_mtp_layer, is_quantizable_unit, kv_cache_scheme, text_prefix, split_unit, read_config)
 from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, input_global_scales,
                            is_quantized, require_unquantized)
 from mixserve.kv_cache import calibrate_scales
@@ -161,16 +161,28 @@ def _calibrated(model: Model, plan: WeightPlan, method: str, calibration, fp8_kv
     input_scales = input_global_scales(model, plan, ids, grams) if plan.w4a4 else {}
     # Per layer and per tensor, as llm-compressor's kv_cache_scheme and ModelOpt's FP8 KV calibrate
     # them: the decoder layers' cached keys and values (the MTP layer's pool takes their largest).
-    kv_scales = (tuple(np.asarray(s, np.float32)[:, 0] for s in calibrate_scales(model, ids, per_layer=True))
-                 if fp8_kv_scales else None)
+    kv_scales = _positive_kv_scales(*calibrate_scales(model, ids, per_layer=True)) if fp8_kv_scales else None
     return Calibrated(gptq, reports, input_scales, kv_scales)
+
+
+def _positive_kv_scales(k_scale_L1, v_scale_L1) -> tuple[np.ndarray, np.ndarray]:
+    """Calibrated [num_layers, 1] scales -> float32 [num_layers], each finite and positive: a layer
+    whose keys or values are all 0 gets float32's eps, as compressed-tensors' qparams give it."""
+    scales = []
+    for name, scale in (("k_scale", k_scale_L1), ("v_scale", v_scale_L1)):
+        scale = np.asarray(scale, np.float32)[:, 0]
+        if not np.isfinite(scale).all():
+            raise ValueError(f"{name} of layers {np.flatnonzero(~np.isfinite(scale)).tolist()} is not finite: the "
+                             "calibration forward met inf or NaN")
+        scales.append(np.maximum(scale, np.finfo(np.float32).eps))
+    return scales[0], scales[1]
 
 
 def _check_kv_scales(fp8_kv_scales: bool, config) -> None:
     if fp8_kv_scales and config.attention_kind != "gqa":
         raise ValueError("FP8 KV scales are calibrated for GQA models' keys and values; this model caches an MLA "
-                         "latent, for which no checkpoint format names a scale: calibrate it when serving "
-                         "(mixserve.kv_cache.calibrate_scales)")
+                         "latent, whose scale mixserve neither writes nor reads (ModelOpt's MLA scales are of the "
+                         "expanded keys and values): calibrate it when serving (mixserve.kv_cache.calibrate_scales)")
 
 
 def _check_method(method: str, plan: WeightPlan) -> None:
@@ -247,6 +259,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     config, quant = read_config(src)
     if quant and not _kv_cache_only(quant):
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
+    check_quantization_config(quant, cfg=config)  # what else a KV-only config declares (a rotation) is refused
     _check_kv_scales(fp8_kv_scales, config)
     infos = index_tensors(src)
     prefix = text_prefix(infos)
@@ -289,6 +302,8 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     with open(os.path.join(src, "config.json")) as f:
         raw = json.load(f)
     target = raw["text_config"] if "text_config" in raw else raw
+    for config_dict in (raw, target):  # a KV-only source's, wherever it was: replaced by the one below
+        config_dict.pop("quantization_config", None)
     target["quantization_config"] = quantization_config(plan, sorted(ignored))
     if calibrated.kv_scales is not None or quant:
         target["quantization_config"]["kv_cache_scheme"] = FP8_KV_SCHEME if calibrated.kv_scales is not None \

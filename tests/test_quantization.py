@@ -26,8 +26,8 @@ import mixserve
 from mixserve.gptq import Calibration, gptq_quantize, reconstruction_error
 from mixserve.orbax_io import restore_params, save_params
 from mixserve.quantize import main as quantize_main
-from mixserve.quantize import plan_for, quantize_checkpoint, quantize_model
-from mixserve.safetensors_io import index_tensors, load_tensor, write_safetensors
+from mixserve.quantize import FP8_KV_SCHEME, plan_for, quantize_checkpoint, quantize_model
+from mixserve.safetensors_io import CheckpointError, index_tensors, load_tensor, write_safetensors
 from mixserve.weight_bytes import device_bytes
 from models.presets import get_preset
 from models.weights import (BF16, Fp8BlockWeight, Int4Weight, Nvfp4Weight, WeightFormat, WeightPlan, expert_matmul,
@@ -342,6 +342,49 @@ def test_fp8_kv_scales_are_calibrated_per_layer_as_llm_compressor_writes_them(tm
     ref.save(ref.build("kimi-yarn-groups"), kimi)
     with pytest.raises(ValueError, match="MLA latent"):
         quantize_checkpoint(kimi, str(tmp_path / "kimi-int4"), plan, fp8_kv_scales=True)
+
+
+def test_fp8_kv_scales_of_silent_layers_wrapped_sources_and_rotations(tmp_path):
+    """Edge cases of --fp8-kv-scales and KV-only sources: a layer whose values are all 0 gets
+    compressed-tensors' scale for amax 0 (eps), not 0, which no engine takes; a KV-only source that
+    also declares a rotation (transform_config) is refused as loading it is; a wrapper's KV-only
+    config at the top level is replaced, so the output has one quantization_config (in text_config)
+    and is then refused as already quantized."""
+    from mixserve.checkpoint import read_config
+    from mixserve.engine import Engine
+
+    model = ref.build("glm4-qknorm-bias")
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.zero_()
+        model.model.layers[1].self_attn.v_proj.bias.zero_()
+    src = str(tmp_path / "glm4")
+    ref.save(model, src)
+    plan = plan_for(WeightFormat("int4", 8), "experts")
+    quantized, _ = quantize_model(mixserve.load(src, dtype="float32", progress=False), plan,
+                                  calibration=Calibration(64, 16), fp8_kv_scales=True)
+    eps, _ = calculate_qparams(torch.tensor([0.0]), torch.tensor([0.0]), QuantizationArgs.model_validate(FP8_KV_SCHEME))
+    assert quantized.kv_scales[1][1] == eps.item() and (quantized.kv_scales[1][[0, 2]] > 1e-3).all()
+    Engine(quantized, kv_dtype="fp8_e4m3", num_pages=8, page_size=8, max_batch=1)
+
+    def kv_only(directory, extra, wrap=None):
+        config = json.load(open(os.path.join(directory, "config.json")))
+        config = {"text_config": config, **wrap} if wrap else config
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": FP8_KV_SCHEME, **extra}
+        json.dump(config, open(os.path.join(directory, "config.json"), "w"))
+
+    kv_only(src, {"transform_config": {"config_groups": {"R3": {"type": "hadamard", "apply": []}}}})
+    with pytest.raises(CheckpointError, match="transform_config"):
+        quantize_checkpoint(src, str(tmp_path / "rotated"), plan)
+
+    kimi, out = str(tmp_path / "kimi"), str(tmp_path / "kimi-int4")
+    ref.save(ref.build("kimi-yarn-groups"), kimi)
+    kv_only(kimi, {}, wrap={"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"]})
+    quantize_checkpoint(kimi, out, plan)
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert "quantization_config" not in written and written["text_config"]["quantization_config"]["config_groups"]
+    assert read_config(out)[1]["kv_cache_scheme"] == FP8_KV_SCHEME
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(out, str(tmp_path / "again"), plan)
 
 
 def test_config_ignores_every_unquantized_linear_layer(tmp_path):
