@@ -28,7 +28,7 @@ from experiments.report import publish
 import mixserve
 from mixserve.engine import Engine
 from experiments.serving import SEED_KIMI_BF16_TOKENS
-from mixserve.kv_cache import bytes_per_token, calibrate_scales, decode, encode, init_pools, kv_format
+from mixserve.kv_cache import bytes_per_token, calibrate_scales, decode_entry, encode_entry, init_pools, kv_format
 from models.kv import NoCache
 from models.presets import PRESETS
 
@@ -98,8 +98,8 @@ def latent_errors(model, prompts, formats: dict) -> tuple[dict, dict]:
     errors = {}
     for label, (name, scale) in formats.items():
         layer = {k: v[0, 0] for k, v in init_pools(model.config, 1, 1, kv_format(name, model.dtype))[0].items()}
-        stored = encode(layer, "latent", jnp.asarray(real), jnp.float32(scale))
-        back = np.asarray(decode(stored, "latent", jnp.float32(scale), jnp.float32))
+        stored = encode_entry(layer, "latent", jnp.asarray(real), jnp.float32(scale))
+        back = np.asarray(decode_entry(stored, "latent", jnp.float32(scale), jnp.float32))
         errors[label] = {part: np.linalg.norm(back[:, cols] - real[:, cols], axis=-1) / np.maximum(norms[part], 1e-30)
                          for part, cols in parts.items()}
     spread = {part: float(n.max() / max(n.min(), 1e-30)) for part, n in norms.items()}

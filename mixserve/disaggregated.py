@@ -122,7 +122,7 @@ class DisaggregatedEngine(Frontend):
             return  # most steps: no host round trip
         src_table, src_ids, moved = np.asarray(p.table.pages_BN), [], []
         for req in ready:
-            src_slot, n = req.slot, req.pages
+            src_slot, n = req.slot, req.num_pages
             shared = d.scheduler.adopt(req)  # req's slot and pages are the decode engine's from here
             if shared is None:
                 break  # no room on the decode side: it waits here, with its pages
@@ -132,7 +132,7 @@ class DisaggregatedEngine(Frontend):
         if not moved:
             return
         dst_table = np.asarray(d.table.pages_BN)
-        dst_ids = [page for req, shared, _ in moved for page in dst_table[req.slot, shared : req.pages].tolist()]
+        dst_ids = [page for req, shared, _ in moved for page in dst_table[req.slot, shared : req.num_pages].tolist()]
         if src_ids:
             sent = kv_transfer.export_pages(p.runner.pools, kv_transfer.padded(src_ids, 0), self._src_scales,
                                             self._dst_scales, dst_layout=self._dst_layout, convert=self._convert)
@@ -142,8 +142,8 @@ class DisaggregatedEngine(Frontend):
         for req, shared, src_slot in moved:
             if not req.drafts:
                 d._ngram_drafts(req)  # n-gram drafts for its first decode step (MTP drafts came with it)
-            p.pages.release_slot(src_slot)  # the prefill engine's copy is no longer needed
-            d.pages.register_prefix(req)  # its prompt pages hold their KV now: later requests share them
+            p.page_manager.release_slot(src_slot)  # the prefill engine's copy is no longer needed
+            d.page_manager.register_prefix(req)  # its prompt pages hold their KV now: later requests share them
             self.counters.pages_shared += shared
         self.counters.handovers += len(moved)
         self.counters.pages_sent += len(src_ids)

@@ -135,9 +135,9 @@ class Engine(Frontend):
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook
         self.counters = Counters()
-        self.pages = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_sharing,
+        self.page_manager = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_sharing,
                                  self.counters, lookahead=int(mtp))
-        self.scheduler = Scheduler(self.pages, max_batch, self.counters)
+        self.scheduler = Scheduler(self.page_manager, max_batch, self.counters)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
         # two weight sets.
@@ -155,7 +155,7 @@ class Engine(Frontend):
 
     @property
     def free_pages(self) -> int:
-        return self.pages.free_pages
+        return self.page_manager.free_pages
 
     @property
     def pages_in_use(self) -> int:
@@ -163,7 +163,7 @@ class Engine(Frontend):
 
     @property
     def table(self) -> pt.PageTable:
-        return self.pages.table
+        return self.page_manager.table
 
     def step(self) -> list[Update]:
         if self.prefill_only:  # its requests would never get past their first token
@@ -190,13 +190,13 @@ class Engine(Frontend):
 
     def lowered_decode_text(self) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
-        return self.runner.lowered_decode_text(self.pages.table)
+        return self.runner.lowered_decode_text(self.page_manager.table)
 
     def integrity_failures(self, reqs: list[Request]) -> list[str | None]:
         """The integrity check of reqs' page mappings, run on its own: for each, None if it
         passes, else which page failed and how."""
         active = jnp.zeros(self.max_batch, bool).at[jnp.asarray([r.slot for r in reqs])].set(True)
-        report = _verify_jit(self.pages.table, active)
+        report = _verify_jit(self.page_manager.table, active)
         ok = np.asarray(report.ok_B)
         return [None if ok[r.slot] else pt.describe(report, r.slot) for r in reqs]
 
@@ -216,7 +216,7 @@ class Engine(Frontend):
             t0 = time.perf_counter()
             cached = [r.cached for r in batch]
             row = {id(r): i for i, r in enumerate(batch)}
-            out = self.runner.prefill(batch, self.pages.table, budget)
+            out = self.runner.prefill(batch, self.page_manager.table, budget)
             now = time.perf_counter()
             self.counters.prefill_chunks += out.calls
             self.counters.prefill_s += now - t0
@@ -225,7 +225,7 @@ class Engine(Frontend):
                 if token is not None:
                     req.prefilled = True
                     req.drafts = out.drafts[row[id(req)]] if out.drafts else []
-                    self.pages.register_prefix(req)  # later admissions can share its full prompt pages
+                    self.page_manager.register_prefix(req)  # later admissions can share its full prompt pages
                     req.accept(token, now, self.stop_tokens, logprobs, self.tokenizer)
                     self._ngram_drafts(req)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
@@ -237,14 +237,14 @@ class Engine(Frontend):
             return
         t0 = time.perf_counter()
         if self.fault_hook is not None:
-            self.pages.table = self.fault_hook(self.pages.table, self.counters.steps)
+            self.page_manager.table = self.fault_hook(self.page_manager.table, self.counters.steps)
         if self.speculative_tokens:
             n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts), self.speculative_tokens,
                                                               r.max_new_tokens - len(r.out) - 1,
                                                               self.max_seq_len - len(r.tokens))) for r in live]
-            out = self.runner.speculate(live, self.pages.table, n_drafts)
+            out = self.runner.speculate(live, self.page_manager.table, n_drafts)
         else:
-            out = self.runner.decode(live, self.pages.table)
+            out = self.runner.decode(live, self.page_manager.table)
         now = time.perf_counter()
         self.counters.steps += 1
         self.counters.decode_s += now - t0

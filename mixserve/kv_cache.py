@@ -14,7 +14,7 @@ stores each latent as latent_PSL [P, S, L] e4m3 with latent_scale_PSJ [P, S, L/1
 token and layer at L = 512, R = 64. Its DSA index keys are e4m3 with index_scale_PS1 [P, S, 1],
 one scale per token (as DeepSeek-V3.2's indexer cache). The scales are computed at write time
 from each token's own values, so there is nothing to calibrate. A pool dict describes itself:
-an entry `name` is tiled when `name + "_scale"` is among its arrays (`encode`, `decode`).
+an entry `name` is tiled when `name + "_scale"` is among its arrays (`encode_entry`, `decode_entry`).
 
 `PagedKV` implements the model-facing interface of models/kv.py for one engine step: each layer
 writes this step's fresh keys/values into its pages, then attends. Decode (one token per row)
@@ -45,7 +45,7 @@ from pallas_kernels.tiled_fp8 import dequantize_tiles, quantize_tiles, tile_widt
 
 STORAGE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 TILED = "fp8_ds_mla"
-KV_DTYPES = ("auto", *STORAGE, TILED)  # the names kv_format takes
+KV_CACHE_DTYPES = ("auto", *STORAGE, TILED)  # the names kv_format takes
 SPLIT_ENTRY = "latent"  # the entry decode context parallelism splits by slots (DSA index keys stay whole)
 
 
@@ -69,7 +69,7 @@ def kv_format(kv_dtype: str, model_dtype) -> KVFormat:
     if kv_dtype == TILED:
         return KVFormat(jnp.dtype(jnp.float8_e4m3fn), tiled=True)
     if kv_dtype not in STORAGE:
-        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
+        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
     return KVFormat(jnp.dtype(STORAGE[kv_dtype]))
 
 
@@ -184,7 +184,7 @@ def stored_names(pools: dict, name: str) -> tuple[str, ...]:
     return (name, name + "_scale") + (("rope",) if name == "latent" else ())
 
 
-def encode(pools: dict, name: str, real, scale) -> dict:
+def encode_entry(pools: dict, name: str, real, scale) -> dict:
     """Real values of entry `name` [..., width] -> its stored arrays {array name: [..., width']},
     as `pools` (one layer's) lay them out. scale: the entry's per-tensor scale (untiled FP8)."""
     if name + "_scale" not in pools:
@@ -195,7 +195,7 @@ def encode(pools: dict, name: str, real, scale) -> dict:
     return {name: stored, name + "_scale": scales, **rope}
 
 
-def decode(stored: dict, name: str, scale, dtype):
+def decode_entry(stored: dict, name: str, scale, dtype):
     """encode's inverse: the arrays of entry `name` (whole pools or gathered pages) -> real values."""
     if name + "_scale" not in stored:
         return dequantize_from_pool(stored[name], scale, dtype)
@@ -226,18 +226,19 @@ class TokenSelection(NamedTuple):
     count_B: jax.Array
 
 
-def latent_attention(q_BHC, arrays: dict, scale, pages_BN, row, *, kv_lora_rank: int, softmax_scale: float,
-                     backend: str, return_lse: bool = False, verify_tokens: int = 1):
+def latent_attention(q_BHC, arrays: dict, scale, pages_BN, lengths_or_selection, *, kv_lora_rank: int,
+                     softmax_scale: float, backend: str, return_lse: bool = False, verify_tokens: int = 1):
     """The MLA decode kernel (or its reference) over one layer's latent arrays (SPLIT_ENTRY's, as
-    stored_names lists them): `row` is the rows' lengths_B, or a TokenSelection (DSA: each row
-    its own tokens, so verification rows are not folded; PagedKV.verify_tokens)."""
+    stored_names lists them), for the rows' lengths_B, or a TokenSelection (DSA: each row its own
+    tokens, so verification rows are not folded; PagedKV.verify_tokens)."""
     tiled = SPLIT_ENTRY + "_scale" in arrays
     pool = TiledLatentPages(*(arrays[a] for a in stored_names(arrays, SPLIT_ENTRY))) if tiled else arrays[SPLIT_ENTRY]
     common = dict(kv_lora_rank=kv_lora_rank, scale=None if tiled else stored_scale(pool, scale), softmax_scale=softmax_scale,
                   backend=backend, return_lse=return_lse)
-    if isinstance(row, TokenSelection):
-        return pallas_kernels.sparse_paged_attention_mla(q_BHC, pool, pages_BN, row.token_ids_BK, row.count_B, **common)
-    q, pages, lengths = fold_tokens(verify_tokens, q_BHC, pages_BN, row)
+    if isinstance(selection := lengths_or_selection, TokenSelection):
+        return pallas_kernels.sparse_paged_attention_mla(q_BHC, pool, pages_BN, selection.token_ids_BK,
+                                                         selection.count_B, **common)
+    q, pages, lengths = fold_tokens(verify_tokens, q_BHC, pages_BN, lengths_or_selection)
     out = pallas_kernels.paged_attention_mla(q, pool, pages, lengths, **common)
     return tuple(unfold_tokens(verify_tokens, x) for x in out) if return_lse else unfold_tokens(verify_tokens, out)
 
@@ -313,7 +314,7 @@ class LayerKV:
         """Stores this step's fresh values of entry `name`; returns the entry's updated arrays."""
         layer = self.kv.new_pools[self.i]
         page, off = self._slots(fresh.shape[1])
-        encoded = encode(layer, name, fresh, scale[:, None] if scale.ndim else scale)
+        encoded = encode_entry(layer, name, fresh, scale[:, None] if scale.ndim else scale)
         if head_axis:  # fresh [B, T, KVH, D] -> pool [KVH, P, S, D]
             updated = {array: layer[array].at[:, page, off].set(jnp.moveaxis(stored, 2, 0), mode="drop")
                        for array, stored in encoded.items()}
@@ -346,12 +347,12 @@ class LayerKV:
         lengths = jnp.where(step.count_B > 0, step.start_B + step.count_B, 0)
         return jnp.clip(step.pages_BN, 0, num_pages - 1), lengths
 
-    def _context_mask(self, T: int, decode: bool):
+    def _context_mask(self, T: int, is_decode: bool):
         """[B, T, N*S]: which cached positions each query sees."""
         step = self.kv.step
         ctx = jnp.arange(step.pages_BN.shape[1] * self.kv.page_size)[None, None, :]
         q_pos = step.start_B[:, None, None] + jnp.arange(T)[None, :, None]
-        if decode:  # a row with nothing to do this step (idle, or stopped by the check) sees nothing
+        if is_decode:  # a row with nothing to do this step (idle, or stopped by the check) sees nothing
             limit = jnp.where(step.count_B[:, None, None] > 0, q_pos + 1, 0)
         else:  # prefill: earlier chunks only; this chunk's tokens are attended fresh
             limit = jnp.broadcast_to(step.start_B[:, None, None], q_pos.shape)
@@ -379,7 +380,7 @@ class LayerKV:
 
     def _read(self, stored: dict, name: str, scale, dtype):
         """Entry `name` (MLA latent or DSA index keys) of every request in logical order: [B, N*S, width]."""
-        return decode({array: self._gather(pool, False) for array, pool in stored.items()}, name, scale, dtype)
+        return decode_entry({array: self._gather(pool, False) for array, pool in stored.items()}, name, scale, dtype)
 
     # ---- the model-facing interface ------------------------------------------------------------
     def attend_gqa(self, q_BTHD, k_BTKD, v_BTKD, *, scale):
@@ -404,19 +405,17 @@ class LayerKV:
                                                             scale_spec(v_scale), P(), P()), P(None, head))
             return kernel(q_BTHD[:, 0], k_pool, v_pool, stored_scale(k_pool, k_scale), stored_scale(v_pool, v_scale),
                           pages, lengths)[:, None]
-        decode = T == 1
         dt = q_BTHD.dtype
         head_scale = lambda s: s[:, None] if s.ndim else s  # [KVH] broadcasts over head_dim
         k_ctx = dequantize_from_pool(self._gather(k_pool, True), head_scale(k_scale), dt)
         v_ctx = dequantize_from_pool(self._gather(v_pool, True), head_scale(v_scale), dt)
-        if decode:
+        if T == 1:
             out = masked_attention(self._per_request(q_BTHD), k_ctx, v_ctx, self._per_request(self._context_mask(T, True)),
                                    scale)
             return out.reshape(q_BTHD.shape)
         keys = jnp.concatenate([k_ctx, k_BTKD.astype(dt)], axis=1)
         values = jnp.concatenate([v_ctx, v_BTKD.astype(dt)], axis=1)
-        mask = jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
-        return masked_attention(q_BTHD, keys, values, mask, scale)
+        return masked_attention(q_BTHD, keys, values, self._prefill_mask(T), scale)
 
     def attend_mla(self, q_nope, q_pe, c_kv, k_pe, kv_b, *, scale, index_mask=None):
         kv = self.kv

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixserve.kv_cache import KVFormat, decode, encode, entries, pool_scale, stored_names
+from mixserve.kv_cache import KVFormat, decode_entry, encode_entry, entries, pool_scale, stored_names
 
 
 def page_axis(name: str) -> int:
@@ -58,9 +58,9 @@ def export_pages(pools, page_ids_N, src_scales, dst_scales, *, dst_layout: tuple
             like = {name: jax.ShapeDtypeStruct((width,), jnp.dtype(dtype)) for name, width, dtype in dst}
             converted = {}
             for entry in entries(layer):
-                real = decode({n: pages[n] for n in stored_names(layer, entry)}, entry,
+                real = decode_entry({n: pages[n] for n in stored_names(layer, entry)}, entry,
                               _per_page(pool_scale(entry, *(x[i] for x in src_scales))), jnp.float32)
-                converted |= encode(like, entry, real, _per_page(pool_scale(entry, *(x[i] for x in dst_scales))))
+                converted |= encode_entry(like, entry, real, _per_page(pool_scale(entry, *(x[i] for x in dst_scales))))
             pages = converted
         sent.append(pages)
     return sent

@@ -135,7 +135,7 @@ class ModelRunner:
                     targets[row, :len(after)] = after
                 if after_R is not None:
                     after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
-                    room[row] = r.pages * c.page_size
+                    room[row] = r.num_pages * c.page_size
             sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
                 errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
@@ -166,7 +166,7 @@ class ModelRunner:
         if c.mtp_drafts:
             host_drafts = {id(call[3]): np.asarray(call[3]) for call in last_call if call is not None}
             drafts = [None if call is None else host_drafts[id(call[3])][call[2]].tolist() for call in last_call]
-        return Output(tokens, ok, errors, logprobs, calls, drafts)
+        return Output(tokens, ok, errors, logprobs, calls=calls, drafts=drafts)
 
     @staticmethod
     def _keep_prompt_logprobs(reqs: list[Request], prompt_rows: list, ok: list[bool]) -> None:
@@ -385,7 +385,7 @@ class ModelRunner:
         tokens = np.zeros((R, K + 1), np.int32)
         for i, (r, n) in enumerate(zip(live, n_drafts)):
             drafts = r.drafts[:n]
-            slots[i], start[i], count[i], room[i] = r.slot, len(r.tokens) - 1, 1 + len(drafts), r.pages * c.page_size
+            slots[i], start[i], count[i], room[i] = r.slot, len(r.tokens) - 1, 1 + len(drafts), r.num_pages * c.page_size
             tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
         errors = []
         emitted, accepted, drafts, logprobs, ok = self._run(
@@ -399,7 +399,8 @@ class ModelRunner:
         got = [emitted[i, : accepted[i] + 1].tolist() for i in range(len(live))]
         got_lp = [None if r.logprobs is None else [_token_logprobs(host_lp, i * (K + 1) + j, r.logprobs)
                                                    for j in range(len(got[i]))] for i, r in enumerate(live)]
-        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], 1, drafts, got, got_lp)
+        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], drafts=drafts, emitted=got,
+                      emitted_logprobs=got_lp)
 
     @functools.cached_property
     def _decode_fn(self):

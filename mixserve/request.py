@@ -74,7 +74,7 @@ class Request:
     out_prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     streamed: int = 0  # tokens of `out` already reported in an Update
     slot: int | None = None  # batch row while running
-    pages: int = 0  # pages held (host mirror of the page table)
+    num_pages: int = 0  # pages held (host mirror of the page table)
     cached: int = 0  # tokens whose KV is in the pages
     prefilled: bool = False  # its (re)admission's prefill is done: it decodes from here on
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative: the MTP's guesses at its next tokens
@@ -134,10 +134,10 @@ class Request:
         return first_stop_string(self.output_text.tail(grown + max(map(len, self.stop)) - 1), self.stop)
 
     def finish(self, status: Literal["ok", "aborted"], reason: str | None = None) -> None:
-        self.result = Result(list(self.out), status, reason, self.ttft, list(self.latencies),
-                             time.perf_counter() - self.t_submit, self.seed,
-                             None if self.logprobs is None else list(self.out_logprobs),
-                             self.reported_prompt_logprobs(), self.stop_reason)
+        self.result = Result(list(self.out), status, reason=reason, ttft_s=self.ttft,
+                             token_latencies_s=list(self.latencies), latency_s=time.perf_counter() - self.t_submit,
+                             seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
+                             prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason)
 
 
 def first_stop_string(text: str, stops: tuple[str, ...]) -> str | None:

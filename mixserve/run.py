@@ -23,7 +23,7 @@ from mixserve import sharding
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
-from mixserve.kv_cache import KV_DTYPES, TILED, kv_format
+from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
 from mixserve.quantize import plan_for, quantize_model
 from mixserve.tokenizer import ByteTokenizer
@@ -70,7 +70,7 @@ def counted(least: int):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mixserve.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory or preset name (default {DEFAULT_MODEL}, random weights)")
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_DTYPES,
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_CACHE_DTYPES,
                    help="KV pool storage (SGLang/vLLM names); auto = the model dtype; fp8_ds_mla (MLA models): "
                         "FlashMLA's layout, e4m3 with a scale per token and 128-column tile, RoPE part in BF16")
     p.add_argument("--integrity", default="check", choices=["off", "check", "strict"],
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
                         "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
                         "on --tensor-parallel devices of its own, each with the --kv-memory budget")
-    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_DTYPES,
+    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_CACHE_DTYPES,
                    help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
                         "pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--nvfp4-activations", action="store_true",

@@ -69,9 +69,9 @@ class PageManager:
         self.table, ok = _allocate_jit(self.table, jnp.int32(req.slot), jnp.int32(n))
         if not bool(ok):
             self.free_pages = int(pt.num_free(self.table))
-            req.pages = int(self.table.num_pages_B[req.slot])
+            req.num_pages = int(self.table.num_pages_B[req.slot])
             return False
-        req.pages += n
+        req.num_pages += n
         self.free_pages -= n
         self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.free_pages)
         return True
@@ -81,24 +81,24 @@ class PageManager:
         first pages, then n fresh ones. All or nothing: False, with req as it was and the slot
         emptied, when the table refuses (a fault freed a page the prefix index still names, or the
         host mirror is off: both are resynced), so the caller can try again later."""
-        before, shared_ok = (req.slot, req.pages, req.cached), True
-        req.slot, req.pages = slot, 0
+        before, shared_ok = (req.slot, req.num_pages, req.cached), True
+        req.slot, req.num_pages = slot, 0
         if shared:
             ids = np.zeros(self.max_pages_per_seq, np.int32)
             ids[: len(shared)] = shared
             self.table, ok = _share_jit(self.table, jnp.int32(slot), jnp.asarray(ids), jnp.int32(len(shared)))
             shared_ok = bool(ok)
-            req.pages, req.cached = len(shared), len(shared) * self.page_size
+            req.num_pages, req.cached = len(shared), len(shared) * self.page_size
         if not shared_ok or not self.allocate(req, n):
             self.release_slot(slot)  # also prunes the prefix index of pages no longer live
-            req.slot, req.pages, req.cached = before
+            req.slot, req.num_pages, req.cached = before
             return False
         self.counters.shared_pages += len(shared)
         return True
 
     def release(self, req: Request) -> None:
         self.release_slot(req.slot)
-        req.slot, req.pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
+        req.slot, req.num_pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
 
     def release_slot(self, slot: int) -> None:
         """Return a slot's pages (a page another request shares stays theirs)."""
@@ -139,8 +139,8 @@ class PageManager:
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, max_batch: int, counters: Counters):
-        self.pages, self.max_batch, self.counters = pages, max_batch, counters
+    def __init__(self, page_manager: PageManager, max_batch: int, counters: Counters):
+        self.page_manager, self.max_batch, self.counters = page_manager, max_batch, counters
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -154,24 +154,24 @@ class Scheduler:
         shares the page (unless it wants prompt logprobs, which only computing the prompt gives)."""
         free_slots = self._free_slots()
         batch = []
-        indexing = set().union(*(self.pages.unindexed_prefix(r) for r in self.prefilling()))
+        indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
-            new_pages = self.pages.unindexed_prefix(req)
+            new_pages = self.page_manager.unindexed_prefix(req)
             # Prompt logprobs come from computing the prompt: such a request shares no cached page.
             computes_all = req.wants_prompt_logprobs
             if new_pages & indexing and not computes_all:
                 break
-            shared = [] if computes_all else self.pages.shared_prefix(req)
-            need = self.pages.pages_for(len(req.tokens)) - len(shared)
-            if need > self.pages.free_pages:
+            shared = [] if computes_all else self.page_manager.shared_prefix(req)
+            need = self.page_manager.pages_for(len(req.tokens)) - len(shared)
+            if need > self.page_manager.free_pages:
                 if not self.running:  # nothing will ever free pages: only leaked pages can cause this
-                    self.waiting.popleft().finish("aborted", f"KV pool exhausted: {self.pages.free_pages} free pages, "
+                    self.waiting.popleft().finish("aborted", f"KV pool exhausted: {self.page_manager.free_pages} free pages, "
                                                   f"{need} needed (pages leaked after a detected bookkeeping fault)")
                     self.counters.aborts += 1
                     continue
                 break
-            if not self.pages.take(req, free_slots.pop(0), shared, need):
+            if not self.page_manager.take(req, free_slots.pop(0), shared, need):
                 break  # the bookkeeping was resynced: the next step tries again
             self.waiting.popleft()
             self.running.append(req)
@@ -187,11 +187,11 @@ class Scheduler:
         free_slots = self._free_slots()
         if self.waiting or not free_slots:
             return None
-        cached, shared = req.cached, self.pages.shared_prefix(req)
-        need = self.pages.pages_for(cached) - len(shared)
-        if need > self.pages.free_pages:
+        cached, shared = req.cached, self.page_manager.shared_prefix(req)
+        need = self.page_manager.pages_for(cached) - len(shared)
+        if need > self.page_manager.free_pages:
             return None
-        if not self.pages.take(req, free_slots[0], shared, need):
+        if not self.page_manager.take(req, free_slots[0], shared, need):
             return None
         req.cached, req.prefilled = cached, True
         self.running.append(req)
@@ -205,12 +205,12 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.rid):
             if req.result is not None or req.slot is None:
                 continue
-            while self.pages.pages_for(len(req.tokens)) > req.pages:
-                if self.pages.free_pages > 0:
-                    self.pages.allocate(req, 1)  # if refused, the resynced counts decide again
+            while self.page_manager.pages_for(len(req.tokens)) > req.num_pages:
+                if self.page_manager.free_pages > 0:
+                    self.page_manager.allocate(req, 1)  # if refused, the resynced counts decide again
                     continue
                 victim = max((r for r in self.running if r.slot is not None and r.result is None), key=lambda r: r.rid)
-                self.pages.release(victim)
+                self.page_manager.release(victim)
                 self.running.remove(victim)
                 self.waiting.appendleft(victim)  # recomputed from prompt + generated tokens when readmitted
                 self.counters.preemptions += 1
@@ -220,10 +220,10 @@ class Scheduler:
     def room_for_drafts(self, req: Request, drafts: int) -> int:
         """Pages for up to `drafts` tokens past req's next one, from free pages only (a draft never
         preempts anyone): how many of them fit."""
-        while self.pages.pages_for(len(req.tokens) + drafts) > req.pages and self.pages.free_pages > 0:
-            if not self.pages.allocate(req, 1):
+        while self.page_manager.pages_for(len(req.tokens) + drafts) > req.num_pages and self.page_manager.free_pages > 0:
+            if not self.page_manager.allocate(req, 1):
                 break
-        return max(0, min(drafts, req.pages * self.pages.page_size - len(req.tokens)))
+        return max(0, min(drafts, req.num_pages * self.page_manager.page_size - len(req.tokens)))
 
     def prefilling(self) -> list[Request]:
         """Admitted requests whose prefill has not finished (it may take several steps)."""
@@ -235,5 +235,5 @@ class Scheduler:
 
     def retire_finished(self) -> None:
         for req in [r for r in self.running if r.result is not None]:
-            self.pages.release(req)
+            self.page_manager.release(req)
             self.running.remove(req)

@@ -147,7 +147,7 @@ def compiler_params(tuning: AttentionTuning, default_warps: int, dot_dtype) -> p
     return plgpu.CompilerParams(num_warps=tuning.num_warps or default_warps, num_stages=tuning.num_stages)
 
 
-KV_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)
+PAGE_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2)  # pages the decode kernels read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +312,7 @@ def empty_partial(rows: int, value_dim: int, swap_pv: bool) -> SoftmaxPartial:
 
 def online_softmax_step(
     state: SoftmaxPartial, logits_RT: jax.Array, values_TV: jax.Array, valid_T: jax.Array,
-    seen_RT: jax.Array, partial: jax.Array | None, zero_values: bool, swap_pv: bool,
+    seen_RT: jax.Array, needs_mask: jax.Array | None, zero_values: bool, swap_pv: bool,
 ) -> SoftmaxPartial:
     """Folds one block of T tokens into the running state.
 
@@ -325,7 +325,7 @@ def online_softmax_step(
     FlashAttention does) but summed in f32. swap_pv: state.acc is [V, R]
     (AttentionTuning.swap_pv).
 
-    partial: a scalar, true when the block holds any invalid token. Only
+    needs_mask: a scalar, true when some row does not see every token of the block. Only
     then are the masks applied, in a branch: a block of valid tokens (all
     but a request's last) skips them. None: masks every block, unbranched
     (AttentionTuning.branch_masks=False). In sm_90a SASS the masks are
@@ -339,10 +339,10 @@ def online_softmax_step(
             values_TV = jnp.where(valid_T[:, None], values_TV, jnp.zeros_like(values_TV))
         return logits_RT, values_TV
 
-    if partial is None:
+    if needs_mask is None:
         logits_RT, values_TV = mask(logits_RT, values_TV)
     else:
-        logits_RT, values_TV = lax.cond(partial, mask, lambda *tiles: tiles, logits_RT, values_TV)
+        logits_RT, values_TV = lax.cond(needs_mask, mask, lambda *tiles: tiles, logits_RT, values_TV)
     max_R = jnp.maximum(state.max_R, jnp.max(logits_RT, axis=1))
     rescale_R = jnp.exp(state.max_R - max_R)
     p_RT = jnp.exp(logits_RT - max_R[:, None])
@@ -374,8 +374,8 @@ def attend_split(
     The loop stops at the request's last page, so blocks past the length cost
     no HBM traffic.
     One loop runs every block; the masks sit in a branch inside it, which
-    only a block holding tokens past the length takes (online_softmax_step's
-    partial). An unmasked loop over full blocks plus a masked tail loop
+    only a block holding tokens past the shortest row's length takes
+    (online_softmax_step's needs_mask). An unmasked loop over full blocks plus a masked tail loop
     measured slower on the H200 than one loop masking every block (FP8 GQA
     B=64 ctx=32k 420 vs 357 us, MLA 1957 vs 1657 us;
     experiments/results/gpu_kernels_h200_2026-11-29_run2_cupti.md); the
@@ -422,7 +422,7 @@ def attend_split(
         seen_RT = tokens_T[None, :] < (lengths[:, None] if per_row else length)
         # Loaded unmasked (no prefetch): the stale values are zeroed in registers.
         return online_softmax_step(state, logits_RT, values_TV, valid_tokens(block), seen_RT,
-                                   partial=first_token(block) + block_tokens > shortest if tuning.branch_masks else None,
+                                   needs_mask=first_token(block) + block_tokens > shortest if tuning.branch_masks else None,
                                    zero_values=not tuning.prefetch, swap_pv=tuning.swap_pv)
 
     empty = empty_partial(rows, value_dim, tuning.swap_pv)

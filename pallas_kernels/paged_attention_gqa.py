@@ -90,8 +90,8 @@ def _check_shapes(q_BQHD, k_pages_KPSD, v_pages_KPSD, page_table_BN, lengths_BQ)
         raise ValueError(f"expected pages [K, P, S, D], got {k_pages_KPSD.shape}")
     if k_pages_KPSD.shape != v_pages_KPSD.shape or k_pages_KPSD.dtype != v_pages_KPSD.dtype:
         raise ValueError(f"k/v pages differ: {k_pages_KPSD.dtype}{k_pages_KPSD.shape} vs {v_pages_KPSD.dtype}{v_pages_KPSD.shape}")
-    if k_pages_KPSD.dtype not in fd.KV_DTYPES:
-        raise ValueError(f"unsupported KV dtype {k_pages_KPSD.dtype}; expected one of {fd.KV_DTYPES}")
+    if k_pages_KPSD.dtype not in fd.PAGE_DTYPES:
+        raise ValueError(f"unsupported KV dtype {k_pages_KPSD.dtype}; expected one of {fd.PAGE_DTYPES}")
     if q_BQHD.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"q must be bf16 or f32, got {q_BQHD.dtype}")
     b, _, h, d = q_BQHD.shape

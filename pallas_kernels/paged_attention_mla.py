@@ -188,8 +188,8 @@ def _check_tiled(pages: TiledLatentPages, kv_lora_rank: int) -> None:
 def _check_shapes(q_BQHC, latent_pages_PSC, page_table_BN, lengths_BQ, kv_lora_rank: int) -> None:
     if isinstance(latent_pages_PSC, TiledLatentPages):
         _check_tiled(latent_pages_PSC, kv_lora_rank)
-    elif latent_pages_PSC.ndim == 3 and latent_pages_PSC.dtype not in fd.KV_DTYPES:
-        raise ValueError(f"unsupported latent dtype {latent_pages_PSC.dtype}; expected one of {fd.KV_DTYPES}")
+    elif latent_pages_PSC.ndim == 3 and latent_pages_PSC.dtype not in fd.PAGE_DTYPES:
+        raise ValueError(f"unsupported latent dtype {latent_pages_PSC.dtype}; expected one of {fd.PAGE_DTYPES}")
     if len(latent_pages_PSC.shape) != 3:
         raise ValueError(f"expected latent pages [P, S, C], got {latent_pages_PSC.shape}")
     if q_BQHC.dtype not in (jnp.bfloat16, jnp.float32):

@@ -223,7 +223,7 @@ def test_a_corrupt_mapping_on_the_prefill_side_is_caught_before_its_pages_are_se
         advance()
         for r in dis.prefill.scheduler.live():
             if r.rid == 1 and not corrupted:
-                dis.prefill.pages.table = faults.stale_tag(dis.prefill.pages.table, r.slot)
+                dis.prefill.page_manager.table = faults.stale_tag(dis.prefill.page_manager.table, r.slot)
                 corrupted.append(r.rid)
 
     dis.prefill._advance = advance_then_corrupt

@@ -911,7 +911,7 @@ def _tensor_selects_by_branch(ttir: str) -> tuple[int, int]:
 def test_masks_lower_into_a_branch_only_the_last_block_takes():
     """At GPU shapes every tensor select (the logits' -inf mask, the values'
     zeroing of stale slots) sits inside an scf.if: a block of valid tokens
-    branches past them (online_softmax_step's partial); outside any, with
+    branches past them (online_softmax_step's needs_mask); outside any, with
     AttentionTuning(branch_masks=False)."""
     for tuning in (AttentionTuning(), AttentionTuning(swap_pv=True), AttentionTuning(prefetch=True),
                    AttentionTuning(branch_masks=False)):
