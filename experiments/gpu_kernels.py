@@ -541,8 +541,9 @@ def verify_rows(bench: Bench, key) -> None:
     """Speculative verification over FP8 pages at the longest context: each request's
     VERIFY_TOKENS query tokens (query j sees the cache up to itself) folded into one program's
     rows (q [B, Q, H, D]: the pages read once), against one kernel row per token (q [B * Q, H, D]
-    on a repeated page table: what the engine ran before 2026-12-02). Bytes: the folded call's
-    (each request's pages once), so the per-token rows' GB/s is an effective rate."""
+    on a repeated page table: what the engine ran before 2026-12-02), and for GQA folded in
+    programs of 32 rows (AttentionTuning.gqa_rows) instead of 64. Bytes: the folded call's
+    (each request's pages once), so the other rows' GB/s is an effective rate."""
     cfg = bench.cfg
     context = max(cfg.contexts)
     steps = jnp.arange(VERIFY_TOKENS, dtype=jnp.int32) - (VERIFY_TOKENS - 1)
@@ -565,6 +566,9 @@ def verify_rows(bench: Bench, key) -> None:
             bench.measure(f"{name} fp8 verify, folded", shape, cfg.kernel_backend, run, folded, nbytes, ref)
             bench.measure(f"{name} fp8 verify, a row per token", shape, cfg.kernel_backend,
                           lambda *args, run=run: run(*args).reshape(ref.shape), per_token, nbytes, ref)
+            if name == "GQA":  # Q x G rows in programs of 32: pages read twice, at fewer registers than 64
+                halves = functools.partial(_gqa_op(cfg, ks, AttentionTuning(gqa_rows=32)), backend=cfg.kernel_backend)
+                bench.measure("GQA fp8 verify, folded, gqa_rows=32", shape, cfg.kernel_backend, halves, folded, nbytes, ref)
 
 
 def _int4_weights(key, lead: tuple[int, ...], k: int, n: int, group: int):
