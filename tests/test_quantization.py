@@ -224,6 +224,17 @@ def _hf_input_amax(model, ids: np.ndarray) -> dict[str, np.ndarray]:
     return amax
 
 
+def _quantize_with_cli(model, tmp_path, *flags: str):
+    """Save `model` and run `python -m mixserve.quantize FLAGS` on it over 256 calibration tokens of a
+    drawn seed -> (source dir, output dir, the Calibration, the written quantization_config)."""
+    src, dst = str(tmp_path / "bf16"), str(tmp_path / "quantized")
+    ref.save(model, src)
+    calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
+    quantize_main(["--model", src, "--out", dst, *flags, "--calibration-tokens", "256", "--seq-len", "32",
+                   "--seed", str(calibration.seed)])
+    return src, dst, calibration, json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+
+
 @pytest.mark.parametrize("name, overrides", [("glm4-qknorm-bias", {}), ("kimi-yarn-groups", {"kv_lora_rank": 32})],
                          ids=["glm4", "kimi"])
 def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path, name, overrides):
@@ -235,12 +246,8 @@ def test_w4a4_quantizer_calibrates_input_scales_as_llm_compressor(tmp_path, name
     too, which mixserve does not use (MLA: kv_lora_rank 32, a multiple of 16). It loads with
     nvfp4_activations=True to what quantize_model gives in memory, bit for bit."""
     model = ref.build(name, **overrides)
-    src, dst = str(tmp_path / "bf16"), str(tmp_path / "w4a4")
-    ref.save(model, src)
-    calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
-    quantize_main(["--model", src, "--out", dst, "--format", "nvfp4", "--scope", "all", "--nvfp4-activations",
-                   "--calibration-tokens", "256", "--seq-len", "32", "--seed", str(calibration.seed)])
-    quant = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+    src, dst, calibration, quant = _quantize_with_cli(model, tmp_path, "--format", "nvfp4", "--scope", "all",
+                                                      "--nvfp4-activations")
     (group,) = quant["config_groups"].values()
     ours, preset = QuantizationArgs.model_validate(group["input_activations"]), preset_name_to_scheme("NVFP4", ["Linear"])
     fields = ("num_bits", "type", "symmetric", "strategy", "group_size", "dynamic")
@@ -286,12 +293,8 @@ def test_fp8_kv_scales_are_calibrated_per_layer_as_llm_compressor_writes_them(tm
     import warnings
 
     model = ref.build("glm4-qknorm-bias")
-    src, dst = str(tmp_path / "bf16"), str(tmp_path / "int4-kv")
-    ref.save(model, src)
-    calibration = Calibration(256, 32, seed=int.from_bytes(os.urandom(2), "little"))
-    quantize_main(["--model", src, "--out", dst, "--format", "int4", "--group-size", "8", "--fp8-kv-scales",
-                   "--calibration-tokens", "256", "--seq-len", "32", "--seed", str(calibration.seed)])
-    quant = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+    src, dst, calibration, quant = _quantize_with_cli(model, tmp_path, "--format", "int4", "--group-size", "8",
+                                                      "--fp8-kv-scales")
     scheme = QuantizationArgs.model_validate(quant["kv_cache_scheme"])
     layers = model.config.num_hidden_layers
     disk = _kv_scales_of(dst)
