@@ -93,6 +93,7 @@ class DisaggregatedEngine(Frontend):
     def _advance(self) -> None:
         self.prefill._advance()  # prefill only: prefilled requests wait, holding their pages
         self._hand_over()
+        self.prefill.scheduler.retire_finished()  # those it aborted free their pages now, not a step later
         self.decode._advance()
 
     def _checked(self, ready: list[Request]) -> list[Request]:
@@ -125,7 +126,10 @@ class DisaggregatedEngine(Frontend):
             src_slot, n = req.slot, req.num_pages
             shared = d.scheduler.adopt(req)  # req's slot and pages are the decode engine's from here
             if shared is None:
-                break  # no room on the decode side: it waits here, with its pages
+                if why := d.scheduler.never_adopted(req):
+                    p.abort(req, f"decode engine: {why}")  # the prefill side then frees its pages
+                    continue
+                break  # no room on the decode side yet: it waits here, with its pages
             src_ids += src_table[src_slot, shared:n].tolist()
             p.scheduler.running.remove(req)
             moved.append((req, shared, src_slot))

@@ -107,6 +107,7 @@ class Frontend:
                                 prompt_logprobs=None if req.prompt_logprobs is None else [])
             self.counters.rejections += 1
         else:
+            req.max_new_tokens = int(req.max_new_tokens)  # the engine's arithmetic on it must not wrap (numpy)
             self._enqueue(req)
         self._unreported[req.rid] = req
         return req

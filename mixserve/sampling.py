@@ -68,7 +68,9 @@ def _kept_by_top_k_top_p(scaled_BV, s: Sampling):
     rank_V = jnp.arange(V)
     in_top_k_BV = (s.top_k_B[:, None] == 0) | (rank_V < s.top_k_B[:, None])
     probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    # Keeps the top token; top_p = 1 keeps all (a float32 cumsum can reach 1 before the tail).
-    below_p_BV = ((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None]) | (s.top_p_B[:, None] >= 1)
+    # Keeps the top token, whatever top_p (one below float32's range is 0 here); top_p = 1 keeps
+    # all (a float32 cumsum can reach 1 before the tail).
+    below_p_BV = (((jnp.cumsum(probs_BV, axis=-1) - probs_BV) < s.top_p_B[:, None]) | (rank_V == 0)
+                  | (s.top_p_B[:, None] >= 1))
     keep_BV = in_top_k_BV & below_p_BV
     return jnp.zeros((B, V), bool).at[jnp.arange(B)[:, None], order_BV].set(keep_BV)

@@ -165,9 +165,8 @@ class Scheduler:
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
             need = self.page_manager.pages_for(len(req.tokens)) - len(shared)
             if need > self.page_manager.free_pages:
-                if not self.running:  # nothing will ever free pages: only leaked pages can cause this
-                    self.waiting.popleft().finish("aborted", f"KV pool exhausted: {self.page_manager.free_pages} free pages, "
-                                                  f"{need} needed (pages leaked after a detected bookkeeping fault)")
+                if why := self._never_fits(need):
+                    self.waiting.popleft().finish("aborted", why)
                     self.counters.aborts += 1
                     continue
                 break
@@ -196,6 +195,21 @@ class Scheduler:
         req.cached, req.prefilled = cached, True
         self.running.append(req)
         return len(shared)
+
+    def never_adopted(self, req: Request) -> str | None:
+        """Why adopt will never take req (None: it may, later): nothing here runs or waits, so
+        nothing will free the pages it lacks."""
+        if self.waiting:
+            return None
+        return self._never_fits(self.page_manager.pages_for(req.cached) - len(self.page_manager.shared_prefix(req)))
+
+    def _never_fits(self, need: int) -> str | None:
+        """An abort reason when `need` pages exceed the free ones and no running request will free
+        any: only pages leaked after a detected bookkeeping fault can cause that."""
+        if need <= self.page_manager.free_pages or self.running:
+            return None
+        return (f"KV pool exhausted: {self.page_manager.free_pages} free pages, {need} needed (pages leaked after a "
+                "detected bookkeeping fault)")
 
     def _free_slots(self) -> list[int]:
         return sorted(set(range(self.max_batch)) - {r.slot for r in self.running})

@@ -250,6 +250,28 @@ def test_a_corrupt_mapping_on_the_prefill_side_is_caught_before_its_pages_are_se
     assert dis.decode.free_pages == dis.decode.num_pages
 
 
+def test_a_request_the_leaky_decode_pool_can_never_take_is_aborted_not_held():
+    """A swapped mapping on the decode side aborts its two requests and leaks 6 of its 8 pages
+    (release keeps a corrupt mapping's pages out of circulation). A third request needs 3: with
+    nothing running there to free any, it is aborted with the reason, as one engine aborts it,
+    instead of waiting on the prefill side forever; the prefill side gets its pages back."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    swap = lambda table, step: faults.inject(table, "swapped_mapping", slot=jnp.int32(0), other=jnp.int32(1)) \
+        if step == 0 else table
+    dis = pair(model, decode_kw=dict(num_pages=8, fault_hook=swap))
+    first = dis.generate(prompts(6, (11, 11)), max_new_tokens=5)
+    assert [r.status for r in first] == ["aborted", "aborted"] and dis.decode.free_pages == 2
+    rid, results = dis.submit(prompts(7, (9,))[0], max_new_tokens=3), {}
+    for _ in range(20):
+        if not dis.has_work():
+            break
+        results.update({u.rid: u.result for u in dis.step() if u.result is not None})
+    assert not dis.has_work() and results[rid].status == "aborted"
+    assert results[rid].reason == ("decode engine: KV pool exhausted: 2 free pages, 3 needed (pages leaked after a "
+                                   "detected bookkeeping fault)")
+    assert dis.prefill.free_pages == dis.prefill.num_pages
+
+
 def test_bad_pairs_raise_and_a_request_too_long_for_one_side_is_rejected_with_its_name():
     model = mixserve.load("tiny-kimi", dtype="float32")
     other = mixserve.load("tiny-glm4", dtype="float32")

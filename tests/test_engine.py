@@ -243,6 +243,13 @@ def test_bad_requests_are_rejected_per_request(model):
         res = e.generate([good], max_new_tokens=2, temperature=1.0, top_k=top_k)[0]
         assert res.status == "rejected" and "top_k must be an integer >= 1, or 0 or -1" in res.reason, top_k
     assert e.generate([[1.5, 2]], max_new_tokens=2)[0].reason == "prompt must be a list of integer token ids"
+    # numpy limits: a huge one once wrapped negative in numpy's arithmetic and passed (the request
+    # then hung step() at the context limit); an unsigned one wrapped in the page count.
+    for n in (np.int32(2**31 - 1), np.int64(2**63 - 1)):  # one step: an accepted one would run, not hang
+        rid = e.submit(good, max_new_tokens=n)
+        result = {u.rid: u.result for u in e.step()}.get(rid)
+        assert result is not None and "exceeds the context limit 40" in result.reason, n
+    assert e.generate([good], max_new_tokens=np.uint8(3))[0].tokens == e.generate([good], max_new_tokens=3)[0].tokens
     mixed = e.generate([[], good, [10**6]], max_new_tokens=3)
     assert [r.status for r in mixed] == ["rejected", "ok", "rejected"]
     with pytest.raises(ValueError, match="exactly one of num_pages or kv_memory_bytes"):
@@ -500,8 +507,9 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     others = [engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, seed=s) for s in (8, 9)]
     assert any([r.tokens for r in o] != [r.tokens for r in a] for o in others)
     greedy = engine(model).generate(ps, max_new_tokens=NEW)
-    nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=1e-6, seed=3)
-    assert [r.tokens for r in nucleus] == [r.tokens for r in greedy]  # only the top token survives
+    for top_p in (1e-6, 1e-46):  # 1e-46 is 0 in float32: the top token still survives
+        nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=top_p, seed=3)
+        assert [r.tokens for r in nucleus] == [r.tokens for r in greedy], top_p  # only the top token survives
     min_p = e.generate(ps, max_new_tokens=NEW, temperature=1.5, min_p=1.0, seed=3)  # likewise
     assert [r.tokens for r in min_p] == [r.tokens for r in greedy]
     # Without a seed, copies of one prompt sample independently (best-of-n; a default seed of 0
