@@ -121,7 +121,8 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
         else:
             leaves.append(source[path].astype(leaf.dtype))
     params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract, is_leaf=is_quantized), leaves)
-    return dataclasses.replace(model, params=params, plan=plan, kv_scales=model.kv_scales if kv_scales is None else kv_scales), reports
+    kv_scales = model.kv_scales if kv_scales is None else kv_scales
+    return dataclasses.replace(model, params=params, plan=plan, kv_scales=kv_scales), reports
 
 
 def require_finite(name: str, w) -> None:
