@@ -99,6 +99,8 @@ class Engine(Frontend):
         if num_pages <= 0:
             raise ValueError(f"the KV budget holds no page ({self.kv_bytes_per_token_per_device * page_size} bytes "
                              "per page on a device)")
+        if num_pages >= 2**31:  # the page table's ids and the kernels' page indices are int32
+            raise ValueError(f"{int(num_pages)} pages: the page table holds at most 2**31 - 1 (int32 page ids)")
         self.num_pages, self.max_batch = int(num_pages), max_batch
         # Prefilling requests share each prefill call, a row each (at most max_prefill_rows x
         # prefill_chunk tokens per call); 1 prefills one request at a time.

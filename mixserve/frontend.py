@@ -93,6 +93,12 @@ class Frontend:
             self.step()
         return [r.result for r in requests]
 
+    def options_reason(self, **options) -> str | None:
+        """Why every request with these options (submit's keyword arguments) would be rejected,
+        whatever its prompt (None: a one-token prompt would be served): a CLI's shared flags."""
+        options = {**options, "seed": self._seed(options.get("seed")), "stop": _stops(options.get("stop"))}
+        return self._reject_reason(Request(-1, [0], **options))
+
     def _seed(self, seed):
         return int(self._seeds.integers(2**32)) if seed is None else seed
 

@@ -257,6 +257,9 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     _check_method(method, plan)
     if os.path.isdir(dst) and os.path.samefile(src, dst):  # its shards would be rewritten while still read
         raise CheckpointError(f"the output directory {dst} is the source checkpoint: write the quantized copy elsewhere")
+    if os.path.isdir(dst) and any(n == "config.json" or n.endswith(".safetensors") for n in os.listdir(dst)):
+        # its old shards would stay beside the new ones, and its config be replaced
+        raise CheckpointError(f"the output directory {dst} already holds a checkpoint: write elsewhere, or remove it")
     config, quant = read_config(src)
     if quant and not _kv_cache_only(quant):
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
@@ -265,8 +268,8 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     infos = index_tensors(src)
     prefix = text_prefix(infos)
     _check_group_sizes(infos, prefix, plan, config)
+    os.makedirs(dst, exist_ok=True)  # before calibration (GPTQ can take a while): an unwritable dst fails first
     calibrated = _calibrated_units(src, plan, method, calibration, fp8_kv_scales)
-    os.makedirs(dst, exist_ok=True)
     shard: dict[str, np.ndarray] = {}
     shards: list[dict[str, np.ndarray]] = []
     ignored: set[str] = set()
@@ -368,7 +371,7 @@ def main(argv=None) -> None:
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
-                   help="rtn: round to nearest; gptq: GPTQ over random calibration tokens (int4; loads the model)")
+                   help="rtn: round to nearest; gptq: GPTQ over random calibration tokens (int4 and nvfp4; loads the model)")
     p.add_argument("--fp8-kv-scales", action="store_true",
                    help="also calibrate per-layer FP8 KV cache scales over the calibration tokens (GQA models; "
                         "llm-compressor's kv_cache_scheme), which the engine serves an FP8 cache with; loads the model")
@@ -382,7 +385,7 @@ def main(argv=None) -> None:
         calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
         reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
                                       calibration=calibration, fp8_kv_scales=args.fp8_kv_scales)
-    except ValueError as e:  # CheckpointError is one
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; OSError: an output path that cannot be made
         p.error(str(e))
     for r in reports:
         fallback = f", RTN for experts {r.rtn_fallback_experts} (no tokens)" if r.rtn_fallback_experts else ""

@@ -169,15 +169,25 @@ def main(argv=None) -> dict:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={devices}").strip()
     backend = pallas_kernels.resolve_backend(args.backend)
-    if args.disaggregate and jax.device_count() >= devices:  # prefill on devices [0, tp), decode on [tp, 2 tp)
-        prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
-    else:  # one engine, or a pair sharing a single device
-        prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
-    try:  # a bad model, or a flag the model or engine refuses: a usage error, not a traceback
+    try:  # too few devices, a bad model, or a flag the model or engine refuses: a usage error, not a traceback
+        if args.disaggregate and jax.device_count() >= devices:  # prefill on devices [0, tp), decode on [tp, 2 tp)
+            prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
+        else:  # one engine, or a pair sharing a single device
+            prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
         setup = build(args, backend, prefill_mesh, mesh)
     except (ValueError, OSError) as e:
         parser.error(str(e))
+    # The sampling and stop flags are every request's: values no request may take are a usage error.
+    if why := setup.engine.options_reason(**request_options(args)):
+        parser.error(why)
     return serve(args, backend, mesh, setup)
+
+
+def request_options(args) -> dict:
+    """The per-request options the flags give every prompt (Frontend.submit's keywords)."""
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -233,9 +243,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
     prompts = [model.tokenizer.encode(p) for p in (args.prompt or DEFAULT_PROMPTS)]
     t0 = time.perf_counter()
-    results = engine.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                              stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+    results = engine.generate(prompts, **request_options(args))
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())

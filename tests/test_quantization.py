@@ -471,6 +471,19 @@ def test_gptq_checkpoint_matches_in_memory_and_falls_back_to_rtn(bf16_dir, tmp_p
     assert fallbacks > 0
 
 
+def test_an_output_that_holds_a_checkpoint_or_cannot_be_made_is_a_usage_error(bf16_dir, tmp_path, capsys):
+    """Quantizing into a checkpoint's directory left its old shards beside the new ones (the
+    output then served as whatever its config said); a path that cannot be made raised a
+    traceback, after GPTQ had run. Both are usage errors now (exit 2), before any work."""
+    occupied, a_file = tmp_path / "occupied", tmp_path / "a-file"
+    quantize_checkpoint(bf16_dir, str(occupied), plan_for(WeightFormat("int4", 32), "experts"))
+    a_file.write_text("")
+    for out, message in ((occupied, "already holds a checkpoint"), (a_file / "out", "Not a directory")):
+        with pytest.raises(SystemExit) as exit_:
+            quantize_main(["--model", bf16_dir, "--out", str(out), "--format", "int4", "--method", "gptq"])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, out
+
+
 def test_gptq_rejects_bad_requests(bf16_dir, tmp_path):
     source = mixserve.load(bf16_dir, dtype="float32", progress=False)
     with pytest.raises(ValueError, match="GPTQ quantizes int4"):

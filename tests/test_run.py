@@ -167,6 +167,12 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--model", "no-such-model"): "unknown preset 'no-such-model'",
         ("--model", "tiny-glm4", "--kv-cache-dtype", "fp8_ds_mla"): "fp8_ds_mla is FlashMLA's layout",
         ("--kv-memory", "1k"): "the KV budget holds no page",
+        ("--kv-memory", "1e30"): "the page table holds at most 2**31 - 1",
+        ("--tensor-parallel", "16"): "devices [0, 16): ",
+        ("--temperature", "-1"): "need temperature >= 0",
+        ("--top-p", "0"): "0 < top_p <= 1",
+        ("--seed", "-5"): "seed must be an integer in [0, 2**32)",
+        ("--stop", ""): "stop must be a list of non-empty strings",
     }
     for argv, message in cases.items():
         try:
