@@ -186,8 +186,7 @@ class Scheduler:
         free_slots = self._free_slots()
         if self.waiting or not free_slots:
             return None
-        cached, shared = req.cached, self.page_manager.shared_prefix(req)
-        need = self.page_manager.pages_for(cached) - len(shared)
+        cached, (shared, need) = req.cached, self._adoption(req)
         if need > self.page_manager.free_pages:
             return None
         if not self.page_manager.take(req, free_slots[0], shared, need):
@@ -199,9 +198,12 @@ class Scheduler:
     def never_adopted(self, req: Request) -> str | None:
         """Why adopt will never take req (None: it may, later): nothing here runs or waits, so
         nothing will free the pages it lacks."""
-        if self.waiting:
-            return None
-        return self._never_fits(self.page_manager.pages_for(req.cached) - len(self.page_manager.shared_prefix(req)))
+        return None if self.waiting else self._never_fits(self._adoption(req)[1])
+
+    def _adoption(self, req: Request) -> tuple[list[int], int]:
+        """The pages adopting req would share (its indexed prompt prefix) and how many more it needs."""
+        shared = self.page_manager.shared_prefix(req)
+        return shared, self.page_manager.pages_for(req.cached) - len(shared)
 
     def _never_fits(self, need: int) -> str | None:
         """An abort reason when `need` pages exceed the free ones and no running request will free
