@@ -186,18 +186,21 @@ def share(table: PageTable, slot, page_ids_K: jax.Array, n) -> tuple[PageTable, 
     return _append(table, slot, take_K, page_ids_K, table.tag_P[safe_K]), ok
 
 
-def release(table: PageTable, slot) -> PageTable:
-    """Drop all of `slot`'s pages; pages left with no reference go back on the free stack.
+def truncate(table: PageTable, slot, n) -> PageTable:
+    """Drop `slot`'s pages past its first `n` (n >= what it holds: no change); pages left with
+    no reference go back on the free stack. slot and n are int scalars and may be traced.
 
     Tags stay until the page is reallocated. Only mappings that still own their page (in range,
     tag matches) give back a reference: a corrupted mapping (the slot is being aborted) must not
     free a page that now belongs to another slot. Such a page leaks instead, which costs capacity
     but never correctness.
     """
+    n = jnp.clip(jnp.asarray(n, jnp.int32), 0, table.num_pages_B[slot])
     pages_N = table.pages_BN[slot]
     in_range_N, safe_N = _clamp_pages(table, pages_N)
-    mapped_N = jnp.arange(table.max_pages_per_seq) < table.num_pages_B[slot]
-    owned_N = mapped_N & in_range_N & (table.tag_P[safe_N] == table.expected_tag_BN[slot])
+    i_N = jnp.arange(table.max_pages_per_seq)
+    dropped_N = (i_N >= n) & (i_N < table.num_pages_B[slot])
+    owned_N = dropped_N & in_range_N & (table.tag_P[safe_N] == table.expected_tag_BN[slot])
     P = table.num_pool_pages
     drops_P = jnp.zeros(P, jnp.int32).at[jnp.where(owned_N, pages_N, P)].add(1, mode="drop")
     ref_count_P = jnp.maximum(table.ref_count_P - drops_P, 0)
@@ -207,14 +210,20 @@ def release(table: PageTable, slot) -> PageTable:
     free_stack_P = table.free_stack_P.at[jnp.where(freed_P, push_at_P, P)].set(
         jnp.arange(P, dtype=jnp.int32), mode="drop"
     )
+    kept_N = i_N < n
     return table.replace(
         free_stack_P=free_stack_P,
         num_free=table.num_free + freed_P.sum(dtype=jnp.int32),
         ref_count_P=ref_count_P,
-        pages_BN=table.pages_BN.at[slot].set(0),
-        expected_tag_BN=table.expected_tag_BN.at[slot].set(0),
-        num_pages_B=table.num_pages_B.at[slot].set(0),
+        pages_BN=table.pages_BN.at[slot].set(jnp.where(kept_N, pages_N, 0)),
+        expected_tag_BN=table.expected_tag_BN.at[slot].set(jnp.where(kept_N, table.expected_tag_BN[slot], 0)),
+        num_pages_B=table.num_pages_B.at[slot].set(n),
     )
+
+
+def release(table: PageTable, slot) -> PageTable:
+    """Drop all of `slot`'s pages (`truncate` to none)."""
+    return truncate(table, slot, 0)
 
 
 def verify(table: PageTable, active_B: jax.Array) -> IntegrityReport:

@@ -7,7 +7,8 @@ indexes full prompt pages by a chained hash so that an identical prefix reuses t
 those still prefilling (a request that would share a prefix page still being prefilled waits
 until that prefill is done), and before each decode step makes room for every running request's
 next token, preempting the youngest when the pool is full: the victim (mid-prefill or decoding)
-is requeued and recomputed from its prompt plus what it generated, so nothing is dropped.
+is requeued and recomputed from its prompt plus what it generated, so nothing is dropped. Pages a
+request holds past its tokens (taken for speculative drafts, then rejected) go back first.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from mixserve.request import Request
 
 _allocate_jit = jax.jit(pt.allocate)
 _share_jit = jax.jit(pt.share)
-_release_jit = jax.jit(pt.release)
+_truncate_jit = jax.jit(pt.truncate)
 
 
 @dataclasses.dataclass
@@ -102,7 +103,18 @@ class PageManager:
 
     def release_slot(self, slot: int) -> None:
         """Return a slot's pages (a page another request shares stays theirs)."""
-        self.table = _release_jit(self.table, jnp.int32(slot))
+        self._truncate_slot(slot, 0)
+
+    def trim(self, req: Request) -> None:
+        """Return req's pages past those its tokens need (speculative drafts' pages, kept after a
+        rejection)."""
+        keep = self.pages_for(len(req.tokens))
+        if req.slot is not None and req.num_pages > keep:
+            self._truncate_slot(req.slot, keep)
+            req.num_pages = keep
+
+    def _truncate_slot(self, slot: int, keep: int) -> None:
+        self.table = _truncate_jit(self.table, jnp.int32(slot), jnp.int32(keep))
         self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
         refs = np.asarray(self.table.ref_count_P)
         self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
@@ -164,7 +176,7 @@ class Scheduler:
                 break
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
             need = self.page_manager.pages_for(len(req.tokens)) - len(shared)
-            if need > self.page_manager.free_pages:
+            if self._short_of(need):
                 if why := self._never_fits(need):
                     self.waiting.popleft().finish("aborted", why)
                     self.counters.aborts += 1
@@ -187,7 +199,7 @@ class Scheduler:
         if self.waiting or not free_slots:
             return None
         cached, (shared, need) = req.cached, self._adoption(req)
-        if need > self.page_manager.free_pages:
+        if self._short_of(need):
             return None
         if not self.page_manager.take(req, free_slots[0], shared, need):
             return None
@@ -222,7 +234,7 @@ class Scheduler:
             if req.result is not None or req.slot is None:
                 continue
             while self.page_manager.pages_for(len(req.tokens)) > req.num_pages:
-                if self.page_manager.free_pages > 0:
+                if not self._short_of(1):
                     self.page_manager.allocate(req, 1)  # if refused, the resynced counts decide again
                     continue
                 victim = max((r for r in self.running if r.slot is not None and r.result is None), key=lambda r: r.rid)
@@ -232,6 +244,16 @@ class Scheduler:
                 self.counters.preemptions += 1
                 if victim is req:
                     break
+
+    def _short_of(self, need: int) -> bool:
+        """Whether fewer than `need` pages are free, once the pages running requests hold past
+        their tokens (drafts' pages, kept after a rejection) are taken back: nobody waits or is
+        preempted for pages that only hold rejected drafts."""
+        if need > self.page_manager.free_pages:
+            for r in self.running:
+                if r.result is None:
+                    self.page_manager.trim(r)
+        return need > self.page_manager.free_pages
 
     def room_for_drafts(self, req: Request, drafts: int) -> int:
         """Pages for up to `drafts` tokens past req's next one, from free pages only (a draft never

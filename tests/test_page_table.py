@@ -29,6 +29,7 @@ def _jit_counted(fn):
 allocate = _jit_counted(pt.allocate)
 share = _jit_counted(pt.share)
 release = _jit_counted(pt.release)
+truncate = _jit_counted(pt.truncate)
 verify = _jit_counted(pt.verify)
 ALL_ACTIVE_B = np.ones(B, bool)
 
@@ -68,8 +69,8 @@ class Model:
     def live(self):
         return {p for ps in self.pages for p in ps}
 
-    def release(self, slot):
-        self.pages[slot] = []
+    def truncate(self, slot, n):
+        self.pages[slot] = self.pages[slot][: max(n, 0)]
         self.shared &= self.live()
 
 
@@ -77,8 +78,9 @@ slots = st.integers(0, B - 1)
 allocate_op = st.tuples(st.just("allocate"), slots, st.integers(-1, N + 1))
 share_op = st.tuples(st.just("share"), slots, slots, st.integers(0, N))
 release_op = st.tuples(st.just("release"), slots)
+truncate_op = st.tuples(st.just("truncate"), slots, st.integers(-1, N + 1))
 # allocate listed twice: drawn more often, so sequences also run the pool dry.
-op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op)
+op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op, truncate_op)
 
 
 def apply_and_check(table, model, op):
@@ -118,8 +120,12 @@ def apply_and_check(table, model, op):
         got_tags = host(table).expected_tag_BN[slot, held - k : held]
         np.testing.assert_array_equal(got_tags, before.tag_P[shared])
     else:
-        table = release(table, np.int32(slot))
-        model.release(slot)
+        n = args[0] if kind == "truncate" else 0
+        table = truncate(table, np.int32(slot), np.int32(n)) if kind == "truncate" else release(table, np.int32(slot))
+        kept = model.pages[slot][: max(n, 0)]
+        model.truncate(slot, n)
+        assert slot_pages(table, slot) == kept  # the first n stay, with their recorded tags
+        np.testing.assert_array_equal(host(table).expected_tag_BN[slot, : len(kept)], before.expected_tag_BN[slot, : len(kept)])
         np.testing.assert_array_equal(host(table).tag_P, before.tag_P)  # tags stay until reuse
     return table
 
@@ -263,3 +269,22 @@ def test_checkify_strict_mode_turns_a_bad_mapping_into_an_error():
         err.throw()
     err, _ = strict(bad, np.array([True, True, False, True]))  # the bad slot is inactive
     err.throw()
+
+
+def test_truncate_frees_only_the_tail_it_owns():
+    """truncate keeps a slot's first n pages; a dropped page another slot shares stays live, and a
+    corrupted tail mapping (a page now another slot's) leaks rather than frees that slot's page."""
+    table, _ = allocate(fresh(), np.int32(0), np.int32(4))
+    table, _ = share(table, np.int32(1), host(table).pages_BN[0], np.int32(4))
+    table = truncate(table, np.int32(0), np.int32(2))
+    pt.assert_consistent(table)
+    assert slot_pages(table, 0) == [0, 1] and int(pt.num_free(table)) == P - 4  # slot 1 still maps 2 and 3
+    table = truncate(table, np.int32(1), np.int32(3))
+    assert int(pt.num_free(table)) == P - 3 and host(table).free_stack_P[P - 4] == 3
+    same = truncate(table, np.int32(1), np.int32(N))  # past what it holds: nothing changes
+    assert_same(same, table)
+    table, _ = allocate(release(table, np.int32(1)), np.int32(2), np.int32(2))
+    table = corrupt(table, 2, 1, pages_BN=0)  # slot 2's second mapping points at slot 0's page
+    table = truncate(table, np.int32(2), np.int32(1))
+    assert slot_pages(table, 0) == [0, 1] and host(table).ref_count_P[0] == 1
+    assert bool(jnp.all(verify(table, ALL_ACTIVE_B).ok_B))

@@ -191,6 +191,33 @@ def test_preempted_requests_recompute_their_drafts():
     assert [r.tokens for r in got] == [r.tokens for r in plain]
 
 
+def test_pages_of_rejected_drafts_go_to_a_request_that_needs_them():
+    """Pages a request took for its drafts hold only rejected tokens once the drafts are refused:
+    a request that arrives needing them is admitted at once, as under plain decoding, rather than
+    waiting until the drafter ends. Request a (3 tokens) drafts 7 wrong tokens after its first
+    step: 3 pages of 4 for 5 tokens. Request b (21 tokens) then needs 6 of the 8 pages."""
+    model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
+    vocab = model.config.vocab_size
+    a, b = [[int(t) for t in np.random.default_rng(i).integers(0, vocab, n)] for i, n in ((0, 3), (1, 21))]
+    finished = {}
+    for k in (0, 7):  # plain decoding first: its tokens make the wrong drafts
+        engine = _engine(model, num_pages=8, page_size=4, max_batch=2, speculative_tokens=k)
+        rids = {engine.submit(a, max_new_tokens=20, temperature=0.0): "a"}
+        for step in range(40):
+            if step == 1:
+                assert engine.pages_in_use == (3 if k else 1)  # a's pages, drafts' included
+                rids[engine.submit(b, max_new_tokens=1, temperature=0.0)] = "b"
+            for r in engine.scheduler.running:
+                if k and r.prefilled:  # every first draft wrong: one token a step, like plain decode
+                    r.drafts = [(finished[0, "a"][1][len(r.out)] + 1) % vocab] * k
+            for update in engine.step():
+                if update.result is not None:
+                    finished[k, rids[update.rid]] = (step, update.result.tokens)
+        assert engine.counters.preemptions == 0 and engine.free_pages == 8
+    assert finished[7, "a"][1] == finished[0, "a"][1] and engine.counters.drafted_tokens > 0
+    assert finished[7, "b"] == finished[0, "b"] and finished[7, "b"][0] == 1  # b's step: the one after it came
+
+
 def test_sampled_speculative_decoding_is_reproducible_and_stops():
     model = mixserve.load("tiny-kimi", dtype="float32", mtp=True)
     prompts = _prompts(model.config.vocab_size)
