@@ -292,8 +292,8 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False, cfg:
             problems.append(f"transform_config {quant['transform_config']!r}")
         for name, group in (quant.get("config_groups") or {}).items():
             problems += [f"config_groups.{name}: {p}" for p in _unsupported_group(group, quant.get("format"))]
-    elif method == "modelopt":
-        if quant.get("quant_algo") not in MODELOPT_ALGOS:
+    elif method == "modelopt":  # quant_algo null: ModelOpt calibrated the KV cache alone (quantizes_weights)
+        if quant.get("quant_algo") not in MODELOPT_ALGOS and quantizes_weights(quant):
             problems.append(f"quant_algo {quant.get('quant_algo')!r} (mixserve reads ModelOpt {' and '.join(MODELOPT_ALGOS)})")
         groups = {quant.get("group_size", NVFP4_GROUP)}
         for name, group in (quant.get("config_groups") or {}).items():
@@ -333,6 +333,18 @@ def _nvfp4_activations(quant: dict) -> bool:
 def _is_nvfp4_activation(args: dict | None) -> bool:
     return bool(args) and all(args.get(k) == v for k, v in
                               {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_GROUP}.items())
+
+
+def quantizes_weights(quant: dict) -> bool:
+    """Does the quantization_config quantize any weight? A KV-cache-only one does not: llm-compressor
+    run with a kv_cache_scheme alone (no config_groups), ModelOpt's export of an FP8 KV calibration
+    alone (quant_algo null, as ModelOpt 0.47 writes it). Its weights are the model dtype's."""
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        return bool(quant.get("config_groups"))
+    if method == "modelopt":
+        return quant.get("quant_algo") is not None or bool(quant.get("config_groups"))
+    return bool(quant)
 
 
 def kv_cache_scheme(quant: dict):

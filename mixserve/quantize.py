@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from mixserve.checkpoint import (KV_SCALE_PARTS, KV_SCALE_UNIT, check_quantization_config, is_expert_unit, hf_source,
-                                 is_mtp_layer, is_quantizable_unit, kv_cache_scheme, text_prefix, split_unit, read_config)
+from mixserve.checkpoint import (KV_SCALE_PARTS, KV_SCALE_UNIT, check_quantization_config, fp8_kv_scheme, hf_source,
+                                 is_expert_unit, is_mtp_layer, is_quantizable_unit, kv_cache_scheme, quantizes_weights,
+                                 read_config, split_unit, text_prefix)
 from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_params, gptq_weights, input_global_scales,
                            is_quantized, require_unquantized)
 from mixserve.kv_cache import calibrate_scales
@@ -261,7 +262,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         # its old shards would stay beside the new ones, and its config be replaced
         raise CheckpointError(f"the output directory {dst} already holds a checkpoint: write elsewhere, or remove it")
     config, quant = read_config(src)
-    if quant and not _kv_cache_only(quant):
+    if quantizes_weights(quant):
         raise CheckpointError(f"{src} is already quantized ({quant.get('quant_method')}); start from a BF16 checkpoint")
     check_quantization_config(quant, cfg=config)  # what else a KV-only config declares (a rotation) is refused
     _check_kv_scales(fp8_kv_scales, config)
@@ -309,9 +310,10 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     for config_dict in (raw, target):  # a KV-only source's, wherever it was: replaced by the one below
         config_dict.pop("quantization_config", None)
     target["quantization_config"] = quantization_config(plan, sorted(ignored))
-    if calibrated.kv_scales is not None or quant:
-        target["quantization_config"]["kv_cache_scheme"] = FP8_KV_SCHEME if calibrated.kv_scales is not None \
-            else kv_cache_scheme(quant)
+    if calibrated.kv_scales is not None or kv_cache_scheme(quant):
+        # a KV-only ModelOpt source's scheme ("FP8") as compressed-tensors writes it
+        kv_fp8 = calibrated.kv_scales is not None or fp8_kv_scheme(quant)
+        target["quantization_config"]["kv_cache_scheme"] = FP8_KV_SCHEME if kv_fp8 else kv_cache_scheme(quant)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     for name in COPIED:
@@ -320,22 +322,18 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
     return calibrated.reports
 
 
-def _kv_cache_only(quant: dict) -> bool:
-    """A compressed-tensors config that quantizes no weight, only the KV cache (llm-compressor run
-    with a kv_cache_scheme alone)."""
-    return (quant.get("quant_method") == "compressed-tensors" and not quant.get("config_groups")
-            and bool(kv_cache_scheme(quant)))
-
-
 def _with_kv_scales(tensors, kv_scales, prefix: str):
-    """The source's tensors, with FP8 KV scales calibrated here in place of any it has."""
-    if kv_scales is None:
-        yield from tensors
-        return
+    """The source's tensors, with FP8 KV scales calibrated here in place of any it has. A source's
+    own are written where compressed-tensors puts them: ModelOpt's self_attn.k_proj.k_scale as
+    self_attn.k_scale."""
     for name, array in tensors:
         unit, part = split_unit(name)
         if not (part in KV_SCALE_PARTS and KV_SCALE_UNIT.search(unit)):
             yield name, array
+        elif kv_scales is None:
+            yield f"{unit.removesuffix(f'.{part[0]}_proj')}.{part}", array
+    if kv_scales is None:
+        return
     for part, scales in zip(("k_scale", "v_scale"), kv_scales):
         for layer, scale in enumerate(scales):
             yield f"{prefix}model.layers.{layer}.self_attn.{part}", np.asarray(scale, np.float32)

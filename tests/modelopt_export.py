@@ -1,10 +1,12 @@
 """Write a real NVIDIA ModelOpt NVFP4 checkpoint of a tiny reference model, and its reference.
 
-    python tests/modelopt_export.py CONFIG OUT [--kv-fp8]
+    python tests/modelopt_export.py CONFIG OUT [--kv-fp8 | --kv-only]
 
 OUT/modelopt:    what ModelOpt's own PTQ and HF export write (mtq.quantize with NVFP4_DEFAULT_CFG,
                  export_hf_checkpoint): uint8 `weight`, e4m3 `weight_scale`, float32 `weight_scale_2`
-                 and `input_scale`, hf_quant_config.json; with --kv-fp8 also FP8 KV scales.
+                 and `input_scale`, hf_quant_config.json; with --kv-fp8 also FP8 KV scales; with
+                 --kv-only the FP8 KV scales alone (ModelOpt's FP8_KV_CFG, every other quantizer off:
+                 unquantized weights, quant_algo null).
 OUT/dequantized: the unquantized checkpoint with each NVFP4 weight replaced by ModelOpt's own
                  dequantization of the exported tensors (NVFP4QTensor.dequantize), float32.
 
@@ -52,7 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config", choices=sorted(hf_reference.CONFIGS))
     ap.add_argument("out")
-    ap.add_argument("--kv-fp8", action="store_true")
+    formats = ap.add_mutually_exclusive_group()
+    formats.add_argument("--kv-fp8", action="store_true")
+    formats.add_argument("--kv-only", action="store_true")
     args = ap.parse_args()
     # NVFP4 needs every input width a multiple of 16: kv_b_proj's is kv_lora_rank (512 in the real models).
     mla = "kv_lora_rank" in hf_reference.CONFIGS[args.config][1]
@@ -61,7 +65,9 @@ def main() -> None:
     plain = os.path.join(args.out, "plain")
     model.save_pretrained(plain)
     cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
-    if args.kv_fp8:
+    if args.kv_only:  # NVFP4's config starts by turning every quantizer off; keep only that
+        cfg["quant_cfg"] = [q for q in cfg["quant_cfg"] if q == {"quantizer_name": "*", "enable": False}]
+    if args.kv_fp8 or args.kv_only:
         cfg["quant_cfg"] += mtq.FP8_KV_CFG["quant_cfg"]
     gen = torch.Generator().manual_seed(1)
     calibration = [torch.randint(0, model.config.vocab_size, (2, 24), generator=gen) for _ in range(2)]

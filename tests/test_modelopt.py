@@ -39,17 +39,18 @@ W4A4 = "quantizes activations to NVFP4 \\(W4A4\\); mixserve serves it weight-onl
 KV = "declares a quantized KV cache"
 # One model of each family; Kimi and GLM-5 also with ModelOpt's FP8 KV cache calibration.
 FAMILIES = {"kimi-yarn-groups": True, "glm4-qknorm-bias": False, "glm5-dsa-shared": True}
-_EXPORTED: dict[str, str] = {}
+_EXPORTED: dict[tuple[str, bool], str] = {}
 
 
-def exported(name: str, tmp_path_factory) -> str:
-    """OUT with OUT/modelopt and OUT/dequantized (tests/modelopt_export.py), once per session."""
-    if name not in _EXPORTED:
+def exported(name: str, tmp_path_factory, kv_only: bool = False) -> str:
+    """OUT with OUT/modelopt, OUT/dequantized and OUT/plain (tests/modelopt_export.py), once per
+    session: NVFP4 (with FP8 KV scales for FAMILIES[name]), or with kv_only FP8 KV scales alone."""
+    flags = ["--kv-only"] if kv_only else ["--kv-fp8"] if FAMILIES[name] else []
+    if (name, kv_only) not in _EXPORTED:
         out = str(tmp_path_factory.mktemp(name))
-        subprocess.run([sys.executable, EXPORT, name, out] + (["--kv-fp8"] if FAMILIES[name] else []),
-                       check=True, capture_output=True)
-        _EXPORTED[name] = out
-    return _EXPORTED[name]
+        subprocess.run([sys.executable, EXPORT, name, out, *flags], check=True, capture_output=True)
+        _EXPORTED[name, kv_only] = out
+    return _EXPORTED[name, kv_only]
 
 
 def load(directory: str, *notices: str):
@@ -129,6 +130,51 @@ def test_hf_quant_config_alone_is_read(tmp_path_factory, tmp_path):
     del config["quantization_config"]
     json.dump(config, open(path, "w"))
     assert str(load(str(d), W4A4).plan) == "experts=nvfp4, linear=nvfp4"
+
+
+def test_a_modelopt_kv_cache_only_export_serves_and_quantizes_with_its_scales(tmp_path_factory, tmp_path):
+    """ModelOpt's export of an FP8 KV calibration alone (quant_algo null, kv_cache_quant_algo FP8,
+    self_attn.k_proj.k_scale) holds unquantized weights: it loads as the plain model with its
+    per-layer scales, without a notice, and an FP8 engine serves with them. quantize_checkpoint
+    takes it as a source, as it takes llm-compressor's KV-only one: the scales and scheme are
+    kept, written where and as compressed-tensors reads them."""
+    from mixserve.engine import Engine
+
+    out = exported("glm4-qknorm-bias", tmp_path_factory, kv_only=True)
+    src = os.path.join(out, "modelopt")
+    assert json.load(open(os.path.join(src, "hf_quant_config.json")))["quantization"]["quant_algo"] is None
+    disk = {k: np.asarray(load_tensor(v)) for k, v in index_tensors(src).items() if k.endswith(("k_scale", "v_scale"))}
+    layers = len(disk) // 2
+    written = [np.array([disk[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"] for i in range(layers)]) for kv in "kv"]
+    assert layers == 3 and all(np.all(w > 0) for w in written)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = mixserve.load(src, dtype="float32", progress=False)
+    plain = mixserve.load(os.path.join(out, "plain"), dtype="float32", progress=False)
+    assert model.plan == plain.plan and str(model.plan) == "experts=bf16, linear=bf16"
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(plain.params), strict=True))
+    for loaded, want in zip(model.kv_scales, written, strict=True):
+        np.testing.assert_array_equal(loaded, want)
+    engine = Engine(model, kv_dtype="fp8_e4m3", num_pages=8, page_size=8, max_batch=1, stop_tokens=())
+    assert engine.kv_scales_from_checkpoint and np.array_equal(engine.runner.cfg.v_scale, written[1])
+    assert len(engine.generate([[3, 1, 4, 1, 5]], max_new_tokens=2)[0].tokens) == 2
+    # Also from an older export's hf_quant_config.json alone, whose scheme is the string "FP8".
+    older = _copy(src, tmp_path / "older")
+    config = json.load(open(os.path.join(older, "config.json")))
+    del config["quantization_config"]
+    json.dump(config, open(os.path.join(older, "config.json"), "w"))
+    for source in (src, str(older)):
+        dst = str(tmp_path / f"int4-{os.path.basename(source)}")
+        quantize_checkpoint(source, dst, WeightPlan(experts=WeightFormat("int4", 16)))
+        quant = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+        scheme = QuantizationArgs.model_validate(quant["kv_cache_scheme"])
+        assert (scheme.num_bits, scheme.type, scheme.strategy, scheme.dynamic) == (8, "float", "tensor", False)
+        names = {k for k in index_tensors(dst) if k.endswith(("k_scale", "v_scale"))}
+        assert names == {f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv"}
+        quantized = mixserve.load(dst, dtype="float32", progress=False)
+        assert str(quantized.plan) == "experts=int4-g16, linear=bf16"
+        for loaded, want in zip(quantized.kv_scales, written, strict=True):
+            np.testing.assert_array_equal(loaded, want)
 
 
 def _edit_both_configs(directory, edit):
