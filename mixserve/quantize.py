@@ -365,7 +365,7 @@ def main(argv=None) -> None:
     p.add_argument("--nvfp4-activations", action="store_true",
                    help="with --format nvfp4: also calibrate each layer's input global scale over the calibration "
                         "tokens (W4A4, llm-compressor's NVFP4 scheme); loads the model in float32 to run them, as gptq")
-    p.add_argument("--group-size", type=int, default=32, help="int4 group size along the input dimension (32 or 128)")
+    p.add_argument("--group-size", type=int, help="int4 group size along the input dimension (default 32; or 128)")
     p.add_argument("--scope", choices=["experts", "all"], default="experts",
                    help="experts: routed experts only (Kimi K2 Thinking's choice); all: every linear layer except router/lm_head")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn",
@@ -373,14 +373,18 @@ def main(argv=None) -> None:
     p.add_argument("--fp8-kv-scales", action="store_true",
                    help="also calibrate per-layer FP8 KV cache scales over the calibration tokens (GQA models; "
                         "llm-compressor's kv_cache_scheme), which the engine serves an FP8 cache with; loads the model")
-    p.add_argument("--calibration-tokens", type=int, default=2048, help="gptq, W4A4, KV scales: number of calibration tokens")
-    p.add_argument("--seq-len", type=int, default=128, help="gptq, W4A4, KV scales: calibration sequence length")
-    p.add_argument("--seed", type=int, default=0, help="gptq, W4A4, KV scales: seed of the calibration tokens")
+    p.add_argument("--calibration-tokens", type=int, help="gptq, W4A4, KV scales: number of calibration tokens (default 2048)")
+    p.add_argument("--seq-len", type=int, help="gptq, W4A4, KV scales: calibration sequence length (default 128)")
+    p.add_argument("--seed", type=int, help="gptq, W4A4, KV scales: seed of the calibration tokens (default 0)")
     args = p.parse_args(argv)
+    if why := flag_without_effect(args):
+        p.error(why)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:  # bad arguments or a checkpoint that cannot be quantized: a usage error, not a traceback
-        fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), args.group_size, args.nvfp4_activations)
-        calibration = Calibration(args.calibration_tokens, args.seq_len, args.seed)
+        given = lambda **flags: {k: v for k, v in flags.items() if v is not None}  # the others keep their defaults
+        fmt = WeightFormat({"fp8": "fp8_block"}.get(args.format, args.format), w4a4=args.nvfp4_activations,
+                           **given(group_size=args.group_size))
+        calibration = Calibration(**given(tokens=args.calibration_tokens, seq_len=args.seq_len, seed=args.seed))
         reports = quantize_checkpoint(args.model, args.out, plan_for(fmt, args.scope), method=args.method,
                                       calibration=calibration, fp8_kv_scales=args.fp8_kv_scales)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; OSError: an output path that cannot be made
@@ -390,6 +394,21 @@ def main(argv=None) -> None:
         print(f"{r.path}: {r.rows} rows, ||X(W-Q)||^2 RTN {r.rtn_error:.4g} -> GPTQ {r.gptq_error:.4g}{fallback}")
     kv = ", FP8 KV scales" if args.fp8_kv_scales else ""
     print(f"wrote {args.out} ({fmt}, scope={args.scope}, method={args.method}{kv})")
+
+
+def flag_without_effect(args) -> str | None:
+    """Why a flag given would change nothing, as the others stand: a usage error, not dropped unsaid."""
+    calibrates = args.method == "gptq" or args.nvfp4_activations or args.fp8_kv_scales
+    for given, applies, why in (
+            (args.group_size, args.format == "int4",
+             f"--group-size is int4's (nvfp4's groups are 16 values, fp8's blocks 128 x 128), not {args.format}'s"),
+            (args.nvfp4_activations, args.format == "nvfp4", "--nvfp4-activations quantizes the inputs of --format nvfp4"),
+            (any(x is not None for x in (args.calibration_tokens, args.seq_len, args.seed)), calibrates,
+             "--calibration-tokens, --seq-len and --seed draw the tokens of --method gptq, --nvfp4-activations or "
+             "--fp8-kv-scales; round to nearest (rtn) calibrates nothing")):
+        if given is not None and given is not False and not applies:
+            return why
+    return None
 
 
 if __name__ == "__main__":

@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
                         "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
                         "on --tensor-parallel devices of its own, each with the --kv-memory budget")
-    p.add_argument("--prefill-kv-cache-dtype", default="bfloat16", choices=KV_CACHE_DTYPES,
-                   help="the prefill engine's KV pool with --disaggregate (the seed: BF16, prefill is compute-bound); "
-                        "pages are converted to the decode pool's format as they are handed over")
+    p.add_argument("--prefill-kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="the prefill engine's KV pool with --disaggregate (default bfloat16, as the seed: prefill is "
+                        "compute-bound); pages are converted to the decode pool's format as they are handed over")
     p.add_argument("--nvfp4-activations", action="store_true",
                    help="a W4A4 NVFP4 checkpoint (ModelOpt, llm-compressor NVFP4): quantize each NVFP4 layer's input "
                         "under its calibrated scale, as Blackwell's FP4 tensor cores compute it; by default NVFP4 is "
@@ -131,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-tokens", type=counted(0), default=0,
                    help="speculative decoding: each decode step verifies up to this many guessed tokens (--draft); "
                         "greedy output is unchanged, sampled output keeps its distribution")
-    p.add_argument("--draft", default="mtp", choices=["mtp", "ngram"],
-                   help="who guesses: the checkpoint's MTP layer (GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset "
+    p.add_argument("--draft", choices=["mtp", "ngram"],
+                   help="who guesses the --speculative-tokens: mtp (default), the checkpoint's MTP layer (GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset "
                         "gets a random one, whose guesses are mostly rejected), or ngram: the tokens that followed the "
                         "request's last tokens earlier in its text (any model, Kimi included)")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
@@ -159,10 +159,11 @@ def param_bytes(model) -> int:
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if why := flag_without_effect(args):
+        parser.error(why)
+    args.prefill_kv_cache_dtype = args.prefill_kv_cache_dtype or "bfloat16"
+    args.draft = args.draft or "mtp"
     tp = args.tensor_parallel
-    for flag, name in ((args.expert_parallel, "--expert-parallel"), (args.decode_context_parallel, "--decode-context-parallel")):
-        if flag and tp < 2:
-            parser.error(f"{name} splits over the --tensor-parallel devices: give 2 or more")
     devices = tp * (2 if args.disaggregate else 1)
     if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Read when JAX starts its CPU backend, so only before the first computation; GPUs ignore it.
@@ -181,6 +182,23 @@ def main(argv=None) -> dict:
     if why := setup.engine.options_reason(**request_options(args)):
         parser.error(why)
     return serve(args, backend, mesh, setup)
+
+
+def flag_without_effect(args) -> str | None:
+    """Why a flag given would change nothing, as the others stand: a usage error, not dropped unsaid."""
+    for given, applies, why in (
+            (args.expert_parallel, args.tensor_parallel > 1,
+             "--expert-parallel splits over the --tensor-parallel devices: give 2 or more"),
+            (args.decode_context_parallel, args.tensor_parallel > 1,
+             "--decode-context-parallel splits over the --tensor-parallel devices: give 2 or more"),
+            (args.prefill_kv_cache_dtype, args.disaggregate,
+             "--prefill-kv-cache-dtype is the prefill engine's pool under --disaggregate; one engine's pool is "
+             "--kv-cache-dtype"),
+            (args.draft, args.speculative_tokens > 0,
+             "--draft says who guesses the --speculative-tokens: give 1 or more")):
+        if given is not None and given is not False and not applies:
+            return why
+    return None
 
 
 def request_options(args) -> dict:

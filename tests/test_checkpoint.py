@@ -449,7 +449,12 @@ def test_quantize_cli_reports_bad_arguments_as_usage_errors(bf16_dir, tmp_path, 
     from mixserve.quantize import main
     for extra, message in ((["--method", "gptq", "--seq-len", "0"], "1 <= seq_len <= tokens"),
                            (["--method", "gptq", "--calibration-tokens", "5"], "seq_len=128, tokens=5"),
-                           (["--group-size", "24"], "does not divide")):
+                           (["--group-size", "24"], "does not divide"),
+                           (["--group-size", "0"], "int4 group_size must be a positive multiple of 8, got 0"),
+                           # flags that would change nothing as the others stand
+                           (["--format", "fp8", "--group-size", "128"], "--group-size is int4's"),
+                           (["--nvfp4-activations"], "--nvfp4-activations quantizes the inputs of --format nvfp4"),
+                           (["--seed", "3"], "--seed draw the tokens of --method gptq")):
         with pytest.raises(SystemExit) as exit_:
-            main(["--model", bf16_dir, "--out", str(tmp_path / "q"), "--format", "int4", *extra])
+            main(["--model", bf16_dir, "--out", str(tmp_path / "q"), "--format", "int4", *extra])  # the last --format counts
         assert exit_.value.code == 2 and message in capsys.readouterr().err, extra

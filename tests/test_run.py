@@ -157,7 +157,7 @@ def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
 
 def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
     """Each value is refused by argparse or by the model/engine, and reported as `error: ...`
-    (exit status 2), never as a traceback."""
+    (exit status 2), never as a traceback; so is a flag that would change nothing."""
     cases = {
         ("--kv-memory", "abc"): "not a memory size: 'abc'",
         ("--kv-memory", "-5"): "must be positive",
@@ -173,6 +173,10 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--top-p", "0"): "0 < top_p <= 1",
         ("--seed", "-5"): "seed must be an integer in [0, 2**32)",
         ("--stop", ""): "stop must be a list of non-empty strings",
+        # flags that would change nothing as the others stand
+        ("--expert-parallel",): "--expert-parallel splits over the --tensor-parallel devices",
+        ("--prefill-kv-cache-dtype", "fp8_e4m3"): "--prefill-kv-cache-dtype is the prefill engine's pool under --disaggregate",
+        ("--draft", "ngram"): "--draft says who guesses the --speculative-tokens",
     }
     for argv, message in cases.items():
         try:
