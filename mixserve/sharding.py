@@ -20,12 +20,13 @@ instead. The engine's KV budget is per device.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve.kv_cache import SPLIT_ENTRY, bytes_per_token, stored_names
-from models.partitioning import MODEL_AXIS, check_expert_parallel, spec_for, tp_size
+from models.partitioning import MODEL_AXIS, check_expert_parallel, spec_for, tp_size, unsplit_axes
 from models.weights import QUANTIZED, reblock, split_for_tp
 
 
@@ -55,11 +56,14 @@ def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
     is read, from the host, so no device holds a whole split parameter (mixserve.load(..., mesh=);
     a quantized unit that a dense plan dequantizes passes through the default device first)."""
     tp = tp_size(mesh)
+    unsplit = set()
 
     def place(leaf, names):
+        stored_names, values = (tuple(names.stored[0]), leaf.stored[0]) if isinstance(leaf, QUANTIZED) else (tuple(names), leaf)
+        unsplit.update(unsplit_axes(stored_names, values.shape, tp, expert_parallel))
         if isinstance(leaf, QUANTIZED):
             shape_only = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaf)
-            placed, spec = split_for_tp(shape_only, tuple(names.stored[0]), tp, expert_parallel)
+            placed, spec = split_for_tp(shape_only, stored_names, tp, expert_parallel)
             to = NamedSharding(mesh, spec)
             values = leaf.stored[0]
             finer = lambda scales: reblock(leaf.with_stored(values, scales), placed.values_per_scale).stored[1]
@@ -67,10 +71,16 @@ def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
             per_tensor = tuple(lambda x: jax.device_put(x, per_tensor_to) for _ in leaf.per_tensor)
             return placed.with_stored(lambda v: jax.device_put(v, to), lambda s: jax.device_put(finer(s), to),
                                       per_tensor=per_tensor)
-        to = NamedSharding(mesh, spec_for(tuple(names), leaf.shape, tp, expert_parallel))
+        to = NamedSharding(mesh, spec_for(stored_names, leaf.shape, tp, expert_parallel))
         return lambda x: jax.device_put(x, to)
 
-    return jax.tree.map(place, params, param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
+    where = jax.tree.map(place, params, param_axes, is_leaf=lambda x: isinstance(x, QUANTIZED))
+    if unsplit:  # e.g. 64 heads over 3 devices: every device holds all of them
+        sizes = {name: sorted(size for n, size in unsplit if n == name) for name, _ in unsplit}
+        axes = ", ".join(f"{name} ({', '.join(map(str, sizes[name]))})" for name in sorted(sizes))
+        warnings.warn(f"tensor parallelism over {tp} devices replicates the parameters whose split axes {tp} does not "
+                      f"divide, each device holding them whole: {axes}")  # once per process: one place warns
+    return where
 
 
 def place_params(params, placement_tree):

@@ -68,6 +68,11 @@ def quantized_spec(names: tuple, w, tp: int, expert_parallel: bool = False) -> P
     return P(*lead, *(split_if(_splits(names[d], values[d], tp, expert_parallel)) for d in (-2, -1)))
 
 
+def unsplit_axes(names: tuple, shape: tuple[int, ...], tp: int, expert_parallel: bool = False) -> set[tuple[str, int]]:
+    """(name, size) of the axes tensor parallelism splits that tp does not divide: replicated instead."""
+    return {(name, size) for name, size in zip(names, shape) if name in split_axes(expert_parallel) and size % tp}
+
+
 def _splits(name: str, size: int, tp: int, expert_parallel: bool) -> bool:
     return name in split_axes(expert_parallel) and size % tp == 0
 

@@ -97,6 +97,14 @@ for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
     assert_no_weight_gathered(split, str(fmt), prefill=True)
 with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
+# What 3 devices do not divide stays whole on each, and is named (the flattened widths of the axes).
+import warnings
+with pytest.warns(UserWarning, match=r"over 3 devices replicates .* heads \(64, 128\), mlp \(32, 128\), "
+                                     r"moe_mlp \(32\), vocab \(320\)$"):
+    sharding.shard_model(model, sharding.tp_mesh(3))
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    sharding.shard_model(model, sharding.tp_mesh(4))
 report = run.main(["--tensor-parallel", "2", "--model", "tiny-glm4", "--max-new-tokens", "3", "--json"])
 assert report["kv_bytes_per_token_per_device"] * 2 == report["kv_bytes_per_token"]
 assert all(r["status"] == "ok" for r in report["requests"])
@@ -314,8 +322,9 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     expert and head weights split, GQA pools split by KV head (twice the pages at TP2 for the same
     per-device budget), MLA pools replicated, and the compiled decode step gathers no split
     weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
-    (re-blocked to the shares and split with the values).
-    `mixserve.run --tensor-parallel 2` reports the per-device bytes."""
+    (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
+    replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
+    per-device bytes."""
     run_on_8_devices(XLA_PATH)
 
 
