@@ -317,7 +317,7 @@ def check_quantization_config(quant: dict, nvfp4_activations: bool = False, cfg:
         why = ("they calibrate the expanded keys and values, not the latent MLA caches"
                if fp8_kv_scheme(quant) else "mixserve reads per-tensor FP8 KV scales only")
         notices.append(f"the checkpoint declares a quantized KV cache ({kv_cache_scheme(quant)}); its k_scale/v_scale "
-                       f"are not read ({why}): the KV cache format is chosen when serving (kv_cache_dtype), and "
+                       f"are not read ({why}): the KV cache format is chosen when serving (Engine kv_dtype, --kv-cache-dtype), and "
                        "Engine(k_scale=, v_scale=) takes calibrated scales (mixserve.kv_cache.calibrate_scales)")
     return notices
 

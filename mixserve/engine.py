@@ -316,4 +316,5 @@ def _check_speculative(speculative_tokens: int, draft: str, model: Model, decode
     for name, m in (("model", model), ("decode_model", decode_model)):
         if m is not None and not m.has_mtp:
             raise ValueError(f"speculative_tokens needs the checkpoint's MTP layer, which {name} does not hold "
-                             f"(num_nextn_predict_layers={m.config.num_mtp_layers}; load(..., mtp=True) to require it)")
+                             f"(num_nextn_predict_layers={m.config.num_mtp_layers}; load(..., mtp=True) to require it); "
+                             "draft='ngram' needs none")

@@ -69,7 +69,8 @@ def kv_format(kv_dtype: str, model_dtype) -> KVFormat:
     if kv_dtype == TILED:
         return KVFormat(jnp.dtype(jnp.float8_e4m3fn), tiled=True)
     if kv_dtype not in STORAGE:
-        raise ValueError(f"unknown kv_cache_dtype {kv_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(f"unknown KV cache dtype {kv_dtype!r} (kv_dtype, --kv-cache-dtype); expected one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
     return KVFormat(jnp.dtype(STORAGE[kv_dtype]))
 
 
@@ -79,7 +80,7 @@ def is_fp8(dtype) -> bool:
 
 def _check_format(cfg: ModelConfig, fmt: KVFormat) -> None:
     if fmt.tiled and cfg.attention_kind != "mla":
-        raise ValueError(f"kv_cache_dtype {TILED} is FlashMLA's layout for MLA latents; this model uses "
+        raise ValueError(f"KV cache dtype {TILED} is FlashMLA's layout for MLA latents; this model uses "
                          f"{cfg.attention_kind.upper()} attention: use fp8_e4m3")
 
 

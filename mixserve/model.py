@@ -115,8 +115,10 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
                                                                  expert_parallel=expert_parallel)
         shipped = has_mtp(config, infos)
         if mtp and not shipped:
-            raise ValueError(f"mtp=True: {path_or_preset} holds no MTP layer (model.layers.{config.mtp_layer}.eh_proj; "
-                             f"num_nextn_predict_layers={config.num_mtp_layers})")
+            raise ValueError(f"{path_or_preset} holds no MTP layer (model.layers.{config.mtp_layer}.eh_proj; "
+                             f"num_nextn_predict_layers={config.num_mtp_layers}), which the MTP draft needs "
+                             "(load(..., mtp=True); mixserve.run --speculative-tokens): the n-gram draft needs none "
+                             "(draft='ngram', --draft ngram)")
         mtp_plan = detect_mtp_plan(config, infos) if shipped and mtp is not False else None
         params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement,
                              mtp_plan=mtp_plan)

@@ -195,6 +195,8 @@ def test_fp8_ds_mla_bytes_per_token_are_flashmlas():
     assert bytes_per_token(glm5, tiled) == 78 * 656 + full * (128 + 4)
     with pytest.raises(ValueError, match="MLA latents; this model uses GQA"):
         Engine(mixserve.load("tiny-glm4", dtype="float32"), kv_dtype="fp8_ds_mla", num_pages=8)
+    with pytest.raises(ValueError, match=r"unknown KV cache dtype 'int8' \(kv_dtype, --kv-cache-dtype\); expected one of"):
+        kv_format("int8", None)
 
 
 class _Recorder(NoCache):

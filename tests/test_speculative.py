@@ -5,6 +5,7 @@ against plain decoding: greedy outputs must be the same tokens whatever the draf
 MTP's, mostly rejected on random models, or oracle drafts that are right, or right but for one),
 and the rejection sampler must draw from the model's distribution."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -56,11 +57,16 @@ def test_mtp_layer_matches_transformers_block(name, tmp_path):
     assert not mixserve.load(str(tmp_path), dtype="float32", progress=False, mtp=False).has_mtp
 
 
-def test_mtp_true_without_an_mtp_layer_is_refused(tmp_path):
+def test_mtp_true_without_an_mtp_layer_is_refused(tmp_path, capsys):
     ref.save(ref.build("glm4-plain"), str(tmp_path))
     assert not mixserve.load(str(tmp_path), dtype="float32", progress=False).has_mtp
     with pytest.raises(ValueError, match="holds no MTP layer"):
         mixserve.load(str(tmp_path), dtype="float32", progress=False, mtp=True)
+    # From the command line: a usage error that names the flags, and the draft that needs no MTP layer.
+    from mixserve import run
+    with pytest.raises(SystemExit):
+        run.main(["--model", str(tmp_path), "--speculative-tokens", "2"])
+    assert re.search(r"holds no MTP layer .*mixserve.run --speculative-tokens.*--draft ngram", capsys.readouterr().err)
 
 
 def _prompts(vocab, n=3):
