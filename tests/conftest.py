@@ -49,9 +49,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 #   two engines serving 4 prompts (tiny-kimi, tiny-glm4) took 11.8-12.8 s against 17.1-17.7 s
 #   (10 runs), and one interpret-mode engine test with the INT4 kernel file (71 tests) 67 s
 #   against 108 s.
+# - LLVM's expensive passes off (what jax_disable_most_optimizations adds to level 0): on top of the
+#   above (2026-12-03, 2 cores, one process, 6 engine tests, 4 runs interleaved) 51-58 s against
+#   62-75 s, medians 54 and 67.
 # Kept off the GPU runs (MIXSERVE_KERNEL_BACKEND=pallas), whose compiled code is what they test.
 CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                 "--xla_cpu_parallel_codegen_split_count=1") if KERNEL_BACKEND == "interpret" else ""
+                 "--xla_cpu_parallel_codegen_split_count=1 --xla_llvm_disable_expensive_passes=true"
+                 ) if KERNEL_BACKEND == "interpret" else ""
 if CPU_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
