@@ -39,7 +39,7 @@ import mixserve
 from mixserve import page_table as pt
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, kv_format
-from mixserve.model_runner import decode_rows, prefill_tokens
+from mixserve.model_runner import prefill_tokens, step_rows
 from models.presets import PRESETS
 
 SEED_KIMI_BF16_TOKENS = 686_000  # the seed: Kimi K2.6 KV pool, BF16 -> ~1.37 M tokens in FP8
@@ -140,7 +140,7 @@ def decode_rows_table(model, max_batch: int, live_counts, new_tokens: int, repea
     for live in live_counts:
         engines = fp8_engines(model, "min_decode_rows", {"live": 1, "every": max_batch}, max_batch=max_batch)
         rates = interleaved_rates(engines, live, repeats, new_tokens=new_tokens)
-        rows.append(f"| {live} | {decode_rows(live, max_batch, 1)} | {paired_cells(rates, 'live', 'every')} |")
+        rows.append(f"| {live} | {step_rows(live, max_batch, 1)} | {paired_cells(rates, 'live', 'every')} |")
     return rows
 
 

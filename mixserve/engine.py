@@ -54,7 +54,7 @@ class Engine(Frontend):
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
                  prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
-                 max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
+                 min_prefill_rows: int = 1, max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
                  prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
                  draft: str = "mtp"):
@@ -65,7 +65,8 @@ class Engine(Frontend):
         max_prefill_rows = max_batch if max_prefill_rows is None else max_prefill_rows
         for name, value in (("page_size", page_size), ("max_batch", max_batch), ("prefill_chunk", prefill_chunk),
                             ("min_attended_tokens", min_attended_tokens), ("min_decode_rows", min_decode_rows),
-                            ("min_prefill_tokens", min_prefill_tokens), ("max_prefill_rows", max_prefill_rows)):
+                            ("min_prefill_tokens", min_prefill_tokens), ("min_prefill_rows", min_prefill_rows),
+                            ("max_prefill_rows", max_prefill_rows)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or not 0 <= max_logprobs <= cfg.vocab_size:
@@ -147,7 +148,7 @@ class Engine(Frontend):
             num_pages=self.num_pages, page_size=page_size, kv_format=self.kv_format, max_batch=max_batch,
             prefill_chunk=prefill_chunk, k_scale=k_scale, v_scale=v_scale, attention_backend=self.attention_backend,
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
-            min_prefill_tokens=min_prefill_tokens, mesh=mesh, split_slots=decode_context_parallel,
+            min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft))
 
     # ---- public ---------------------------------------------------------------------------------

@@ -13,14 +13,15 @@ attention kernels (attention_backend).
 A step sees only the first `attended_pages` columns of the page table: enough for its longest row,
 rounded up to a power of two. The XLA attention gathers and masks every column it is given, so
 with the whole table (max_seq_len / page_size columns: 8192 for Kimi's 131072 positions at page 16)
-a short request would pay for the longest one possible. Likewise a decode step runs `decode_rows`
+a short request would pay for the longest one possible. Likewise a decode step runs `step_rows`
 rows, the live requests rounded up to a power of two, not max_batch: 3 live requests in an engine
 of 64 slots pay for 4 rows of experts, attention and sampling, not 64 (what CUDA-graph batch sizes
 do in vLLM and SGLang), and a prefill chunk is as long as its tokens rounded up to a power of two
 (`prefill_tokens`, for the longest row of the call), not prefill_chunk: a 5-token prompt does not
-pay for 64. The powers of two keep the compiled shapes to a handful: each (rows, width) of decode
-and (rows, chunk, width) of prefill compiles once, and raising min_decode_rows or
-min_prefill_tokens trades padding for fewer compiles.
+pay for 64; a prefill call's rows are its requests rounded up alike. The powers of two keep the
+compiled shapes to a handful: each (rows, width) of decode and (rows, chunk, width) of prefill
+compiles once, and raising min_decode_rows, min_prefill_rows or min_prefill_tokens trades padding
+for fewer compiles.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class RunnerConfig:
     attention_backend: str
     integrity: str
     min_attended_tokens: int  # the smallest attended width, in tokens (see attended_pages)
-    min_decode_rows: int  # the fewest rows a decode step runs (see decode_rows)
+    min_decode_rows: int  # the fewest rows a decode step runs (see step_rows)
     min_prefill_tokens: int  # the shortest prefill chunk (see prefill_tokens)
+    min_prefill_rows: int = 1  # the fewest rows a prefill call runs (see step_rows)
     mesh: Mesh | None = None  # tensor parallel: params and pools split over its "model" axis
     split_slots: bool = False  # decode context parallelism: MLA latent pools split by page slots
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
@@ -120,7 +122,7 @@ class ModelRunner:
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
-            R = _power_of_two_at_least(len(todo), c.max_batch)
+            R = step_rows(len(todo), c.max_batch, c.min_prefill_rows)
             slots, start, count = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
             chunk = np.zeros((R, prefill_tokens(max(n), c.prefill_chunk, c.min_prefill_tokens)), np.int32)
             # The token after each position (0 past the last): only when a row wants prompt logprobs.
@@ -187,7 +189,7 @@ class ModelRunner:
         asked) logprobs, row i for live[i]. Rows past len(live) are padding: they point at slot 0
         with no token."""
         c = self.cfg
-        R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
+        R = step_rows(len(live), c.max_batch, c.min_decode_rows)
         slots, tokens = np.zeros(R, np.int32), np.zeros((R, 1), np.int32)
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
         for i, r in enumerate(live):
@@ -380,7 +382,7 @@ class ModelRunner:
         asked); drafts[i]: its next drafts (None with n-gram drafts: the engine finds them);
         tokens[i]: its first new token."""
         c, K = self.cfg, self.cfg.speculative_tokens
-        R = decode_rows(len(live), c.max_batch, c.min_decode_rows)
+        R = step_rows(len(live), c.max_batch, c.min_decode_rows)
         slots, start, count, room = (np.zeros(R, np.int32) for _ in range(4))
         tokens = np.zeros((R, K + 1), np.int32)
         for i, (r, n) in enumerate(zip(live, n_drafts)):
@@ -431,10 +433,10 @@ def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int)
     return _power_of_two_at_least(-(-max(tokens, min_tokens) // page_size), max_pages)
 
 
-def decode_rows(live: int, max_batch: int, min_rows: int) -> int:
-    """Rows a decode step runs for `live` requests: a power of two >= max(live, min_rows), at most
-    max_batch (min_rows = max_batch runs every slot each step)."""
-    return _power_of_two_at_least(max(live, min_rows), max_batch)
+def step_rows(requests: int, max_batch: int, min_rows: int) -> int:
+    """Rows a decode step or prefill call runs for its requests: a power of two >= max(requests,
+    min_rows), at most max_batch (min_rows = max_batch: every call runs max_batch rows)."""
+    return _power_of_two_at_least(max(requests, min_rows), max_batch)
 
 
 def prefill_tokens(n: int, prefill_chunk: int, min_tokens: int) -> int:

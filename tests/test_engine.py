@@ -171,21 +171,23 @@ def test_prefill_chunks_are_their_tokens_rounded_up_and_requests_admitted_togeth
     call (max_prefill_rows=1) runs chunks of 8 | 8, 4 | 4 | 8, 8 tokens, not 8 each: the padding is
     masked out of the attention, the KV writes and the experts. Prefilled together, the four run
     in two calls: 4 rows of 8 tokens (the longest row's chunk), then 2 rows (11 and 14 have tokens
-    left) of 8. The tokens are those of the cache-free forward in every case, and those of an
+    left) of 8; with min_prefill_rows=4 the second call runs 4 rows too (one shape to compile), two
+    of them padding. The tokens are those of the cache-free forward in every case, and those of an
     engine whose every chunk is padded to prefill_chunk (min_prefill_tokens=prefill_chunk)."""
     model = mixserve.load("tiny-kimi", dtype="float32")
     ps = prompts()
     shapes = {}
-    for min_tokens, rows in ((4, 1), (8, 1), (4, 4)):
-        e = engine(model, max_batch=4, min_prefill_tokens=min_tokens, max_prefill_rows=rows)
-        shapes[min_tokens, rows] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=None)  # tokens_RC
+    for min_tokens, rows, min_rows in ((4, 1, 1), (8, 1, 1), (4, 4, 1), (4, 4, 4)):
+        e = engine(model, max_batch=4, min_prefill_tokens=min_tokens, max_prefill_rows=rows, min_prefill_rows=min_rows)
+        shapes[min_tokens, rows, min_rows] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=None)  # tokens_RC
         for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
             assert r.status == "ok", r.reason
             assert r.tokens == greedy_reference(model, p, NEW)
-        assert e.counters.prefill_chunks == len(shapes[min_tokens, rows])
-    assert shapes[4, 1] == [(1, 8), (1, 8), (1, 4), (1, 4), (1, 8), (1, 8)]
-    assert shapes[8, 1] == [(1, 8)] * 6
-    assert shapes[4, 4] == [(4, 8), (2, 8)]
+        assert e.counters.prefill_chunks == len(shapes[min_tokens, rows, min_rows])
+    assert shapes[4, 1, 1] == [(1, 8), (1, 8), (1, 4), (1, 4), (1, 8), (1, 8)]
+    assert shapes[8, 1, 1] == [(1, 8)] * 6
+    assert shapes[4, 4, 1] == [(4, 8), (2, 8)]
+    assert shapes[4, 4, 4] == [(4, 8), (4, 8)]
 
 
 def test_fp8_kv_tracks_bf16(model):
@@ -270,6 +272,8 @@ def test_bad_requests_are_rejected_per_request(model):
         Engine(model, num_pages=8, min_prefill_tokens=0)
     with pytest.raises(ValueError, match="max_prefill_rows must be positive, got 0"):
         Engine(model, num_pages=8, max_prefill_rows=0)
+    with pytest.raises(ValueError, match="min_prefill_rows must be positive, got 0"):
+        Engine(model, num_pages=8, min_prefill_rows=0)
 
 
 FAULTS = {
