@@ -774,7 +774,7 @@ def test_pallas_kernels_serve_the_same_tokens(model):
     # Longer than tiny-glm5's index_topk (16): the DSA choice drops tokens.
     ps = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 37, 1, 30)]
     # One decode row count and one chunk length: each interpret-mode shape costs seconds to compile.
-    kw = dict(kv_dtype="fp8_e4m3", min_decode_rows=4, min_prefill_tokens=8)
+    kw = dict(kv_dtype="fp8_e4m3", min_decode_rows=4, min_prefill_tokens=8, min_prefill_rows=4)
     xla_engine = engine(int4, **kw)
     kernel_engine = engine(dataclasses.replace(int4, backend="interpret"), attention_backend="interpret", **kw)
     ref = xla_engine.generate(ps, max_new_tokens=4)

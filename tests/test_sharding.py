@@ -32,9 +32,9 @@ from models.weights import WeightFormat
 assert jax.device_count() == 8
 rng = np.random.default_rng(0)
 prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 1, 14)]
-# One decode row count and one prefill chunk length: fewer shapes to compile (tested elsewhere).
+# One decode row count and one prefill shape: fewer shapes to compile (tested elsewhere).
 kw = dict(kv_dtype="fp8_e4m3", page_size=4, kv_memory_bytes=64 << 10, max_batch=4, prefill_chunk=8,
-          stop_tokens=(), integrity="check", min_decode_rows=4, min_prefill_tokens=8)
+          stop_tokens=(), integrity="check", min_decode_rows=4, min_prefill_tokens=8, min_prefill_rows=4)
 CASES = (("tiny-glm4", 2), ("tiny-kimi", 4), ("tiny-glm5", 4))
 mesh_for = lambda tp: jax.make_mesh((8 // tp, tp), ("data", "model"))  # Explicit axes: the engine makes them Auto
 
