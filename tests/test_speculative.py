@@ -331,7 +331,7 @@ def test_tensor_expert_and_context_parallel_speculative_decoding_keeps_the_token
         for name in ("tiny-kimi", "tiny-glm4"):
             m = mixserve.load(name, dtype="float32", mtp=True)
             prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 320, 5 + 7 * i)] for i in range(3)]
-            kw = dict(num_pages=64, page_size=8, max_batch=4, speculative_tokens=2)
+            kw = dict(num_pages=64, page_size=8, max_batch=4, speculative_tokens=2, min_decode_rows=4)  # one decode shape
             one = Engine(m, **kw).generate(prompts, max_new_tokens=10, temperature=0.0)
             # Decode context parallelism (MLA: each device holds a share of every page's slots);
             # the kernels (interpreted) take each request's tokens as one request (fold_tokens).
