@@ -132,9 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: each decode step verifies up to this many guessed tokens (--draft); "
                         "greedy output is unchanged, sampled output keeps its distribution")
     p.add_argument("--draft", choices=["mtp", "ngram"],
-                   help="who guesses the --speculative-tokens: mtp (default), the checkpoint's MTP layer (GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset "
-                        "gets a random one, whose guesses are mostly rejected), or ngram: the tokens that followed the "
-                        "request's last tokens earlier in its text (any model, Kimi included)")
+                   help="who guesses the --speculative-tokens: mtp (default), the checkpoint's MTP layer "
+                        "(GLM-4.5/GLM-5/DeepSeek-V3 ship one; a tiny preset gets a random one, whose guesses are "
+                        "mostly rejected), or ngram: the tokens that followed the request's last tokens earlier in its "
+                        "text (any model, Kimi included)")
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
                    help="kernels for paged decode attention and INT4/NVFP4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
