@@ -291,12 +291,19 @@ def _inject_at(step, kind, targets):
     return hook
 
 
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_fault_aborts_only_the_affected_request(fault):
+@pytest.fixture(scope="module")
+def clean_run():
+    """tiny-glm4 and what an integrity-checked engine without faults serves for prompts(2): each
+    fault case's reference (served once per worker, not once per case)."""
     model = mixserve.load("tiny-glm4", dtype="float32")
+    return model, engine(model, integrity="check").generate(prompts(2), max_new_tokens=NEW)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_fault_aborts_only_the_affected_request(fault, clean_run):
+    model, clean = clean_run
     kind, targets, affected = FAULTS[fault]
     ps = prompts(2)
-    clean = engine(model, integrity="check").generate(ps, max_new_tokens=NEW)
     hurt = engine(model, integrity="check", fault_hook=_inject_at(2, kind, targets)).generate(ps, max_new_tokens=NEW)
     for slot, (c, h) in enumerate(zip(clean, hurt)):  # requests take slots 0..3 in order
         if slot in affected:
