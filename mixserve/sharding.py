@@ -59,13 +59,13 @@ def placement(params, param_axes, mesh: Mesh, expert_parallel: bool = False):
     unsplit = set()
 
     def place(leaf, names):
-        stored_names, values = (tuple(names.stored[0]), leaf.stored[0]) if isinstance(leaf, QUANTIZED) else (tuple(names), leaf)
+        quantized = isinstance(leaf, QUANTIZED)
+        stored_names, values = (tuple(names.stored[0]), leaf.stored[0]) if quantized else (tuple(names), leaf)
         unsplit.update(unsplit_axes(stored_names, values.shape, tp, expert_parallel))
-        if isinstance(leaf, QUANTIZED):
+        if quantized:
             shape_only = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), leaf)
             placed, spec = split_for_tp(shape_only, stored_names, tp, expert_parallel)
             to = NamedSharding(mesh, spec)
-            values = leaf.stored[0]
             finer = lambda scales: reblock(leaf.with_stored(values, scales), placed.values_per_scale).stored[1]
             per_tensor_to = NamedSharding(mesh, PartitionSpec(*spec[:-2], None))  # [..., 1]: split as the experts are
             per_tensor = tuple(lambda x: jax.device_put(x, per_tensor_to) for _ in leaf.per_tensor)
