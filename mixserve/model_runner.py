@@ -21,20 +21,21 @@ do in vLLM and SGLang), and a prefill chunk is as long as its tokens rounded up 
 pay for 64; a prefill call's rows are its requests rounded up alike. The powers of two keep the
 compiled shapes to a handful: each (rows, width) of decode and (rows, chunk, width) of prefill
 compiles once, and raising min_decode_rows, min_prefill_rows or min_prefill_tokens trades padding
-for fewer compiles.
+for fewer compiles. The steps are plain functions of their arguments and a StepSpec, jitted once
+per spec (steps_for): engines of an equal spec in one process share their compiled programs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve import page_table as pt
 from mixserve import sharding, speculative
@@ -42,6 +43,7 @@ from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request, TokenLogprobs
 from mixserve.sampling import Sampling, sample
+from models.transformer import Transformer
 
 
 class Output(NamedTuple):
@@ -96,13 +98,42 @@ class RunnerConfig:
         return self.speculative_tokens > 0 and self.draft == "mtp"
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a runner's jitted steps depend on besides the rows, chunk and width of a call: runners
+    of equal specs share their steps and compiled programs (steps_for), so a second engine of a
+    model in one process (a notebook's, an ablation's, a test suite's) compiles only the shapes
+    no engine of its spec has run yet."""
+    module: Transformer  # hashable: config, weight plan, dtype, backend
+    page_size: int
+    attention_backend: str
+    integrity: str
+    mesh: Mesh | None
+    split_slots: bool
+    max_logprobs: int
+    speculative_tokens: int
+    mtp_drafts: bool
+    # The pools' and page table's shapes: the trace does not read them, but with them in the key
+    # one cached Steps compiles one engine size's programs, so the cache's bound bounds memory.
+    num_pages: int
+    kv_format: KVFormat
+    max_batch: int
+
+
 class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
         self.model, self.decode_model, self.cfg = model, decode_model, cfg
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
-        self._pool_shardings = None if cfg.mesh is None else sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots)
-        if cfg.mesh is not None:
-            self.pools = jax.device_put(self.pools, self._pool_shardings)
+        spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
+                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.num_pages, cfg.kv_format,
+                        cfg.max_batch)
+        decode_steps = steps_for(dataclasses.replace(spec, module=decode_model.module))
+        self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
+        self.speculative_step = decode_steps.speculative
+        self.scales = (cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
+        if cfg.mesh is not None:  # placed as the steps leave them, and the scales on every device
+            self.pools = jax.device_put(self.pools, sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots))
+            self.scales = jax.device_put(self.scales, NamedSharding(cfg.mesh, PartitionSpec()))
 
     def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None) -> Output:
         """Cache the tokens of reqs not yet in their pages, a chunk of each per call (one row per
@@ -139,7 +170,7 @@ class ModelRunner:
                     after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
                     room[row] = r.num_pages * c.page_size
             sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
-                errors, self._prefill_fn, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
+                errors, self.prefill_step, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
                 None if targets is None else jnp.asarray(targets), None if after_R is None else jnp.asarray(after_R),
                 None if room is None else jnp.asarray(room),
@@ -194,20 +225,21 @@ class ModelRunner:
         start, count = np.zeros(R, np.int32), np.zeros(R, np.int32)
         for i, r in enumerate(live):
             slots[i], tokens[i, 0], start[i], count[i] = r.slot, r.tokens[-1], len(r.tokens) - 1, 1
-        args = (self.decode_model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
-                jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R))
         errors = []
-        next_tok, logprobs, ok = self._run(errors, self._decode_fn, *args, width=self._width(table, start + count))
+        next_tok, logprobs, ok = self._run(
+            errors, self.decode_step, self.decode_model.params, self.pools, table, jnp.asarray(slots),
+            jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R),
+            width=self._width(table, start + count))
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None  # read only if asked
         return Output(np.asarray(next_tok), np.asarray(ok), errors,
                       [None if r.logprobs is None else _token_logprobs(host_lp, i, r.logprobs) for i, r in enumerate(live)])
 
-    def _run(self, errors: list, fn, *args, width: int):
+    def _run(self, errors: list, step: Callable, params, pools, *args, width: int):
         """Call a jitted step under the mesh (the kernels run per device, models/partitioning.py)
         and keep its new pools, even when its strict check failed (the old ones were donated).
         Returns the step's other outputs; appends its checkify error to `errors` (strict)."""
         with jax.set_mesh(self.cfg.mesh):
-            out = fn(*args, width=width)
+            out = step(params, pools, self.scales, *args, width=width)
         if self.cfg.integrity == "strict":
             error, out = out
             errors.append(error)
@@ -233,147 +265,6 @@ class ModelRunner:
         c = self.cfg
         return attended_pages(int(np.max(end_B)), c.page_size, table.max_pages_per_seq, c.min_attended_tokens)
 
-    # ---- jitted functions -------------------------------------------------------------------------
-    def _paged_kv(self, pools, step, width: int, verify_tokens: int = 1):
-        c = self.cfg
-        step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
-        return PagedKV(pools, step, c.page_size, c.k_scale, c.v_scale, c.attention_backend, c.split_slots,
-                       verify_tokens)
-
-    def _placed(self, pools):
-        """The step's new pools, kept in the pools' sharding (so the next step neither reshards
-        nor recompiles)."""
-        return pools if self._pool_shardings is None else jax.lax.with_sharding_constraint(pools, self._pool_shardings)
-
-    def _checked_step(self, table: pt.PageTable, slots_R, start_R, count_R) -> tuple[StepInputs, jax.Array]:
-        """The rows' view of the page table, after the integrity check of their slots (traced only
-        when it is on) -> (step inputs, ok per row). A failing row neither writes nor reads: its
-        mapping may point into another request's pages, and the call's KV write would corrupt them."""
-        step = StepInputs(table.pages_BN[slots_R], start_R, count_R)
-        if self.cfg.integrity == "off":
-            return step, jnp.ones(count_R.shape, bool)
-        # The check runs over slots; padding rows repeat slot 0 with no token (max = or).
-        active_B = jnp.zeros(table.pages_BN.shape[0], bool).at[slots_R].max(count_R > 0)
-        with jax.named_scope("kv_integrity_check"):
-            report = pt.verify(table, active_B)
-        if self.cfg.integrity == "strict":
-            pt.checked(report)
-        ok_R = report.ok_B[slots_R]
-        return dataclasses.replace(step, count_B=jnp.where(ok_R, count_R, 0)), ok_R
-
-    def _jit(self, step_fn):
-        step_fn = checkify.checkify(step_fn) if self.cfg.integrity == "strict" else step_fn
-        return jax.jit(step_fn, donate_argnums=1, static_argnames="width")
-
-    @functools.cached_property
-    def _prefill_fn(self):
-        module, c = self.model.module, self.cfg
-
-        def prefill(params, pools, table, slots_R, start_R, count_R, tokens_RC, sampling, targets_RC, after_R, room_R,
-                    *, width):
-            """targets_RC: the token after each position, to compute prompt logprobs (None: none, and
-            only the last position of each row meets the vocabulary projection). after_R, room_R
-            (speculative only, else None): the token after each row's chunk (-1: the sampled one)
-            and the positions its pages hold."""
-            step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
-            kv = self._paged_kv(pools, step, width)
-            R, C = tokens_RC.shape
-            positions_RC = start_R[:, None] + jnp.arange(C)
-            valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
-            last_R = jnp.maximum(step.count_B - 1, 0)
-            prompt_logprobs = None
-            return_hidden = after_R is not None
-            if targets_RC is None:
-                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
-                                   valid_BT=valid_RC, return_hidden=return_hidden)
-            elif self.cfg.mesh is not None:  # each device holds its share of the vocabulary's logits
-                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
-                                   return_hidden=return_hidden)
-            else:  # rows flattened: position j of row r is row r * C + j
-
-                def project(x_RCD, head_DV):
-                    x_last = jnp.take_along_axis(x_RCD, last_R[:, None, None], axis=1)
-                    return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
-                            blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), c.max_logprobs))
-
-                out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
-                                   return_hidden=return_hidden)
-            out, hidden_RCD = out if return_hidden else (out, None)
-            if targets_RC is None:
-                logits = out
-            elif self.cfg.mesh is not None:
-                prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), c.max_logprobs)
-                logits = jnp.take_along_axis(out, last_R[:, None, None], axis=1)
-            else:
-                logits, prompt_logprobs = out
-            tokens_R = sample(logits[:, 0], sampling)
-            pools, drafts_RK = kv.new_pools, None
-            if after_R is not None:  # the MTP layer over the chunk: position p pairs h_p with token p + 1
-                after_R = jnp.where(after_R < 0, tokens_R, after_R)
-                shifted_RC = jnp.concatenate([tokens_RC[:, 1:], jnp.zeros((R, 1), tokens_RC.dtype)], axis=1)
-                shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
-                pools, drafts_RK = self._draft(module, params, pools, step, shifted_RC, hidden_RCD, room_R, width)
-            return (self._placed(pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, c.max_logprobs),
-                    prompt_logprobs, ok_R, drafts_RK)
-
-        return self._jit(prefill)
-
-    def _draft(self, module, params, pools, step: StepInputs, tokens_RT, hidden_RTD, room_R, width: int):
-        """The MTP layer over each row's step positions (its KV cache written there; token p + 1 and
-        hidden state h_p at position p), then speculative_tokens - 1 single steps on its own guesses
-        -> (pools, the next step's drafts [R, speculative_tokens]). Nothing is written at or past
-        room_R (the positions the row's pages hold): a draft step there sees nothing and guesses
-        junk, which the next verify rejects."""
-        R, T = tokens_RT.shape
-        count_R = jnp.clip(jnp.minimum(step.count_B, room_R - step.start_B), 0, None)
-        kv = self._paged_kv(pools, dataclasses.replace(step, count_B=count_R), width)
-        last_R = jnp.maximum(count_R - 1, 0)
-        logits, hidden_RTD = module.apply({"params": params}, tokens_RT, step.start_B[:, None] + jnp.arange(T), kv,
-                                          logits_at=last_R, valid_BT=jnp.arange(T)[None, :] < count_R[:, None],
-                                          draft_from=hidden_RTD)
-        guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        hidden_R1D = jnp.take_along_axis(hidden_RTD, last_R[:, None, None], axis=1)
-        position_R, drafts = step.start_B + last_R + 1, [guess_R]
-        for _ in range(self.cfg.speculative_tokens - 1):
-            pools = kv.new_pools
-            one_R = ((count_R > 0) & (position_R < room_R)).astype(jnp.int32)
-            kv = self._paged_kv(pools, StepInputs(step.pages_BN, position_R, one_R), width)
-            logits, hidden_R1D = module.apply({"params": params}, guess_R[:, None], position_R[:, None], kv,
-                                              valid_BT=one_R[:, None] > 0, draft_from=hidden_R1D)
-            guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-            drafts.append(guess_R)
-            position_R = position_R + 1
-        return kv.new_pools, jnp.stack(drafts, axis=1)
-
-    @functools.cached_property
-    def _speculative_fn(self):
-        """One speculative decode step (mixserve/speculative.py): verify each request's token and
-        drafts, one row per position (the attention reads each request's pages once for its rows:
-        PagedKV.verify_tokens), accept, and draft the next ones."""
-        module, c = self.decode_model.module, self.cfg
-
-        def step_fn(params, pools, table, slots_R, start_R, count_R, tokens_RJ, room_R, sampling, *, width):
-            R, J = tokens_RJ.shape
-            start_X = (start_R[:, None] + jnp.arange(J)).reshape(-1)
-            count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
-            step_X, ok_X = self._checked_step(table, jnp.repeat(slots_R, J), start_X, count_X)
-            kv = self._paged_kv(pools, step_X, width, verify_tokens=J)  # the kernels read a request's pages once
-            logits_X1V, hidden_X1D = module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
-                                                  valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
-            ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
-            s_X = speculative.per_position(sampling, J)
-            accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
-                                                        jnp.maximum(count_R - 1, 0), s_X)
-            logprobs = token_logprobs(logits_X1V[:, 0], emitted_RJ.reshape(-1), s_X, c.max_logprobs)
-            pools, drafts_RK = kv.new_pools, None
-            if c.mtp_drafts:  # the MTP layer pairs each kept position's hidden state with the token emitted after it
-                kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
-                pools, drafts_RK = self._draft(module, params, pools, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
-                                               room_R, width)
-            return self._placed(pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R
-
-        return self._jit(step_fn)
-
     def speculate(self, live: list[Request], table: pt.PageTable, n_drafts: list[int]) -> Output:
         """One speculative decode step for every live request: its last token and the first
         n_drafts[i] of its drafts (req.drafts; the engine counts what its pages and limits allow)
@@ -391,7 +282,7 @@ class ModelRunner:
             tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
         errors = []
         emitted, accepted, drafts, logprobs, ok = self._run(
-            errors, self._speculative_fn, self.decode_model.params, self.pools, table, jnp.asarray(slots),
+            errors, self.speculative_step, self.decode_model.params, self.pools, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
             self._sampling(live, range(len(live)), R),
             width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
@@ -404,27 +295,184 @@ class ModelRunner:
         return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], drafts=drafts, emitted=got,
                       emitted_logprobs=got_lp)
 
-    @functools.cached_property
-    def _decode_fn(self):
-        module, c = self.decode_model.module, self.cfg
-
-        def decode(params, pools, table, slots_R, start_R, count_R, tokens_R1, sampling, *, width):
-            step, ok_R = self._checked_step(table, slots_R, start_R, count_R)
-            kv = self._paged_kv(pools, step, width)
-            logits = module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
-                                  valid_BT=step.count_B[:, None] > 0)[:, 0]
-            tokens_R = sample(logits, sampling)
-            return self._placed(kv.new_pools), tokens_R, token_logprobs(logits, tokens_R, sampling, c.max_logprobs), ok_R
-
-        return self._jit(decode)
-
     def lowered_decode_text(self, table: pt.PageTable) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
         B = self.cfg.max_batch
         z = jnp.zeros(B, jnp.int32)
-        args = (self.decode_model.params, self.pools, table, z, z, z, jnp.zeros((B, 1), jnp.int32), Sampling.greedy(B))
+        args = (self.decode_model.params, self.pools, self.scales, table, z, z, z, jnp.zeros((B, 1), jnp.int32),
+                Sampling.greedy(B))
         with jax.set_mesh(self.cfg.mesh):
-            return self._decode_fn.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
+            return self.decode_step.lower(*args, width=table.max_pages_per_seq).as_text(debug_info=True)
+
+
+# ---- the jitted steps ---------------------------------------------------------------------------
+# Plain functions of their arguments and a StepSpec; steps_for jits them for one spec.
+
+class Steps(NamedTuple):
+    """One spec's jitted steps: each takes (params, pools, scales, table, ...) and a static width.
+    Under integrity 'strict' they are checkify-wrapped and return (error, outputs): the runner
+    raises the error once the failing requests are aborted."""
+    prefill: Callable
+    decode: Callable
+    speculative: Callable
+
+
+@functools.lru_cache(maxsize=8)
+def steps_for(spec: StepSpec) -> Steps:
+    """The jitted steps of `spec`, the same objects for every runner of an equal spec, so their
+    compiled programs too. The cache keeps the steps of the last 8 specs asked for: a program
+    outlives the engines that ran it only that long, which bounds a process's memory (a compiled
+    tiny-model step holds megabytes; a test worker runs hundreds of engines)."""
+
+    def jit(step_fn):
+        step_fn = functools.partial(step_fn, spec=spec)
+        step_fn = checkify.checkify(step_fn) if spec.integrity == "strict" else step_fn
+        return jax.jit(step_fn, donate_argnums=1, static_argnames="width")  # argument 1: the pools
+
+    return Steps(jit(_prefill), jit(_decode), jit(_speculative))
+
+
+def _paged_kv(spec: StepSpec, pools, scales, step: StepInputs, width: int, verify_tokens: int = 1) -> PagedKV:
+    step = dataclasses.replace(step, pages_BN=step.pages_BN[:, :width])
+    return PagedKV(pools, step, spec.page_size, *scales, spec.attention_backend, spec.split_slots, verify_tokens)
+
+
+def _placed(spec: StepSpec, pools):
+    """The step's new pools, kept in the pools' sharding (so the next step neither reshards nor
+    recompiles)."""
+    if spec.mesh is None:
+        return pools
+    return jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools, spec.mesh, spec.split_slots))
+
+
+def _checked_step(spec: StepSpec, table: pt.PageTable, slots_R, start_R, count_R) -> tuple[StepInputs, jax.Array]:
+    """The rows' view of the page table, after the integrity check of their slots (traced only
+    when it is on) -> (step inputs, ok per row). A failing row neither writes nor reads: its
+    mapping may point into another request's pages, and the call's KV write would corrupt them."""
+    step = StepInputs(table.pages_BN[slots_R], start_R, count_R)
+    if spec.integrity == "off":
+        return step, jnp.ones(count_R.shape, bool)
+    # The check runs over slots; padding rows repeat slot 0 with no token (max = or).
+    active_B = jnp.zeros(table.pages_BN.shape[0], bool).at[slots_R].max(count_R > 0)
+    with jax.named_scope("kv_integrity_check"):
+        report = pt.verify(table, active_B)
+    if spec.integrity == "strict":
+        pt.checked(report)
+    ok_R = report.ok_B[slots_R]
+    return dataclasses.replace(step, count_B=jnp.where(ok_R, count_R, 0)), ok_R
+
+
+def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC, sampling, targets_RC, after_R, room_R,
+             *, spec: StepSpec, width: int):
+    """One prefill call. targets_RC: the token after each position, to compute prompt logprobs
+    (None: none, and only the last position of each row meets the vocabulary projection). after_R,
+    room_R (speculative only, else None): the token after each row's chunk (-1: the sampled one)
+    and the positions its pages hold."""
+    module = spec.module
+    step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
+    kv = _paged_kv(spec, pools, scales, step, width)
+    R, C = tokens_RC.shape
+    positions_RC = start_R[:, None] + jnp.arange(C)
+    valid_RC = jnp.arange(C)[None, :] < step.count_B[:, None]
+    last_R = jnp.maximum(step.count_B - 1, 0)
+    prompt_logprobs = None
+    return_hidden = after_R is not None
+    if targets_RC is None:
+        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
+                           valid_BT=valid_RC, return_hidden=return_hidden)
+    elif spec.mesh is not None:  # each device holds its share of the vocabulary's logits
+        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
+                           return_hidden=return_hidden)
+    else:  # rows flattened: position j of row r is row r * C + j
+
+        def project(x_RCD, head_DV):
+            x_last = jnp.take_along_axis(x_RCD, last_R[:, None, None], axis=1)
+            return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
+                    blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs))
+
+        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
+                           return_hidden=return_hidden)
+    out, hidden_RCD = out if return_hidden else (out, None)
+    if targets_RC is None:
+        logits = out
+    elif spec.mesh is not None:
+        prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), spec.max_logprobs)
+        logits = jnp.take_along_axis(out, last_R[:, None, None], axis=1)
+    else:
+        logits, prompt_logprobs = out
+    tokens_R = sample(logits[:, 0], sampling)
+    pools, drafts_RK = kv.new_pools, None
+    if after_R is not None:  # the MTP layer over the chunk: position p pairs h_p with token p + 1
+        after_R = jnp.where(after_R < 0, tokens_R, after_R)
+        shifted_RC = jnp.concatenate([tokens_RC[:, 1:], jnp.zeros((R, 1), tokens_RC.dtype)], axis=1)
+        shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
+        pools, drafts_RK = _draft(spec, params, pools, scales, step, shifted_RC, hidden_RCD, room_R, width)
+    return (_placed(spec, pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, spec.max_logprobs),
+            prompt_logprobs, ok_R, drafts_RK)
+
+
+def _draft(spec: StepSpec, params, pools, scales, step: StepInputs, tokens_RT, hidden_RTD, room_R, width: int):
+    """The MTP layer over each row's step positions (its KV cache written there; token p + 1 and
+    hidden state h_p at position p), then speculative_tokens - 1 single steps on its own guesses
+    -> (pools, the next step's drafts [R, speculative_tokens]). Nothing is written at or past
+    room_R (the positions the row's pages hold): a draft step there sees nothing and guesses
+    junk, which the next verify rejects."""
+    module, T = spec.module, tokens_RT.shape[1]
+    count_R = jnp.clip(jnp.minimum(step.count_B, room_R - step.start_B), 0, None)
+    kv = _paged_kv(spec, pools, scales, dataclasses.replace(step, count_B=count_R), width)
+    last_R = jnp.maximum(count_R - 1, 0)
+    logits, hidden_RTD = module.apply({"params": params}, tokens_RT, step.start_B[:, None] + jnp.arange(T), kv,
+                                      logits_at=last_R, valid_BT=jnp.arange(T)[None, :] < count_R[:, None],
+                                      draft_from=hidden_RTD)
+    guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    hidden_R1D = jnp.take_along_axis(hidden_RTD, last_R[:, None, None], axis=1)
+    position_R, drafts = step.start_B + last_R + 1, [guess_R]
+    for _ in range(spec.speculative_tokens - 1):
+        pools = kv.new_pools
+        one_R = ((count_R > 0) & (position_R < room_R)).astype(jnp.int32)
+        kv = _paged_kv(spec, pools, scales, StepInputs(step.pages_BN, position_R, one_R), width)
+        logits, hidden_R1D = module.apply({"params": params}, guess_R[:, None], position_R[:, None], kv,
+                                          valid_BT=one_R[:, None] > 0, draft_from=hidden_R1D)
+        guess_R = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        drafts.append(guess_R)
+        position_R = position_R + 1
+    return kv.new_pools, jnp.stack(drafts, axis=1)
+
+
+def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens_RJ, room_R, sampling, *,
+                 spec: StepSpec, width: int):
+    """One speculative decode step (mixserve/speculative.py): verify each request's token and
+    drafts, one row per position (the attention reads each request's pages once for its rows:
+    PagedKV.verify_tokens), accept, and draft the next ones."""
+    R, J = tokens_RJ.shape
+    start_X = (start_R[:, None] + jnp.arange(J)).reshape(-1)
+    count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
+    step_X, ok_X = _checked_step(spec, table, jnp.repeat(slots_R, J), start_X, count_X)
+    kv = _paged_kv(spec, pools, scales, step_X, width, verify_tokens=J)  # the kernels read a request's pages once
+    logits_X1V, hidden_X1D = spec.module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
+                                               valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
+    ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
+    s_X = speculative.per_position(sampling, J)
+    accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
+                                                jnp.maximum(count_R - 1, 0), s_X)
+    logprobs = token_logprobs(logits_X1V[:, 0], emitted_RJ.reshape(-1), s_X, spec.max_logprobs)
+    pools, drafts_RK = kv.new_pools, None
+    if spec.mtp_drafts:  # the MTP layer pairs each kept position's hidden state with the token emitted after it
+        kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
+        pools, drafts_RK = _draft(spec, params, pools, scales, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
+                                  room_R, width)
+    return _placed(spec, pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R
+
+
+def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, sampling, *, spec: StepSpec,
+            width: int):
+    """One decode step: a token per row."""
+    step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
+    kv = _paged_kv(spec, pools, scales, step, width)
+    logits = spec.module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
+                               valid_BT=step.count_B[:, None] > 0)[:, 0]
+    tokens_R = sample(logits, sampling)
+    return _placed(spec, kv.new_pools), tokens_R, token_logprobs(logits, tokens_R, sampling, spec.max_logprobs), ok_R
 
 
 def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int) -> int:

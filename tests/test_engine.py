@@ -67,22 +67,23 @@ def test_steps_attend_over_a_power_of_two_of_pages(model):
     prompt, new = prompts()[1], 30
     e = engine(model, max_batch=2, integrity="check", min_attended_tokens=8)
     assert e.table.max_pages_per_seq == 128
+    e.runner.decode_step.clear_cache()  # engines of an equal spec share it (model_runner.steps_for)
     [r] = e.generate([prompt], max_new_tokens=new)
     assert r.status == "ok", r.reason
     assert r.tokens == greedy_reference(model, prompt, new)
-    assert e.runner._decode_fn._cache_size() == 3
+    assert e.runner.decode_step._cache_size() == 3
 
 
 def record_shapes(runner, step_name: str, *, arg: int, axis: int | None) -> list:
     """Wrap the runner's jitted step `step_name` to record args[arg].shape[axis] (the whole shape
-    for axis None) of every call."""
+    for axis None) of every call (args: params, pools, scales, table, ...)."""
     step_fn, seen = getattr(runner, step_name), []
 
     def spy(*args, width):
         seen.append(args[arg].shape if axis is None else args[arg].shape[axis])
         return step_fn(*args, width=width)
 
-    runner.__dict__[step_name] = spy  # shadows the cached_property
+    setattr(runner, step_name, spy)
     return seen
 
 
@@ -97,7 +98,7 @@ def test_decode_runs_the_live_requests_rounded_up_to_a_power_of_two():
         # Whole prefills: with chunked prefill the 5- and 1-token prompts would decode while the
         # 11-token one still prefills, and the first step would run 2 rows, not 4.
         e = engine(model, max_batch=8, integrity="check", min_decode_rows=min_rows, prefill_calls_per_step=None)
-        rows[min_rows] = record_shapes(e.runner, "_decode_fn", arg=3, axis=0)  # slots_R
+        rows[min_rows] = record_shapes(e.runner, "decode_step", arg=4, axis=0)  # slots_R
         results = e.generate(ps, max_new_tokens=NEW)
         [one] = e.generate(ps[:1], max_new_tokens=NEW)
         for p, r in zip(ps + ps[:1], results + [one]):
@@ -179,7 +180,7 @@ def test_prefill_chunks_are_their_tokens_rounded_up_and_requests_admitted_togeth
     shapes = {}
     for min_tokens, rows, min_rows in ((4, 1, 1), (8, 1, 1), (4, 4, 1), (4, 4, 4)):
         e = engine(model, max_batch=4, min_prefill_tokens=min_tokens, max_prefill_rows=rows, min_prefill_rows=min_rows)
-        shapes[min_tokens, rows, min_rows] = record_shapes(e.runner, "_prefill_fn", arg=6, axis=None)  # tokens_RC
+        shapes[min_tokens, rows, min_rows] = record_shapes(e.runner, "prefill_step", arg=7, axis=None)  # tokens_RC
         for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
             assert r.status == "ok", r.reason
             assert r.tokens == greedy_reference(model, p, NEW)

@@ -45,11 +45,11 @@ def assert_no_weight_gathered(engine, label, prefill=False):
     r, z, sampling = engine.runner, np.zeros(4, np.int32), Sampling.greedy(4)
     with jax.set_mesh(engine.mesh):
         if prefill:
-            step = r._prefill_fn.lower(r.model.params, r.pools, engine.table, z, z, z,
-                                       np.zeros((4, 8), np.int32), sampling, None, None, None, width=4)
+            step = r.prefill_step.lower(r.model.params, r.pools, r.scales, engine.table, z, z, z,
+                                        np.zeros((4, 8), np.int32), sampling, None, None, None, width=4)
         else:
-            step = r._decode_fn.lower(r.decode_model.params, r.pools, engine.table, z, z, z, np.zeros((4, 1), np.int32),
-                                      sampling, width=4)
+            step = r.decode_step.lower(r.decode_model.params, r.pools, r.scales, engine.table, z, z, z,
+                                       np.zeros((4, 1), np.int32), sampling, width=4)
         text = step.compile().as_text()
     gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
                 for m in re.finditer(r"= \\w+\\[([\\d,]*)\\][^ ]* all-gather", text)}
@@ -65,7 +65,7 @@ for preset, tp in CASES:
     expected = [r.tokens for r in single.generate(prompts, max_new_tokens=6)]
     split = Engine(model, mesh=mesh_for(tp), **kw)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected, preset
-    assert split.runner._decode_fn._cache_size() == single.runner._decode_fn._cache_size()  # no resharding
+    assert split.runner.decode_step._cache_size() == single.runner.decode_step._cache_size()  # no resharding
     # Weights: expert hidden width and attention heads split tp ways.
     params = split.runner.model.params
     gate = params["layers_1"]["mlp"]["experts"]["gate_proj"]

@@ -20,6 +20,7 @@ import mixserve
 from conftest import host_devices_env
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
+from mixserve.model_runner import steps_for
 from mixserve.sampling import Sampling, sampling_logits
 from mixserve.scheduler import Counters, PageManager
 from mixserve import speculative
@@ -115,6 +116,7 @@ def test_greedy_speculative_emits_the_plain_decode_tokens(preset, monkeypatch):
     steps = {}
     for k, wrong_at in ((3, None), (3, 1), (2, 0)):
         seen.clear()
+        steps_for.cache_clear()  # steps traced afresh: the recording sees only what a trace calls
         engine = _engine(model, speculative_tokens=k)
         got = _run_with_oracle(engine, prompts, plain, k, wrong_at, **request)
         assert [r.tokens for r in got] == [r.tokens for r in plain], (k, wrong_at)
@@ -159,6 +161,7 @@ def test_decode_kernels_verify_a_requests_tokens_in_one_call(preset, max_seq_len
     request = dict(max_new_tokens=4 if max_seq_len else 10, temperature=0.0, logprobs=1)
     kw = dict(attention_backend="interpret", max_seq_len=max_seq_len)
     plain = _engine(model, **kw).generate(prompts, **request)
+    steps_for.cache_clear()  # traced afresh, the recording and its callback in the trace
     engine = _engine(model, speculative_tokens=2, **kw)
     got = _run_with_oracle(engine, prompts, plain, 2, 1, **request)
     assert all(r.status == "ok" for r in plain) and [r.tokens for r in got] == [r.tokens for r in plain]
