@@ -399,16 +399,20 @@ def main(argv=None) -> None:
 def flag_without_effect(args) -> str | None:
     """Why a flag given would change nothing, as the others stand: a usage error, not dropped unsaid."""
     calibrates = args.method == "gptq" or args.nvfp4_activations or args.fp8_kv_scales
-    for given, applies, why in (
+    return first_without_effect((
             (args.group_size, args.format == "int4",
              f"--group-size is int4's (nvfp4's groups are 16 values, fp8's blocks 128 x 128), not {args.format}'s"),
             (args.nvfp4_activations, args.format == "nvfp4", "--nvfp4-activations quantizes the inputs of --format nvfp4"),
             (any(x is not None for x in (args.calibration_tokens, args.seq_len, args.seed)), calibrates,
              "--calibration-tokens, --seq-len and --seed draw the tokens of --method gptq, --nvfp4-activations or "
-             "--fp8-kv-scales; round to nearest (rtn) calibrates nothing")):
-        if given is not None and given is not False and not applies:
-            return why
-    return None
+             "--fp8-kv-scales; round to nearest (rtn) calibrates nothing")))
+
+
+def first_without_effect(rules) -> str | None:
+    """The `why` of the first (given, applies, why) whose flag was given (not None or False) but
+    does not apply; None if every given flag applies. The CLIs' (this and mixserve.run) check."""
+    return next((why for given, applies, why in rules if given is not None and given is not False and not applies),
+                None)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
-from mixserve.quantize import plan_for, quantize_model
+from mixserve.quantize import first_without_effect, plan_for, quantize_model
 from mixserve.tokenizer import ByteTokenizer
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -187,7 +187,7 @@ def main(argv=None) -> dict:
 
 def flag_without_effect(args) -> str | None:
     """Why a flag given would change nothing, as the others stand: a usage error, not dropped unsaid."""
-    for given, applies, why in (
+    return first_without_effect((
             (args.expert_parallel, args.tensor_parallel > 1,
              "--expert-parallel splits over the --tensor-parallel devices: give 2 or more"),
             (args.decode_context_parallel, args.tensor_parallel > 1,
@@ -196,10 +196,7 @@ def flag_without_effect(args) -> str | None:
              "--prefill-kv-cache-dtype is the prefill engine's pool under --disaggregate; one engine's pool is "
              "--kv-cache-dtype"),
             (args.draft, args.speculative_tokens > 0,
-             "--draft says who guesses the --speculative-tokens: give 1 or more")):
-        if given is not None and given is not False and not applies:
-            return why
-    return None
+             "--draft says who guesses the --speculative-tokens: give 1 or more")))
 
 
 def request_options(args) -> dict:
