@@ -13,7 +13,7 @@ import mixserve
 from mixserve import faults
 from mixserve.engine import Engine
 from mixserve.kv_cache import quantize_for_pool
-from mixserve.model_runner import blocked_logprobs, logprobs_of
+from mixserve.model_runner import blocked_logprobs, logprobs_of, steps_for
 from mixserve.sampling import Sampling, _kept_by_top_k_top_p, sample
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
@@ -72,6 +72,33 @@ def test_steps_attend_over_a_power_of_two_of_pages(model):
     assert r.status == "ok", r.reason
     assert r.tokens == greedy_reference(model, prompt, new)
     assert e.runner.decode_step._cache_size() == 3
+
+
+def test_engines_of_an_equal_spec_share_compiled_steps_and_keep_their_own_kv_scales():
+    """Engines of one model and settings share their jitted steps (model_runner.steps_for): a
+    second one compiles nothing the first compiled, even with other FP8 KV scales, which are
+    arguments of the steps and not constants of the first trace: it serves what an engine traced
+    afresh with its scales serves, not what the first serves. Another pool size, other steps."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    kw, ps = dict(kv_dtype="fp8_e4m3", max_batch=2, integrity="check"), prompts()[:2]
+    request = dict(max_new_tokens=NEW, logprobs=1)
+    logprobs = lambda results: [[t.logprob for t in r.logprobs] for r in results]
+    compiled = lambda e: (e.runner.prefill_step._cache_size(), e.runner.decode_step._cache_size())
+    steps_for.cache_clear()
+    first = engine(model, k_scale=0.5, v_scale=0.5, **kw)
+    first_out = first.generate(ps, **request)
+    before = compiled(first)
+    second = engine(model, k_scale=0.02, v_scale=0.02, **kw)
+    assert second.runner.decode_step is first.runner.decode_step
+    second_out = second.generate(ps, **request)
+    assert compiled(second) == before and before[1] > 0
+    steps_for.cache_clear()
+    fresh = engine(model, k_scale=0.02, v_scale=0.02, **kw)
+    assert fresh.runner.decode_step is not first.runner.decode_step
+    fresh_out = fresh.generate(ps, **request)
+    assert all(r.status == "ok" for r in first_out + second_out + fresh_out)
+    assert logprobs(second_out) == logprobs(fresh_out) != logprobs(first_out)
+    assert engine(model, num_pages=32, **kw).runner.decode_step is not fresh.runner.decode_step
 
 
 def record_shapes(runner, step_name: str, *, arg: int, axis: int | None) -> list:
