@@ -170,7 +170,7 @@ class ModelRunner:
                     after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
                     room[row] = r.num_pages * c.page_size
             sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
-                errors, self.prefill_step, self.model.params, self.pools, table, jnp.asarray(slots), jnp.asarray(start),
+                errors, self.prefill_step, self.model.params, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
                 None if targets is None else jnp.asarray(targets), None if after_R is None else jnp.asarray(after_R),
                 None if room is None else jnp.asarray(room),
@@ -227,19 +227,20 @@ class ModelRunner:
             slots[i], tokens[i, 0], start[i], count[i] = r.slot, r.tokens[-1], len(r.tokens) - 1, 1
         errors = []
         next_tok, logprobs, ok = self._run(
-            errors, self.decode_step, self.decode_model.params, self.pools, table, jnp.asarray(slots),
+            errors, self.decode_step, self.decode_model.params, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), self._sampling(live, range(len(live)), R),
             width=self._width(table, start + count))
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None  # read only if asked
         return Output(np.asarray(next_tok), np.asarray(ok), errors,
                       [None if r.logprobs is None else _token_logprobs(host_lp, i, r.logprobs) for i, r in enumerate(live)])
 
-    def _run(self, errors: list, step: Callable, params, pools, *args, width: int):
-        """Call a jitted step under the mesh (the kernels run per device, models/partitioning.py)
-        and keep its new pools, even when its strict check failed (the old ones were donated).
-        Returns the step's other outputs; appends its checkify error to `errors` (strict)."""
+    def _run(self, errors: list, step: Callable, params, *args, width: int):
+        """Call a jitted step on the runner's pools and scales under the mesh (the kernels run per
+        device, models/partitioning.py) and keep its new pools, even when its strict check failed
+        (the old ones were donated). Returns the step's other outputs; appends its checkify error
+        to `errors` (strict)."""
         with jax.set_mesh(self.cfg.mesh):
-            out = step(params, pools, self.scales, *args, width=width)
+            out = step(params, self.pools, self.scales, *args, width=width)
         if self.cfg.integrity == "strict":
             error, out = out
             errors.append(error)
@@ -282,7 +283,7 @@ class ModelRunner:
             tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
         errors = []
         emitted, accepted, drafts, logprobs, ok = self._run(
-            errors, self.speculative_step, self.decode_model.params, self.pools, table, jnp.asarray(slots),
+            errors, self.speculative_step, self.decode_model.params, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
             self._sampling(live, range(len(live)), R),
             width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
