@@ -191,7 +191,7 @@ class ModelConfig:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             rope=_rope_from_hf(raw, get("max_position_embeddings")),
             attention_bias=bool(get("attention_bias", False)),
-            n_routed_experts=get("n_routed_experts") or 0,
+            n_routed_experts=_routed_experts(raw, model_type, get("n_routed_experts")) or 0,
             n_shared_experts=get("n_shared_experts") or 0,
             num_experts_per_tok=get("num_experts_per_tok") or 1,
             moe_intermediate_size=get("moe_intermediate_size"),
@@ -205,7 +205,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
         if model_type == "glm4_moe":
-            partial = (get("rope_parameters") or {}).get("partial_rotary_factor", get("partial_rotary_factor", 0.5))
+            partial = _rope_parameters(raw).get("partial_rotary_factor", get("partial_rotary_factor", 0.5))
             return cls(
                 **common,
                 num_kv_heads=raw["num_key_value_heads"],
@@ -253,10 +253,24 @@ def _ids(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
 
 
+def _routed_experts(raw: dict, model_type: str, default: int | None) -> int | None:
+    """n_routed_experts, or a name transformers reads as it: num_local_experts (the classes'
+    attribute_map), and GLM-5's older num_experts. Names that disagree are refused."""
+    names = ("n_routed_experts", "num_local_experts") + (("num_experts",) if model_type == "glm_moe_dsa" else ())
+    given = {name: raw[name] for name in names if raw.get(name) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"the config's routed expert counts disagree: {given}")
+    return next(iter(given.values()), default)
+
+
+def _rope_parameters(raw: dict) -> dict:
+    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
+    A config with both is read as transformers reads it: `rope_scaling` replaces `rope_parameters`."""
+    return dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+
+
 def _rope_from_hf(raw: dict, max_position_embeddings: int) -> RopeConfig:
-    """transformers 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`."""
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+    params = _rope_parameters(raw)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "yarn"):

@@ -124,6 +124,31 @@ def test_config_keys_left_out_take_the_transformers_class_defaults(class_name):
     assert ModelConfig.from_hf(minimal) == ModelConfig.from_hf(complete)
 
 
+@pytest.mark.parametrize("class_name", sorted(_REQUIRED))
+def test_config_spellings_transformers_accepts_read_as_it_reads_them(class_name):
+    """An expert count under num_local_experts (every class's attribute_map) fell back to the
+    default 256 and failed to load by missing tensors; rope_scaling beside a disagreeing
+    rope_parameters was merged, where transformers takes rope_scaling whole (1.3e-3 relative in
+    the logits of a tiny Kimi)."""
+    import transformers
+
+    model_type, shape = _REQUIRED[class_name]
+    raw = dict(model_type=model_type, vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+               intermediate_size=64, max_position_embeddings=256, **shape,
+               rope_parameters={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                "rope_theta": 50000.0, "beta_fast": 1.0},
+               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    raw.update(n_group=1, topk_group=1)
+    theirs = getattr(transformers, class_name)(**{**raw, "num_local_experts": 12})
+    ours = ModelConfig.from_hf({**raw, "num_local_experts": 12})
+    assert ours.n_routed_experts == theirs.n_routed_experts == 12
+    p = theirs.rope_parameters
+    assert (ours.rope.factor, ours.rope.theta, ours.rope.beta_fast) == (p["factor"], p["rope_theta"], p.get("beta_fast", 32.0))
+    assert ours.rope.original_max_position_embeddings == p["original_max_position_embeddings"] == 64
+    with pytest.raises(ValueError, match="routed expert counts disagree"):
+        ModelConfig.from_hf({**raw, "num_local_experts": 12, "n_routed_experts": 16})
+
+
 def test_config_values_mixserve_does_not_compute_are_refused_and_generation_eos_stops(tmp_path, tmp_path_factory):
     raw = dict(model_type="glm4_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                intermediate_size=64, num_key_value_heads=2, eos_token_id=[3, 4])
