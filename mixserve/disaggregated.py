@@ -90,6 +90,10 @@ class DisaggregatedEngine(Frontend):
     def _enqueue(self, req: Request) -> None:
         self.prefill._enqueue(req)
 
+    def _drop(self, req: Request) -> None:
+        self.prefill._drop(req)  # waiting, prefilling, or prefilled and waiting for the decode side
+        self.decode._drop(req)
+
     def _advance(self) -> None:
         self.prefill._advance()  # prefill only: prefilled requests wait, holding their pages
         self._hand_over()

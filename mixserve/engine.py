@@ -181,6 +181,9 @@ class Engine(Frontend):
     def _enqueue(self, req: Request) -> None:
         self.scheduler.waiting.append(req)
 
+    def _drop(self, req: Request) -> None:
+        self.scheduler.drop(req)
+
     def _advance(self) -> None:
         """Admit what fits and run up to prefill_calls_per_step prefill calls, one decode step over
         the requests whose prefill is done (none with prefill_only), retire the finished."""

@@ -1,9 +1,9 @@
-"""What users call on any engine: `submit`, `step`, `generate`, `has_work`.
+"""What users call on any engine: `submit`, `step`, `generate`, `has_work`, `cancel`.
 
 One engine (mixserve/engine.py) and a prefill/decode pair (mixserve/disaggregated.py) serve
 requests the same way; this base class holds that part once. A subclass says how a request is
-checked (`_reject_reason`), where it is queued (`_enqueue`), and what one turn of its loop does
-(`_advance`). Reporting goes by the requests themselves, so it does not matter which engine of
+checked (`_reject_reason`), where it is queued (`_enqueue`), what one turn of its loop does
+(`_advance`), and how a request cancelled between turns leaves its queues (`_drop`). Reporting goes by the requests themselves, so it does not matter which engine of
 a pair gave a request its tokens.
 """
 
@@ -33,6 +33,9 @@ class Frontend:
     def _advance(self) -> None:
         raise NotImplementedError
 
+    def _drop(self, req: Request) -> None:
+        raise NotImplementedError
+
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
@@ -53,6 +56,18 @@ class Frontend:
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=_stops(stop), ignore_eos=ignore_eos, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs).rid
+
+    def cancel(self, rid: int) -> bool:
+        """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
+        finishes "aborted" with the reason "cancelled", keeping the tokens it has, its pages go back
+        at once, and its Update comes out of the next step. False, changing nothing, if it has
+        already finished or was never submitted."""
+        req = self._unreported.get(rid)
+        if req is None or req.result is not None:
+            return False
+        req.finish("aborted", "cancelled")
+        self._drop(req)
+        return True
 
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""

@@ -271,6 +271,12 @@ class Scheduler:
         """The requests the next decode step runs."""
         return [r for r in self.running if r.result is None and r.slot is not None and r.prefilled]
 
+    def drop(self, req: Request) -> None:
+        """Forget req, finished between steps (cancelled): out of the queue, or its pages freed."""
+        self.waiting = collections.deque(r for r in self.waiting if r is not req)
+        if any(r is req for r in self.running):
+            self.retire_finished()
+
     def retire_finished(self) -> None:
         for req in [r for r in self.running if r.result is not None]:
             self.page_manager.release(req)

@@ -181,6 +181,27 @@ def test_a_full_decode_engine_holds_requests_on_the_prefill_side_and_loses_nothi
     assert_all_pages_returned(dis)
 
 
+def test_cancel_frees_a_request_held_on_the_prefill_side_and_one_decoding_on_the_decode_side():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(5)
+    dis = pair(model, decode_kw=dict(max_batch=1))
+    decoding, held = dis.submit(ps[0], max_new_tokens=8), dis.submit(ps[1], max_new_tokens=8)
+    results = {}
+    while not dis.prefill.scheduler.live():  # prefilled, waiting for the decode side's one slot
+        results.update({u.rid: u.result for u in dis.step() if u.result is not None})
+    assert [r.rid for r in dis.decode.scheduler.live()] == [decoding]
+    assert [r.rid for r in dis.prefill.scheduler.live()] == [held]
+    assert dis.cancel(held) and dis.prefill.free_pages == dis.prefill.num_pages
+    assert dis.cancel(decoding) and dis.decode.free_pages == dis.decode.num_pages
+    while dis.has_work():
+        results.update({u.rid: u.result for u in dis.step() if u.result is not None})
+    assert {rid: (r.status, r.reason) for rid, r in results.items()} == {
+        decoding: ("aborted", "cancelled"), held: ("aborted", "cancelled")}
+    want = Engine(model, num_pages=64, **CFG).generate(ps[2:3], max_new_tokens=8)[0].tokens
+    assert dis.generate(ps[2:3], max_new_tokens=8)[0].tokens == want  # the pair goes on serving
+    assert_all_pages_returned(dis)
+
+
 def test_the_decode_pool_shares_a_prompt_prefix_it_already_holds_instead_of_receiving_it():
     model = mixserve.load("tiny-kimi", dtype="float32")
     system = [int(t) for t in np.random.default_rng(5).integers(0, 256, 12)]  # 3 full pages

@@ -498,6 +498,44 @@ def test_submit_rejects_in_the_next_step_and_generate_will_not_swallow_pending_u
     assert e.step() == [] and not e.has_work()
 
 
+def test_cancel_stops_a_request_wherever_it_is_and_frees_its_pages():
+    """Cancelled waiting for a slot, mid-prefill (a prompt of several chunks) and while decoding:
+    each finishes "aborted" ("cancelled") with the tokens it had, its pages come back at once,
+    and the request that stays serves what it serves alone."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    long, short, waits, stays = prompts()[3], prompts()[0], prompts()[1], prompts()[2]
+    want = {id(p): r.tokens for p, r in zip((short, stays), engine(model).generate([short, stays], max_new_tokens=NEW))}
+    e = engine(model, max_batch=2, prefill_chunk=4, min_prefill_tokens=4)
+    a, b, c = (e.submit(p, max_new_tokens=NEW) for p in (long, short, waits))
+    results, streamed = {}, {}
+
+    def step():
+        for u in e.step():
+            streamed.setdefault(u.rid, []).extend(u.new_tokens)
+            if u.result is not None:
+                results[u.rid] = u.result
+
+    step()  # a and b take the two slots; c waits
+    assert [r.rid for r in e.scheduler.waiting] == [c] and e.cancel(c)
+    step()  # b's prompt is done (5 tokens: two chunks); a's 14 need four
+    assert [r.rid for r in e.scheduler.prefilling()] == [a] and [r.rid for r in e.scheduler.live()] == [b]
+    held = e.pages_in_use
+    assert e.cancel(a) and e.pages_in_use == held - 4  # admission gave a pages for its 14 tokens: 4 of 4
+    d = e.submit(stays, max_new_tokens=NEW)  # takes a's slot
+    step()
+    step()
+    assert e.cancel(b) and not e.cancel(b) and not e.cancel(12345)
+    while e.has_work():
+        step()
+    assert {rid: (r.status, r.reason) for rid, r in results.items() if rid != d} == {
+        rid: ("aborted", "cancelled") for rid in (a, b, c)}
+    assert results[a].tokens == results[c].tokens == []
+    assert 1 <= len(results[b].tokens) < NEW and results[b].tokens == want[id(short)][: len(results[b].tokens)]
+    assert results[b].tokens == streamed[b]
+    assert results[d].status == "ok" and results[d].tokens == want[id(stays)]
+    assert not e.cancel(d) and e.free_pages == e.num_pages and e.counters.aborts == 0
+
+
 def test_prefix_sharing_shares_full_pages_and_changes_nothing():
     model = mixserve.load("tiny-glm4", dtype="float32")
     rng = np.random.default_rng(4)
