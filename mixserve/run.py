@@ -69,6 +69,14 @@ def counted(least: int):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mixserve.run", description=__doc__.split("\n\n")[0])
+    add_engine_flags(p)
+    add_request_flags(p)
+    p.add_argument("--json", action="store_true", help="print a machine-readable report instead of text")
+    return p
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that load the model and build the engine (mixserve.server takes them too)."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"checkpoint directory or preset name (default {DEFAULT_MODEL}, random weights)")
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=KV_CACHE_DTYPES,
                    help="KV pool storage (SGLang/vLLM names); auto = the model dtype; fp8_ds_mla (MLA models): "
@@ -78,24 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "strict (abort it, then raise)")
     p.add_argument("--page-size", type=counted(1), default=16, help="tokens per KV page")
     p.add_argument("--kv-memory", type=parse_memory, default="4MiB", help="KV pool budget, e.g. 4MiB, 1GiB, or bytes")
-    p.add_argument("--max-new-tokens", type=counted(1), default=16, help="tokens to generate per prompt")
     p.add_argument("--max-seq-len", type=counted(1), help="context limit per request, prompt + generated tokens "
                    "(SGLang's --context-length, vLLM's --max-model-len); default and maximum: the model's "
                    "max_position_embeddings. Longer requests are rejected, each with its reason")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample at this temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest")
-    p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
-    p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
-                   "and this many likeliest tokens (the model's distribution, before sampling)")
-    p.add_argument("--prompt-logprobs", type=counted(0), help="the same for each prompt token after the first, "
-                   "as the engine's prefill computes them (KV format included): the prompts' perplexity")
-    p.add_argument("--stop", action="append", help="a stop string (repeatable): a request ends once its output "
-                   "contains one, and its text is cut before it")
-    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens per prompt: the model's end tokens "
-                   "do not end a request (a benchmark's fixed output length)")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
     p.add_argument("--prefill-calls-per-step", type=counted(0), default=1,
@@ -139,8 +132,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", *pallas_kernels.BACKENDS],
                    help="kernels for paged decode attention and INT4/NVFP4 matmuls: pallas (GPU), xla (the jnp references), "
                         "interpret (the Pallas kernels in the interpreter, slow; for CPU checks); auto = pallas on GPU, else xla")
-    p.add_argument("--json", action="store_true", help="print a machine-readable report instead of text")
-    return p
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """What every prompt of `mixserve.run` is served with (a server's requests say it themselves)."""
+    p.add_argument("--max-new-tokens", type=counted(1), default=16, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); else sample at this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest")
+    p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
+    p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
+                   "and this many likeliest tokens (the model's distribution, before sampling)")
+    p.add_argument("--prompt-logprobs", type=counted(0), help="the same for each prompt token after the first, "
+                   "as the engine's prefill computes them (KV format included): the prompts' perplexity")
+    p.add_argument("--stop", action="append", help="a stop string (repeatable): a request ends once its output "
+                   "contains one, and its text is cut before it")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens per prompt: the model's end tokens "
+                   "do not end a request (a benchmark's fixed output length)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
 
 
 def with_weights(model, choice: str):
@@ -160,6 +170,18 @@ def param_bytes(model) -> int:
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.max_logprobs = max(20, args.logprobs or 0, args.prompt_logprobs or 0)
+    backend, mesh, setup = start(parser, args, progress=not args.json)
+    # The sampling and stop flags are every request's: values no request may take are a usage error.
+    if why := setup.engine.options_reason(**request_options(args)):
+        parser.error(why)
+    return serve(args, backend, mesh, setup)
+
+
+def start(parser: argparse.ArgumentParser, args, progress: bool) -> tuple[str, object, Setup]:
+    """From add_engine_flags' flags (and args.max_logprobs): the kernel backend, the (decode) mesh
+    and the Setup, on as many (simulated, on CPU) devices as they ask for. A flag the model or
+    engine refuses is the parser's usage error, not a traceback."""
     if why := flag_without_effect(args):
         parser.error(why)
     args.prefill_kv_cache_dtype = args.prefill_kv_cache_dtype or "bfloat16"
@@ -176,13 +198,10 @@ def main(argv=None) -> dict:
             prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
         else:  # one engine, or a pair sharing a single device
             prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
-        setup = build(args, backend, prefill_mesh, mesh)
+        setup = build(args, backend, prefill_mesh, mesh, progress)
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    # The sampling and stop flags are every request's: values no request may take are a usage error.
-    if why := setup.engine.options_reason(**request_options(args)):
-        parser.error(why)
-    return serve(args, backend, mesh, setup)
+    return backend, mesh, setup
 
 
 def flag_without_effect(args) -> str | None:
@@ -218,10 +237,10 @@ class Setup:
     decoder: Engine
 
 
-def build(args, backend: str, prefill_mesh, mesh) -> Setup:
+def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
     """Load the model, convert its weight sets and build the engine, as the flags say."""
     # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
-    model = mixserve.load(args.model, progress=not args.json, backend=backend, mesh=prefill_mesh,
+    model = mixserve.load(args.model, progress=progress, backend=backend, mesh=prefill_mesh,
                           expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations,
                           mtp=args.speculative_tokens > 0 and args.draft == "mtp")  # unused weights stay on disk
     if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
@@ -231,7 +250,7 @@ def build(args, backend: str, prefill_mesh, mesh) -> Setup:
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
-                  expert_parallel=args.expert_parallel, max_logprobs=max(20, args.logprobs or 0, args.prompt_logprobs or 0),
+                  expert_parallel=args.expert_parallel, max_logprobs=args.max_logprobs,
                   speculative_tokens=args.speculative_tokens, draft=args.draft)
     if args.disaggregate:
         engine = DisaggregatedEngine(

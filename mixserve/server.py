@@ -1,0 +1,508 @@
+"""`python -m mixserve.server`: the engine behind an OpenAI-compatible HTTP API, as vLLM and SGLang serve.
+
+  POST /v1/completions  OpenAI's completions (and vLLM's sampling extensions); "stream": true sends
+                        server-sent events, a chunk per engine step that gave the request tokens
+  GET  /v1/models       the one model served
+  GET  /health          200 while the engine loop runs, 503 once it has stopped
+
+One thread runs the engine (`EngineLoop`): it is the only one that touches it. Each HTTP request
+has a thread of its own (the standard library's ThreadingHTTPServer), which hands its prompts to
+the loop and reads what every step gave them. Bad input is a 400 with the reason, per request; a
+client that goes away before its completion ends has it cancelled (`Frontend.cancel`): its pages
+go back at once. The engine flags are mixserve.run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.server
+import json
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+from mixserve import run
+from mixserve.frontend import Frontend
+from mixserve.request import Result, TokenLogprobs, Update
+from mixserve.tokenizer import IncrementalDecoder, Tokenizer
+
+# OpenAI's completion fields (vLLM's extensions among them) -> Frontend.submit's keywords, with the
+# value a missing or null field takes: OpenAI's (max_tokens 16, temperature 1), not submit's.
+SAMPLING_FIELDS = {
+    "max_tokens": ("max_new_tokens", 16), "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 0), "min_p": ("min_p", 0.0), "seed": ("seed", None), "stop": ("stop", None),
+    "stop_token_ids": ("stop_token_ids", ()), "ignore_eos": ("ignore_eos", False),
+    "logprobs": ("logprobs", None), "prompt_logprobs": ("prompt_logprobs", None),
+}
+# Fields served only at their default: another value asks for what this server does not compute,
+# and is refused rather than dropped unsaid.
+DEFAULT_ONLY = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
+# The other fields, and the JSON types they take.
+OTHER_FIELDS = {"model": (str,), "prompt": (str, list), "stream": (bool,), "stream_options": (dict,), "user": (str,),
+                "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
+POLL_S = 0.25  # how often a waiting handler looks whether its client is still there
+
+
+class BadRequest(Exception):
+    """A request this server refuses, with the HTTP status and OpenAI's error type."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclasses.dataclass
+class Call:
+    """One HTTP request's prompts as the loop serves them: (prompt index, Update) pairs, in step
+    order, on `updates`; an exception there instead once the loop has stopped."""
+    prompts: list[list[int]]
+    options: dict
+    updates: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    rids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+    """An inbox item: cancel what is left of call's requests."""
+    call: Call
+
+
+class EngineLoop:
+    """Runs an engine (Engine or DisaggregatedEngine) on a thread of its own: it submits what
+    handlers hand it, steps while there is work, and routes each Update to its Call. An engine
+    that raises (integrity "strict" on a failed check, as it is meant to) stops the loop: every
+    open Call gets the error, and so does every later one."""
+
+    def __init__(self, engine: Frontend):
+        self.engine = engine
+        self.cancelled = 0  # requests cancelled because their client went away
+        self.error: BaseException | None = None  # what stopped the loop
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # a Call to submit, a Cancel, or None: stop
+        self._routes: dict[int, tuple[Call, int]] = {}  # rid -> its Call and prompt index
+        self._thread = threading.Thread(target=self._run, name="mixserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def submit(self, call: Call) -> Call:
+        self._inbox.put(call)
+        if self.error is not None:  # set before the loop's last look at the inbox: that look may have missed it
+            self._fail_inbox()
+        return call
+
+    def cancel(self, call: Call) -> None:
+        self._inbox.put(Cancel(call))
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self.join()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._inbox.get() if not self.engine.has_work() else self._next_item()
+                while item is not False:  # everything handed over by now, then one step
+                    if item is None:
+                        return
+                    self._take(item)
+                    item = self._next_item()
+                if self.engine.has_work():
+                    self._route(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - every waiting client must learn of it
+            self.error = e
+            traceback.print_exc()
+            for call in {id(c): c for c, _ in self._routes.values()}.values():
+                call.updates.put(self.stopped())
+            self._fail_inbox()
+
+    def _next_item(self):
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _take(self, item: Call | Cancel) -> None:
+        if isinstance(item, Cancel):
+            self.cancelled += sum(self.engine.cancel(rid) for rid in item.call.rids)
+            return
+        try:
+            for i, prompt in enumerate(item.prompts):
+                item.rids.append(self.engine.submit(prompt, **item.options))
+                self._routes[item.rids[-1]] = (item, i)
+        except Exception as e:  # noqa: BLE001 - input the engine's checks missed fails its request, not the server
+            traceback.print_exc()
+            self._take(Cancel(item))
+            item.updates.put(BadRequest(f"the engine could not take this request: {e!r}", 500, "server_error"))
+
+    def _route(self, updates: list[Update]) -> None:
+        for update in updates:
+            call, index = self._routes[update.rid]
+            call.updates.put((index, update))
+            if update.result is not None:
+                del self._routes[update.rid]
+
+    def stopped(self) -> BadRequest:
+        return BadRequest(f"the engine has stopped: {self.error!r}", 503, "server_error")
+
+    def _fail_inbox(self) -> None:
+        while (item := self._next_item()) is not False:
+            if isinstance(item, Call):
+                item.updates.put(self.stopped())
+
+
+@dataclasses.dataclass(frozen=True)
+class Returned:
+    """What a request asked to get back beside the text (vLLM's extensions)."""
+    token_ids: bool = False  # each choice's token_ids, and its prompt_token_ids in the first chunk
+    ids_as_names: bool = False  # logprobs name tokens "token_id:N", not by their text
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A /v1/completions body, parsed: the prompts (token ids), submit's keywords for each, and how
+    the answer goes back."""
+    prompts: list[list[int]]
+    options: dict
+    stream: bool
+    include_usage: bool
+    returned: Returned
+
+    @classmethod
+    def parse(cls, body: dict, tokenizer: Tokenizer, model_name: str) -> Completion:
+        """A field this server does not know or does not compute is refused by name; the sampling
+        values are the engine's to check, per request."""
+        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(DEFAULT_ONLY) - set(OTHER_FIELDS))
+        if unknown:
+            raise BadRequest(f"unknown fields: {', '.join(unknown)}")
+        for name, default in DEFAULT_ONLY.items():
+            if body.get(name) not in (None, default, {}):
+                raise BadRequest(f"{name}={body[name]!r} is not supported: only {default!r}")
+        for name, kinds in OTHER_FIELDS.items():
+            if body.get(name) is not None and not isinstance(body[name], kinds):
+                raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {body[name]!r}")
+        if body.get("model") is not None and body["model"] != model_name:
+            raise BadRequest(f"the model `{body['model']}` does not exist: this server serves `{model_name}`", 404,
+                             "not_found_error")
+        if "prompt" not in body:
+            raise BadRequest("prompt is required")
+        usage_option = (body.get("stream_options") or {}).get("include_usage")
+        if usage_option is not None and not isinstance(usage_option, bool):
+            raise BadRequest(f"stream_options.include_usage must be bool, got {usage_option!r}")
+        options = {keyword: default if body.get(name) is None else body[name]
+                   for name, (keyword, default) in SAMPLING_FIELDS.items()}
+        if isinstance(options["stop_token_ids"], list):
+            options["stop_token_ids"] = tuple(options["stop_token_ids"])
+        return cls(prompts_of(body["prompt"], tokenizer), options, bool(body.get("stream")), bool(usage_option),
+                   Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))))
+
+
+def prompts_of(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (one choice each).
+    The engine checks the ids (it refuses booleans, which JSON's true would give)."""
+    def token_ids(p) -> bool:
+        return isinstance(p, list) and all(isinstance(t, int) for t in p)
+
+    if isinstance(prompt, str) or token_ids(prompt):
+        prompt = [prompt]
+    elif not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or token_ids(p) for p in prompt)):
+        raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of strings or of "
+                         "token-id lists")
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+
+
+class Choice:
+    """One prompt's completion as it streams: its tokens, its text so far (less what may still turn
+    out to start a stop string: that is held back, as vLLM holds it) and its logprobs, in OpenAI's form."""
+
+    def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned):
+        self.index, self.prompt, self.tokenizer, self.returned = index, prompt, tokenizer, returned
+        self.hold = max(map(len, (stop,) if isinstance(stop, str) else stop or ()), default=1) - 1
+        self.tokens: list[int] = []
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.offsets: list[int] = []  # each token's first character in the text
+        self.sent = 0  # characters of the text already sent
+        self.result: Result | None = None
+        self.prompt_logprobs = None
+
+    def add(self, update: Update) -> dict:
+        """The update as a chunk's choice: the text, tokens and logprobs it adds."""
+        start = len(self.tokens)
+        for token in update.new_tokens:
+            self.offsets.append(len(self.decoder))
+            self.tokens.append(token)
+            self.decoder.add(self.tokens)
+        self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
+        self.result = update.result
+        if self.result is None:
+            text = self.decoder.visible[: max(self.sent, len(self.decoder) - self.hold)]
+        else:
+            text = run.output_text(self.tokenizer, self.result)
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return self.choice(delta, start, update.new_logprobs)
+
+    def whole(self) -> dict:
+        """The finished completion as one choice (a response not streamed)."""
+        return self.choice(run.output_text(self.tokenizer, self.result), 0, self.result.logprobs)
+
+    def choice(self, text: str, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
+        r = self.result
+        done = r is not None and r.status == "ok"
+        out = {"index": self.index, "text": text,
+               "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
+               "finish_reason": ("length" if r.stop_reason is None else "stop") if done else None,
+               "stop_reason": r.stop_reason if done else None}
+        if self.returned.token_ids:
+            out["token_ids"] = self.tokens[start:]
+            if start == 0:
+                out["prompt_token_ids"] = self.prompt
+        if self.prompt_logprobs is not None and start == 0:  # vLLM's form: {token id: logprob, rank, text}
+            out["prompt_logprobs"] = [lp and {str(t): {"logprob": v, "rank": rank, "decoded_token": self.name(t)}
+                                              for t, (v, rank) in ranked(token, lp).items()}
+                                      for token, lp in zip(self.prompt, self.prompt_logprobs)]
+        return out
+
+    def openai_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> dict:
+        return {"tokens": [self.name(t) for t in self.tokens[start : start + len(logprobs)]],
+                "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.name(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": self.offsets[start : start + len(logprobs)]}
+
+    def name(self, token: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token}" if self.returned.ids_as_names else self.tokenizer.decode([token])
+
+
+def ranked(token: int, lp: TokenLogprobs) -> dict[int, tuple[float, int]]:
+    """The token's (logprob, rank), then each of the likeliest's."""
+    return {token: (lp.logprob, lp.rank), **{t: (v, i + 1) for i, (t, v) in enumerate(lp.top) if t != token}}
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a benchmark client reuses its connections
+    server: "Server"
+
+    def log_message(self, fmt, *args):  # one line per request on stderr, as vLLM logs them
+        if self.server.verbose:
+            super().log_message(fmt, *args)
+
+    def do_GET(self):
+        if self.path == "/health":
+            alive = self.server.loop.alive
+            self.send_json(200 if alive else 503, {} if alive else error_body(self.server.loop.stopped()))
+        elif self.path == "/v1/models":
+            self.send_json(200, {"object": "list", "data": [{
+                "id": self.server.model_name, "object": "model", "created": self.server.started, "owned_by": "mixserve",
+                "max_model_len": self.server.max_seq_len}]})
+        else:
+            self.send_json(404, error_body(BadRequest(f"no GET {self.path}: GET /health or /v1/models", 404)))
+
+    def do_POST(self):
+        try:
+            if self.path != "/v1/completions":
+                raise BadRequest(f"no POST {self.path}: this server serves POST /v1/completions (chat completions "
+                                 "need a chat template, which mixserve does not render)", 404)
+            self.complete(self.read_json())
+        except BadRequest as e:
+            self.send_json(e.status, error_body(e))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def read_json(self) -> dict:
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the body is not JSON: {e}")
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def complete(self, body: dict) -> None:
+        s = self.server
+        request = Completion.parse(body, s.tokenizer, s.model_name)
+        call = s.loop.submit(Call(request.prompts, request.options))
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": s.model_name}
+        try:
+            first = self.first_updates(call)  # a rejection comes in the first: a 400
+            choices = [Choice(i, p, s.tokenizer, request.options["stop"], request.returned)
+                       for i, p in enumerate(request.prompts)]
+            if request.stream:
+                self.send_stream(call, choices, head, first, request.include_usage)
+                return
+            for index, update in self.updates(call, first):
+                choices[index].add(update)
+            if failed := [c for c in choices if c.result.status != "ok"]:
+                raise BadRequest("; ".join(f"prompt {c.index}: {c.result.reason}" for c in failed), 500, "server_error")
+            self.send_json(200, {**head, "choices": [c.whole() for c in choices], "usage": usage(choices)})
+        except (BrokenPipeError, ConnectionResetError, ClientGone):
+            s.loop.cancel(call)
+
+    def first_updates(self, call: Call) -> list[tuple[int, Update]]:
+        """The updates until every prompt has had its first; a 400 naming each rejected prompt
+        (the others cancelled)."""
+        got, seen = [], set()
+        while len(seen) < len(call.prompts):
+            got.append(self.next_update(call))
+            seen.add(got[-1][0])
+        rejected = [(i, u.result.reason) for i, u in got if u.result is not None and u.result.status == "rejected"]
+        if rejected:
+            self.server.loop.cancel(call)
+            raise BadRequest("; ".join(f"prompt {i}: {why}" if len(call.prompts) > 1 else why for i, why in rejected))
+        return got
+
+    def updates(self, call: Call, first: list):
+        """first, then every later update, until each prompt has its Result."""
+        open_prompts = len(call.prompts)
+        for index, update in first:
+            open_prompts -= update.result is not None
+            yield index, update
+        while open_prompts:
+            index, update = self.next_update(call)
+            open_prompts -= update.result is not None
+            yield index, update
+
+    def next_update(self, call: Call) -> tuple[int, Update]:
+        while True:
+            try:
+                item = call.updates.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.client_gone():
+                    raise ClientGone()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def client_gone(self) -> bool:
+        """Whether the client closed its end while we wait (readable, and nothing to read)."""
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        try:
+            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+
+    def send_stream(self, call: Call, choices: list[Choice], head: dict, first: list, include_usage) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for index, update in self.updates(call, first):
+                choice = choices[index]
+                chunk = choice.add(update)
+                if choice.result is not None and choice.result.status != "ok":  # streamed tokens passed their checks
+                    self.send_event(error_body(BadRequest(f"prompt {index}: {choice.result.reason}", 500, "server_error")))
+                    continue
+                self.send_event({**head, "choices": [chunk]})
+            if include_usage:
+                self.send_event({**head, "choices": [], "usage": usage(choices)})
+        except BadRequest as e:  # the loop stopped mid-stream
+            self.send_event(error_body(e))
+        self.send_event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def send_event(self, data) -> None:
+        text = data if isinstance(data, str) else json.dumps(run.finite_or_null(data), allow_nan=False)
+        payload = f"data: {text}\n\n".encode()
+        self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+        self.wfile.flush()
+
+    def send_json(self, status: int, body: dict) -> None:
+        payload = json.dumps(run.finite_or_null(body), allow_nan=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+class ClientGone(Exception):
+    pass
+
+
+def usage(choices: list[Choice]) -> dict:
+    prompt, completion = sum(len(c.prompt) for c in choices), sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def error_body(e: BadRequest) -> dict:
+    return {"error": {"message": str(e), "type": e.kind, "param": None, "code": e.status}}
+
+
+class Server(http.server.ThreadingHTTPServer):
+    """The HTTP server around one EngineLoop. `serve_forever` serves; `close` stops both."""
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], engine: Frontend, tokenizer: Tokenizer, model_name: str,
+                 max_seq_len: int, verbose: bool = False):
+        super().__init__(address, Handler)
+        self.loop = EngineLoop(engine)
+        self.tokenizer, self.model_name, self.max_seq_len = tokenizer, model_name, max_seq_len
+        self.verbose, self.started = verbose, int(time.time())
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def stop_with_the_loop(self) -> None:
+        """Wait until the engine loop stops (integrity "strict" on a failed check), then stop serving."""
+        self.loop.join()
+        self.shutdown()
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self.loop.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mixserve.server", description=__doc__.split("\n\n")[0])
+    run.add_engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=run.counted(0), default=8000, help="port to listen on (0: any free one)")
+    p.add_argument("--served-model-name", help="the model's name in requests and responses (default: --model)")
+    p.add_argument("--max-logprobs", type=run.counted(0), default=20,
+                   help="the most likeliest tokens a request may ask for (vLLM's --max-logprobs)")
+    p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
+    return p
+
+
+def make_server(argv=None) -> Server:
+    """Load the model, build the engine as mixserve.run does, and bind (not yet serving)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _, _, setup = run.start(parser, args, progress=True)
+    return Server((args.host, args.port), setup.engine, setup.model.tokenizer, args.served_model_name or args.model,
+                  setup.decoder.max_seq_len, verbose=args.log_requests)
+
+
+def main(argv=None) -> None:
+    server = make_server(argv)
+    print(f"mixserve: serving {server.model_name} at {server.url} (POST /v1/completions)", file=sys.stderr, flush=True)
+    threading.Thread(target=server.stop_with_the_loop, daemon=True).start()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    server.server_close()
+    if server.loop.error is not None:
+        sys.exit(f"mixserve: the engine stopped: {server.loop.error!r}")
+
+
+if __name__ == "__main__":
+    main()

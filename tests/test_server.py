@@ -1,0 +1,244 @@
+"""The OpenAI-compatible server (mixserve/server.py), over real HTTP on a free local port: what it
+serves equals what `mixserve.run` serves for the same prompt and flags, streamed or not; bad input
+is a 400 naming the fault and leaves the server serving; a client that goes away has its request
+cancelled and its pages freed; an integrity abort is an error, never an answer; an engine that
+raises (strict) stops the server."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import mixserve
+from mixserve import faults, run, server
+from mixserve.engine import Engine
+from mixserve.tokenizer import ByteTokenizer
+
+FLAGS = ["--model", "tiny-kimi", "--page-size", "4", "--concurrency", "2"]
+PROMPT = "KV cache pages"
+NEW = 12
+
+
+def serving(srv: server.Server) -> server.Server:
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = serving(server.make_server([*FLAGS, "--port", "0"]))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What mixserve.run serves for PROMPT with the same engine flags, greedy."""
+    report = run.main([*FLAGS, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--json", "--logprobs", "2"])
+    return report["requests"][0]
+
+
+def connect(s):
+    return http.client.HTTPConnection(*s.server_address[:2], timeout=120)
+
+
+def post(s, body, path="/v1/completions"):
+    c = connect(s)
+    c.request("POST", path, body if isinstance(body, bytes) else json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def get(s, path):
+    c = connect(s)
+    c.request("GET", path)
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def events(s, body) -> list:
+    """A streamed completion's server-sent events, parsed ("[DONE]" kept as the string)."""
+    c = connect(s)
+    c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    lines = r.read().decode().split("\n\n")
+    assert lines[-1] == ""
+    assert all(line.startswith("data: ") for line in lines[:-1])
+    return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in lines[:-1]]
+
+
+def greedy(**extra):
+    return {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, **extra}
+
+
+def test_a_completion_is_what_mixserve_run_serves(srv, reference):
+    status, body = post(srv, greedy(return_token_ids=True, logprobs=2))
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == reference["tokens"] and choice["text"] == reference["text"]
+    assert choice["prompt_token_ids"] == ByteTokenizer().encode(PROMPT)
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([t["logprob"] for t in reference["logprobs"]], abs=1e-6)
+    assert [len(top) for top in lp["top_logprobs"]] <= [2] * NEW  # keyed by text: two tokens may share one
+    assert len(lp["tokens"]) == len(lp["text_offset"]) == NEW and lp["text_offset"][0] == 0
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": NEW, "total_tokens": len(PROMPT) + NEW}
+    assert body["object"] == "text_completion" and body["model"] == "tiny-kimi"
+    _, named = post(srv, greedy(return_tokens_as_token_ids=True, logprobs=1))
+    assert named["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference["tokens"]]
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(srv, reference):
+    got = events(srv, greedy(return_token_ids=True, stream_options={"include_usage": True}))
+    assert got[-1] == "[DONE]"
+    *chunks, usage = got[:-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == NEW
+    choices = [c["choices"][0] for c in chunks]
+    assert "".join(c["text"] for c in choices) == reference["text"]
+    assert [t for c in choices for t in c["token_ids"]] == reference["tokens"]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed(srv, reference):
+    text = reference["text"]
+    # Two characters, so at least two tokens: the first must be held back until the second decides.
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    cut = text[: text.find(stop)]
+    status, body = post(srv, greedy(stop=[stop, "never produced"]))
+    assert status == 200, body
+    assert body["choices"][0]["text"] == cut
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == stop
+    choices = [c["choices"][0] for c in events(srv, greedy(stop=stop))[:-1]]
+    assert "".join(c["text"] for c in choices) == cut
+    assert choices[-1]["finish_reason"] == "stop"
+
+
+def test_a_list_of_prompts_gets_a_choice_each(srv, reference):
+    status, body = post(srv, greedy(prompt=[PROMPT, ByteTokenizer().encode(PROMPT)], return_token_ids=True))
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["prompt_token_ids"] == body["choices"][1]["prompt_token_ids"]
+    assert body["usage"]["completion_tokens"] == 2 * NEW
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not JSON"),
+    ([1, 2], 400, "JSON object"),
+    ({"max_tokens": 3}, 400, "prompt is required"),
+    ({"prompt": [[1], 2]}, 400, "prompt must be"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "unknown fields: frobnicate"),
+    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": "x", "echo": True}, 400, "echo=True is not supported"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
+    ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
+    ({"prompt": [1, True]}, 400, "list of integer token ids"),
+    ({"prompt": "x", "max_tokens": 600}, 400, "exceeds the context limit 512"),
+    ({"prompt": "x", "logprobs": 21}, 400, "max_logprobs=20"),
+    ({"prompt": "x", "stop": [""]}, 400, "non-empty strings"),
+    ({"prompt": ["fine", [1, -1]]}, 400, "prompt 1: token ids outside"),
+])
+def test_bad_input_is_a_clear_error_and_the_server_goes_on(srv, body, status, message):
+    got, error = post(srv, body)
+    assert got == status and message in error["error"]["message"], error
+    assert error["error"]["code"] == status
+    assert post(srv, {"prompt": "ok", "max_tokens": 2})[0] == 200
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(sorted({*server.SAMPLING_FIELDS, *server.DEFAULT_ONLY, *server.OTHER_FIELDS})), value=JSON)
+def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, field, value):
+    """Python's json reads NaN and Infinity too: they are among the floats."""
+    assume(not (field == "max_tokens" and isinstance(value, int) and value > 4))  # valid, but slow to serve
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, field: value}
+    c = connect(srv)
+    c.request("POST", "/v1/completions", json.dumps(body))
+    r = c.getresponse()
+    r.read()
+    assert r.status in (200, 400, 404), (r.status, body)
+    assert srv.loop.alive
+
+
+def test_the_other_endpoints(srv):
+    assert get(srv, "/health") == (200, {})
+    status, models = get(srv, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == ["tiny-kimi"]
+    assert models["data"][0]["max_model_len"] == 512
+    assert get(srv, "/nowhere")[0] == 404
+    status, error = post(srv, {"messages": []}, path="/v1/chat/completions")
+    assert status == 404 and "/v1/completions" in error["error"]["message"]
+
+
+def wait_until(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_has_its_request_cancelled_and_its_pages_freed(srv, stream):
+    """The request would run 400 steps; it is cancelled (streamed: after its first chunk; else
+    while it waits) and the engine frees its pages."""
+    engine, before = srv.loop.engine, srv.loop.cancelled
+    tokens_before = engine.counters.decode_tokens
+    body = json.dumps({"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": stream}).encode()
+    with socket.create_connection(srv.server_address[:2]) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        if stream:
+            assert b"data: " in sock.recv(4096)
+    wait_until(lambda: srv.loop.cancelled == before + 1 and not engine.has_work())
+    assert engine.pages_in_use == 0
+    assert engine.counters.decode_tokens - tokens_before < 400
+
+
+def fault_engine(integrity: str):
+    """A tiny-kimi engine whose page table a bookkeeping bug corrupts at its third decode step."""
+    def stale_tag_at_step_2(table, step):
+        return faults.inject(table, faults.FaultKind.STALE_TAG, slot=jnp.int32(0)) if step == 2 else table
+
+    return Engine(mixserve.load("tiny-kimi"), kv_dtype="fp8_e4m3", page_size=4, max_batch=2, num_pages=64,
+                  integrity=integrity, fault_hook=stale_tag_at_step_2)
+
+
+def served(engine: Engine) -> server.Server:
+    return serving(server.Server(("127.0.0.1", 0), engine, ByteTokenizer(), "tiny-kimi", engine.max_seq_len))
+
+
+def test_an_integrity_abort_is_an_error_never_an_answer():
+    s = served(fault_engine("check"))
+    try:
+        status, error = post(s, greedy())
+        assert status == 500 and "KV integrity check failed" in error["error"]["message"], error
+        got = events(s, greedy())  # the fault comes once: this one is served
+        assert got[-1] == "[DONE]" and got[-2]["choices"][0]["finish_reason"] == "length"
+        assert get(s, "/health")[0] == 200
+    finally:
+        s.close()
+
+
+def test_a_strict_engine_that_raises_stops_the_server():
+    s = served(fault_engine("strict"))
+    try:
+        status, error = post(s, greedy())
+        assert status == 503 and "KV integrity check failed" in error["error"]["message"], error
+        assert get(s, "/health")[0] == 503
+        assert post(s, greedy())[0] == 503  # later requests are refused, not left waiting
+        s.stop_with_the_loop()  # what main runs beside serve_forever: returns once the loop has stopped
+    finally:
+        s.server_close()
