@@ -113,7 +113,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregate", action="store_true",
                    help="serve as the seed deploys: a prefill engine (--prefill-weights, --prefill-kv-cache-dtype pages) "
                         "hands each prompt's KV pages to a decode engine (--decode-weights, --kv-cache-dtype pages), each "
-                        "on --tensor-parallel devices of its own, each with the --kv-memory budget")
+                        "on --tensor-parallel devices of its own (2 x that many are needed; a machine with one device "
+                        "runs both on it), each with the --kv-memory budget")
     p.add_argument("--prefill-kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="the prefill engine's KV pool with --disaggregate (default bfloat16, as the seed: prefill is "
                         "compute-bound); pages are converted to the decode pool's format as they are handed over")
@@ -172,6 +173,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     args.max_logprobs = max(20, args.logprobs or 0, args.prompt_logprobs or 0)
     backend, mesh, setup = start(parser, args, progress=not args.json)
+    if args.max_new_tokens >= setup.decoder.max_seq_len:
+        parser.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the context limit "
+                     f"{setup.decoder.max_seq_len} (--max-seq-len)")
     # The sampling and stop flags are every request's: values no request may take are a usage error.
     if why := setup.engine.options_reason(**request_options(args)):
         parser.error(why)
@@ -194,9 +198,9 @@ def start(parser: argparse.ArgumentParser, args, progress: bool) -> tuple[str, o
                                    f" --xla_force_host_platform_device_count={devices}").strip()
     backend = pallas_kernels.resolve_backend(args.backend)
     try:  # too few devices, a bad model, or a flag the model or engine refuses: a usage error, not a traceback
-        if args.disaggregate and jax.device_count() >= devices:  # prefill on devices [0, tp), decode on [tp, 2 tp)
+        if args.disaggregate and (tp > 1 or jax.device_count() > 1):  # prefill on devices [0, tp), decode on [tp, 2 tp)
             prefill_mesh, mesh = sharding.tp_mesh(tp), sharding.tp_mesh(tp, first=tp)
-        else:  # one engine, or a pair sharing a single device
+        else:  # one engine, or a pair sharing a machine's single device
             prefill_mesh = mesh = sharding.tp_mesh(tp) if tp > 1 else None
         setup = build(args, backend, prefill_mesh, mesh, progress)
     except (ValueError, OSError) as e:
@@ -250,7 +254,7 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
-                  expert_parallel=args.expert_parallel, max_logprobs=args.max_logprobs,
+                  expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
                   speculative_tokens=args.speculative_tokens, draft=args.draft)
     if args.disaggregate:
         engine = DisaggregatedEngine(

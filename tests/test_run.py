@@ -142,12 +142,17 @@ def test_disaggregate_puts_prefill_and_decode_on_devices_of_their_own():
         "pair = run.main(args + ['--disaggregate', '--tensor-parallel', '2', '--prefill-kv-cache-dtype', 'fp8_e4m3'])\n"
         "one = run.main(args)\n"
         "split = pair['kv_bytes_per_token'] // pair['kv_bytes_per_token_per_device']\n"
+        "try:\n"  # 2 x 3 devices of 4: a usage error, not both engines on devices 0-2
+        "    run.main(args + ['--disaggregate', '--tensor-parallel', '3'])\n"
+        "except SystemExit as e:\n"
+        "    refused = e.code\n"
         "print('RESULT', json.dumps([pair['disaggregated'], [r['tokens'] for r in pair['requests']],\n"
-        "                            [r['tokens'] for r in one['requests']], split]))\n")
+        "                            [r['tokens'] for r in one['requests']], split, refused]))\n")
     env = host_devices_env(4)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    where, pair_tokens, one_tokens, split = json.loads(out.stdout.split("RESULT ", 1)[1])
+    where, pair_tokens, one_tokens, split, refused = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert refused == 2 and "devices [3, 6): 4 devices available" in out.stderr
     assert split == 2  # each decode device holds one of the two KV heads
     assert where["prefill_devices"] == ["cpu:0", "cpu:1"] and where["decode_devices"] == ["cpu:2", "cpu:3"]
     assert where["handover"]["handovers"] == len(run.DEFAULT_PROMPTS) and where["handover"]["bytes_sent"] > 0
@@ -173,6 +178,8 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--top-p", "0"): "0 < top_p <= 1",
         ("--seed", "-5"): "seed must be an integer in [0, 2**32)",
         ("--stop", ""): "stop must be a list of non-empty strings",
+        ("--logprobs", "1000"): "logprobs must be None or an integer in [0, max_logprobs=320], got 1000",
+        ("--max-new-tokens", "512"): "--max-new-tokens 512 leaves no room for a prompt within the context limit 512",
         # flags that would change nothing as the others stand
         ("--expert-parallel",): "--expert-parallel splits over the --tensor-parallel devices",
         ("--prefill-kv-cache-dtype", "fp8_e4m3"): "--prefill-kv-cache-dtype is the prefill engine's pool under --disaggregate",
@@ -180,7 +187,7 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
     }
     for argv, message in cases.items():
         try:
-            run.main([*argv, "--max-new-tokens", "1", "--prompt", "a"])
+            run.main(["--max-new-tokens", "1", "--prompt", "a", *argv])
         except SystemExit as exit_:
             assert exit_.code == 2, argv
         else:
