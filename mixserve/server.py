@@ -292,6 +292,7 @@ def ranked(token: int, lp: TokenLogprobs) -> dict[int, tuple[float, int]]:
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a benchmark client reuses its connections
     server: "Server"
+    looked = 0.0  # when next_update last looked whether the client is still there
 
     def log_message(self, fmt, *args):  # one line per request on stderr, as vLLM logs them
         if self.server.verbose:
@@ -374,12 +375,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             yield index, update
 
     def next_update(self, call: Call) -> tuple[int, Update]:
+        """The call's next (prompt index, Update); every POLL_S, whether updates come or not, a look
+        at whether the client is still there (a response not streamed writes nothing until the end)."""
         while True:
+            if time.monotonic() - self.looked >= POLL_S:
+                if self.client_gone():
+                    raise ClientGone()
+                self.looked = time.monotonic()
             try:
                 item = call.updates.get(timeout=POLL_S)
             except queue.Empty:
-                if self.client_gone():
-                    raise ClientGone()
                 continue
             if isinstance(item, BaseException):
                 raise item

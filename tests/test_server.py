@@ -159,7 +159,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     max_leaves=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(sorted({*server.SAMPLING_FIELDS, *server.DEFAULT_ONLY, *server.OTHER_FIELDS})), value=JSON)
 def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, field, value):
     """Python's json reads NaN and Infinity too: they are among the floats."""
@@ -204,15 +204,16 @@ def test_a_client_that_goes_away_has_its_request_cancelled_and_its_pages_freed(s
             assert b"data: " in sock.recv(4096)
     wait_until(lambda: srv.loop.cancelled == before + 1 and not engine.has_work())
     assert engine.pages_in_use == 0
-    assert engine.counters.decode_tokens - tokens_before < 400
+    assert engine.counters.decode_tokens - tokens_before < 200, engine.counters.decode_tokens - tokens_before
 
 
 def fault_engine(integrity: str):
-    """A tiny-kimi engine whose page table a bookkeeping bug corrupts at its third decode step."""
+    """An engine as FLAGS build it (with integrity "check", it shares their compiled steps) whose page
+    table a bookkeeping bug corrupts at its third decode step."""
     def stale_tag_at_step_2(table, step):
         return faults.inject(table, faults.FaultKind.STALE_TAG, slot=jnp.int32(0)) if step == 2 else table
 
-    return Engine(mixserve.load("tiny-kimi"), kv_dtype="fp8_e4m3", page_size=4, max_batch=2, num_pages=64,
+    return Engine(mixserve.load("tiny-kimi"), kv_dtype="fp8_e4m3", page_size=4, max_batch=2, kv_memory_bytes=4 << 20,
                   integrity=integrity, fault_hook=stale_tag_at_step_2)
 
 
