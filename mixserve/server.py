@@ -239,10 +239,7 @@ class Choice:
     def add(self, update: Update) -> dict:
         """The update as a chunk's choice: the text, tokens and logprobs it adds."""
         start = len(self.tokens)
-        for token in update.new_tokens:
-            self.offsets.append(len(self.decoder))
-            self.tokens.append(token)
-            self.decoder.add(self.tokens)
+        self._extend(update.new_tokens)
         self.prompt_logprobs = self.prompt_logprobs or update.prompt_logprobs
         self.result = update.result
         if self.result is None:
@@ -252,9 +249,21 @@ class Choice:
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return self.choice(delta, start, update.new_logprobs)
 
-    def whole(self) -> dict:
-        """The finished completion as one choice (a response not streamed)."""
-        return self.choice(run.output_text(self.tokenizer, self.result), 0, self.result.logprobs)
+    def whole(self, result: Result) -> dict:
+        """The finished completion as one choice (a response not streamed), from its Result alone: the
+        steps before it cost the handler nothing (its thread would take the GIL from the engine's)."""
+        self.result, self.prompt_logprobs = result, result.prompt_logprobs
+        if result.logprobs is not None:
+            self._extend(result.tokens)  # the text offsets
+        else:
+            self.tokens = list(result.tokens)
+        return self.choice(run.output_text(self.tokenizer, result), 0, result.logprobs)
+
+    def _extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.offsets.append(len(self.decoder))
+            self.tokens.append(token)
+            self.decoder.add(self.tokens)
 
     def choice(self, text: str, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
         r = self.result
@@ -342,11 +351,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)
                 return
-            for index, update in self.updates(call, first):
-                choices[index].add(update)
-            if failed := [c for c in choices if c.result.status != "ok"]:
-                raise BadRequest("; ".join(f"prompt {c.index}: {c.result.reason}" for c in failed), 500, "server_error")
-            self.send_json(200, {**head, "choices": [c.whole() for c in choices], "usage": usage(choices)})
+            results = {index: update.result for index, update in self.updates(call, first) if update.result}
+            if failed := [(i, r.reason) for i, r in sorted(results.items()) if r.status != "ok"]:
+                raise BadRequest("; ".join(f"prompt {i}: {why}" for i, why in failed), 500, "server_error")
+            whole = [c.whole(results[c.index]) for c in choices]
+            self.send_json(200, {**head, "choices": whole, "usage": usage(choices)})
         except (BrokenPipeError, ConnectionResetError, ClientGone):
             s.loop.cancel(call)
 
