@@ -4,6 +4,7 @@
                         server-sent events, a chunk per engine step that gave the request tokens
   GET  /v1/models       the one model served
   GET  /health          200 while the engine loop runs, 503 once it has stopped
+  GET  /metrics         the engine's gauges and counters, for Prometheus (vLLM's names, under mixserve:)
 
 One thread runs the engine (`EngineLoop`): it is the only one that touches it. Each HTTP request
 has a thread of its own (the standard library's ThreadingHTTPServer), which hands its prompts to
@@ -28,6 +29,7 @@ import traceback
 import uuid
 
 from mixserve import run
+from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
@@ -315,8 +317,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200, {"object": "list", "data": [{
                 "id": self.server.model_name, "object": "model", "created": self.server.started, "owned_by": "mixserve",
                 "max_model_len": self.server.max_seq_len}]})
+        elif self.path == "/metrics":
+            payload = prometheus(self.server.loop).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
         else:
-            self.send_json(404, error_body(BadRequest(f"no GET {self.path}: GET /health or /v1/models", 404)))
+            self.send_json(404, error_body(BadRequest(f"no GET {self.path}: GET /health, /v1/models or /metrics", 404)))
 
     def do_POST(self):
         try:
@@ -446,6 +455,48 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 class ClientGone(Exception):
     pass
+
+
+# What /metrics reports of each engine (a disaggregated pair: of each side), read between its steps.
+ENGINE_METRICS = (
+    ("num_requests_running", "gauge", "requests holding a batch slot, prefilling or decoding",
+     lambda e: len(e.scheduler.running)),
+    ("num_requests_waiting", "gauge", "requests waiting for a slot and pages, new or preempted",
+     lambda e: len(e.scheduler.waiting)),
+    ("kv_pages_used", "gauge", "KV pool pages held by requests", lambda e: e.pages_in_use),
+    ("kv_pages_total", "gauge", "KV pool pages", lambda e: e.num_pages),
+    ("prompt_tokens_total", "counter", "prompt tokens prefilled (recomputed after a preemption included)",
+     lambda e: e.counters.prefill_tokens),
+    ("generation_tokens_total", "counter", "tokens decoded", lambda e: e.counters.decode_tokens),
+    ("decode_steps_total", "counter", "decode steps", lambda e: e.counters.steps),
+    ("preemptions_total", "counter", "requests preempted for pages (recomputed later)",
+     lambda e: e.counters.preemptions),
+    ("integrity_aborts_total", "counter", "requests aborted by a failed KV integrity check (or a pool leaked after one)",
+     lambda e: e.counters.aborts),
+)
+
+
+def prometheus(loop: EngineLoop) -> str:
+    """The engine's gauges and counters in Prometheus' text format, named as vLLM names its own
+    (vllm:num_requests_running, ...) under mixserve:, with a role label: engine, or prefill and decode."""
+    engine = loop.engine
+    pair = isinstance(engine, DisaggregatedEngine)
+    parts = {"prefill": engine.prefill, "decode": engine.decode} if pair else {"engine": engine}
+    lines = []
+
+    def metric(name: str, kind: str, text: str, values: dict[str, float]) -> None:
+        lines.extend([f"# HELP mixserve:{name} {text}", f"# TYPE mixserve:{name} {kind}"])
+        lines.extend(f'mixserve:{name}{{role="{role}"}} {value}' for role, value in values.items())
+
+    for name, kind, text, read in ENGINE_METRICS:
+        metric(name, kind, text, {role: read(e) for role, e in parts.items()})
+    metric("rejections_total", "counter", "requests rejected as bad input", {"engine": engine.counters.rejections})
+    metric("cancelled_total", "counter", "requests cancelled because their client went away", {"engine": loop.cancelled})
+    if pair:
+        metric("handovers_total", "counter", "requests handed from prefill to decode", {"engine": engine.counters.handovers})
+        metric("kv_bytes_sent_total", "counter", "KV page bytes sent from prefill to decode",
+               {"engine": engine.counters.bytes_sent})
+    return "\n".join(lines) + "\n"
 
 
 def usage(choices: list[Choice]) -> dict:

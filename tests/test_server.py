@@ -183,6 +183,27 @@ def test_the_other_endpoints(srv):
     assert status == 404 and "/v1/completions" in error["error"]["message"]
 
 
+def metrics(s) -> dict[str, float]:
+    c = connect(s)
+    c.request("GET", "/metrics")
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
+    samples = [line.rsplit(" ", 1) for line in r.read().decode().splitlines() if not line.startswith("#")]
+    return {name.removeprefix("mixserve:").removesuffix('{role="engine"}'): float(value) for name, value in samples}
+
+
+def test_metrics_count_what_the_engine_did(srv):
+    before = metrics(srv)
+    assert post(srv, {"prompt": [7, 8, 9, 10, 11], "max_tokens": 5, "temperature": 0})[0] == 200
+    assert post(srv, {"prompt": [1, 999]})[0] == 400
+    after = metrics(srv)
+    grew = {name: after[name] - before[name] for name in after}
+    assert grew["prompt_tokens_total"] == 5 and grew["generation_tokens_total"] == 4  # the first comes from prefill
+    assert grew["decode_steps_total"] == 4 and grew["rejections_total"] == 1
+    assert after["kv_pages_used"] == after["num_requests_running"] == after["num_requests_waiting"] == 0
+    assert after["kv_pages_total"] == srv.loop.engine.num_pages and after["integrity_aborts_total"] == 0
+
+
 def wait_until(condition, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -200,8 +221,11 @@ def test_a_client_that_goes_away_has_its_request_cancelled_and_its_pages_freed(s
     with socket.create_connection(srv.server_address[:2]) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        if stream:
-            assert b"data: " in sock.recv(4096)
+        received = b""
+        while stream and b"data: " not in received:  # the headers and the first chunk may come apart
+            chunk = sock.recv(4096)
+            assert chunk, "the server closed the stream"
+            received += chunk
     wait_until(lambda: srv.loop.cancelled == before + 1 and not engine.has_work())
     assert engine.pages_in_use == 0
     assert engine.counters.decode_tokens - tokens_before < 200, engine.counters.decode_tokens - tokens_before
