@@ -302,6 +302,7 @@ def ranked(token: int, lp: TokenLogprobs) -> dict[int, tuple[float, int]]:
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a benchmark client reuses its connections
+    timeout = 5  # seconds a kept-alive connection may idle before its thread closes it (uvicorn's default)
     server: "Server"
     looked = 0.0  # when next_update last looked whether the client is still there
 
@@ -339,8 +340,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def read_json(self) -> dict:
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit():  # read(-1) would wait for a kept-alive connection to close
+            raise BadRequest(f"Content-Length must be a byte count, got {length!r}")
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            body = json.loads(self.rfile.read(int(length)))
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not JSON: {e}")
         if not isinstance(body, dict):
@@ -366,18 +370,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             whole = [c.whole(results[c.index]) for c in choices]
             self.send_json(200, {**head, "choices": whole, "usage": usage(choices)})
         except (BrokenPipeError, ConnectionResetError, ClientGone):
+            pass  # the client has gone
+        finally:  # whatever is left of the call (nothing, once answered): its client gone, a rejection, an error here
             s.loop.cancel(call)
 
     def first_updates(self, call: Call) -> list[tuple[int, Update]]:
-        """The updates until every prompt has had its first; a 400 naming each rejected prompt
-        (the others cancelled)."""
+        """The updates until every prompt has had its first; a 400 naming each rejected prompt."""
         got, seen = [], set()
         while len(seen) < len(call.prompts):
             got.append(self.next_update(call))
             seen.add(got[-1][0])
         rejected = [(i, u.result.reason) for i, u in got if u.result is not None and u.result.status == "rejected"]
         if rejected:
-            self.server.loop.cancel(call)
             raise BadRequest("; ".join(f"prompt {i}: {why}" if len(call.prompts) > 1 else why for i, why in rejected))
         return got
 

@@ -4,6 +4,7 @@ is a 400 naming the fault and leaves the server serving; a client that goes away
 cancelled and its pages freed; an integrity abort is an error, never an answer; an engine that
 raises (strict) stops the server."""
 
+import contextlib
 import http.client
 import json
 import socket
@@ -49,26 +50,26 @@ def connect(s):
 
 
 def post(s, body, path="/v1/completions"):
-    c = connect(s)
-    c.request("POST", path, body if isinstance(body, bytes) else json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    return r.status, json.loads(r.read())
+    with contextlib.closing(connect(s)) as c:
+        c.request("POST", path, body if isinstance(body, bytes) else json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
 
 
 def get(s, path):
-    c = connect(s)
-    c.request("GET", path)
-    r = c.getresponse()
-    return r.status, json.loads(r.read())
+    with contextlib.closing(connect(s)) as c:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
 
 
 def events(s, body) -> list:
     """A streamed completion's server-sent events, parsed ("[DONE]" kept as the string)."""
-    c = connect(s)
-    c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
-    r = c.getresponse()
-    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
-    lines = r.read().decode().split("\n\n")
+    with contextlib.closing(connect(s)) as c:
+        c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+        r = c.getresponse()
+        assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+        lines = r.read().decode().split("\n\n")
     assert lines[-1] == ""
     assert all(line.startswith("data: ") for line in lines[:-1])
     return [line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]) for line in lines[:-1]]
@@ -165,12 +166,18 @@ def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, 
     """Python's json reads NaN and Infinity too: they are among the floats."""
     assume(not (field == "max_tokens" and isinstance(value, int) and value > 4))  # valid, but slow to serve
     body = {"prompt": [1, 2, 3], "max_tokens": 2, field: value}
-    c = connect(srv)
-    c.request("POST", "/v1/completions", json.dumps(body))
-    r = c.getresponse()
-    r.read()
+    with contextlib.closing(connect(srv)) as c:
+        c.request("POST", "/v1/completions", json.dumps(body))
+        r = c.getresponse()
+        r.read()
     assert r.status in (200, 400, 404), (r.status, body)
     assert srv.loop.alive
+
+
+def test_a_bad_content_length_is_refused_not_waited_on(srv):
+    with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400 ")
 
 
 def test_the_other_endpoints(srv):
@@ -184,11 +191,11 @@ def test_the_other_endpoints(srv):
 
 
 def metrics(s) -> dict[str, float]:
-    c = connect(s)
-    c.request("GET", "/metrics")
-    r = c.getresponse()
-    assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
-    samples = [line.rsplit(" ", 1) for line in r.read().decode().splitlines() if not line.startswith("#")]
+    with contextlib.closing(connect(s)) as c:
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        assert r.status == 200 and r.getheader("Content-Type").startswith("text/plain")
+        samples = [line.rsplit(" ", 1) for line in r.read().decode().splitlines() if not line.startswith("#")]
     return {name.removeprefix("mixserve:").removesuffix('{role="engine"}'): float(value) for name, value in samples}
 
 
