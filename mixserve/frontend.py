@@ -3,8 +3,9 @@
 One engine (mixserve/engine.py) and a prefill/decode pair (mixserve/disaggregated.py) serve
 requests the same way; this base class holds that part once. A subclass says how a request is
 checked (`_reject_reason`), where it is queued (`_enqueue`), what one turn of its loop does
-(`_advance`), and how a request cancelled between turns leaves its queues (`_drop`). Reporting goes by the requests themselves, so it does not matter which engine of
-a pair gave a request its tokens.
+(`_advance`), and how a request cancelled between turns leaves its queues (`_drop`). Reporting
+goes by the requests themselves, so it does not matter which engine of a pair gave a request its
+tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Frontend:
         computes it (the request then shares no cached prefix), in its first Update and Result."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
-                            stop=_stops(stop), ignore_eos=ignore_eos, logprobs=logprobs,
+                            stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs).rid
 
     def cancel(self, rid: int) -> bool:
@@ -101,8 +102,8 @@ class Frontend:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                       seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=_stops(stop), ignore_eos=ignore_eos,
-                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                       seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
+                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()
@@ -111,7 +112,7 @@ class Frontend:
     def options_reason(self, **options) -> str | None:
         """Why every request with these options (submit's keyword arguments) would be rejected,
         whatever its prompt (None: a one-token prompt would be served): a CLI's shared flags."""
-        options = {**options, "seed": self._seed(options.get("seed")), "stop": _stops(options.get("stop"))}
+        options = {**options, "seed": self._seed(options.get("seed")), "stop": stop_strings(options.get("stop"))}
         return self._reject_reason(Request(-1, [0], **options))
 
     def _seed(self, seed):
@@ -134,6 +135,6 @@ class Frontend:
         return req
 
 
-def _stops(stop) -> tuple:
+def stop_strings(stop) -> tuple:
     """stop as vLLM takes it: None (none), one string, or several."""
     return () if stop is None else (stop,) if isinstance(stop, str) else stop

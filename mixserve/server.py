@@ -30,7 +30,7 @@ import uuid
 
 from mixserve import run
 from mixserve.disaggregated import DisaggregatedEngine
-from mixserve.frontend import Frontend
+from mixserve.frontend import Frontend, stop_strings
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -84,7 +84,7 @@ class EngineLoop:
 
     def __init__(self, engine: Frontend):
         self.engine = engine
-        self.cancelled = 0  # requests cancelled because their client went away
+        self.cancelled = 0  # requests cancelled unfinished: their client gone, a prompt beside them rejected
         self.error: BaseException | None = None  # what stopped the loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # a Call to submit, a Cancel, or None: stop
         self._routes: dict[int, tuple[Call, int]] = {}  # rid -> its Call and prompt index
@@ -230,7 +230,7 @@ class Choice:
 
     def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned):
         self.index, self.prompt, self.tokenizer, self.returned = index, prompt, tokenizer, returned
-        self.hold = max(map(len, (stop,) if isinstance(stop, str) else stop or ()), default=1) - 1
+        self.hold = max(map(len, stop_strings(stop)), default=1) - 1
         self.tokens: list[int] = []
         self.decoder = IncrementalDecoder(tokenizer)
         self.offsets: list[int] = []  # each token's first character in the text
@@ -495,7 +495,8 @@ def prometheus(loop: EngineLoop) -> str:
     for name, kind, text, read in ENGINE_METRICS:
         metric(name, kind, text, {role: read(e) for role, e in parts.items()})
     metric("rejections_total", "counter", "requests rejected as bad input", {"engine": engine.counters.rejections})
-    metric("cancelled_total", "counter", "requests cancelled because their client went away", {"engine": loop.cancelled})
+    metric("cancelled_total", "counter", "requests cancelled unfinished (their client gone, a prompt beside them "
+           "rejected)", {"engine": loop.cancelled})
     if pair:
         metric("handovers_total", "counter", "requests handed from prefill to decode", {"engine": engine.counters.handovers})
         metric("kv_bytes_sent_total", "counter", "KV page bytes sent from prefill to decode",
