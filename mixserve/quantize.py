@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from typing import NamedTuple
 
 import jax
@@ -45,6 +44,7 @@ from mixserve.gptq import (Calibration, LayerReport, abstract_params, flat_param
 from mixserve.kv_cache import calibrate_scales
 from mixserve.model import Model, load
 from mixserve.safetensors_io import CheckpointError, index_tensors, iter_tensors, write_safetensors
+from mixserve.tokenizer import TOKENIZER_FILES, copy_tokenizer_files
 from models.weights import Int4Weight, Nvfp4Weight, Quantized, WeightFormat, WeightPlan, quantize
 from pallas_kernels.nvfp4_matmul import to_compressed_tensors as nvfp4_to_compressed_tensors
 
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 SHARD_BYTES = 2 << 30
 # compressed-tensors' kv_cache_scheme for static per-tensor FP8 keys and values, as llm-compressor writes it.
 FP8_KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-COPIED = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "generation_config.json", "special_tokens_map.json")
 
 
 def plan_for(fmt: WeightFormat, scope: str) -> WeightPlan:
@@ -316,9 +315,7 @@ def quantize_checkpoint(src: str, dst: str, plan: WeightPlan, *, method: str = "
         target["quantization_config"]["kv_cache_scheme"] = FP8_KV_SCHEME if kv_fp8 else kv_cache_scheme(quant)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
-    for name in COPIED:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    copy_tokenizer_files(src, dst, (*TOKENIZER_FILES, "generation_config.json"))
     return calibrated.reports
 
 

@@ -5,7 +5,31 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Protocol
+
+# What a checkpoint keeps of its tokenizer and chat template (mixserve/chat.py): a converted copy
+# (mixserve.quantize, orbax_io.save_params) takes them along.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json",
+                   "chat_template.jinja", "additional_chat_templates")
+
+
+def copy_tokenizer_files(src: str | None, dst: str, names: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    """Copy src's files of names (a folder whole) into dst, first removing dst's own: an earlier
+    copy's must not outlive it (load_tokenizer would read them). src None (a preset): only remove."""
+    for name in names:
+        target = os.path.join(dst, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.exists(target):
+            os.remove(target)
+        source = None if src is None else os.path.join(src, name)
+        if source is None:
+            continue
+        if os.path.isdir(source):
+            shutil.copytree(source, target)
+        elif os.path.exists(source):
+            shutil.copy(source, target)
 
 
 class Tokenizer(Protocol):
