@@ -15,6 +15,7 @@ import numpy as np
 from mixserve import sharding
 from mixserve.checkpoint import (checkpoint_index, detect_mtp_plan, detect_plan, has_mtp, load_params, read_config,
                                  read_kv_scales)
+from mixserve.chat import ChatTemplate
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.presets import FULL_PRESETS, get_preset
@@ -49,6 +50,7 @@ class Model:
     # The checkpoint's calibrated FP8 KV scales (checkpoint.read_kv_scales): (k, v) float32, one per
     # cache layer; an Engine with an FP8 KV cache uses them unless given k_scale/v_scale.
     kv_scales: tuple[np.ndarray, np.ndarray] | None = None
+    chat_template: ChatTemplate | None = None  # the checkpoint's (mixserve/chat.py); None: it ships none
 
     @property
     def module(self) -> Transformer:
@@ -129,7 +131,8 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
         params = load_params(path_or_preset, config, plan, dt, progress=progress, infos=infos, placement=placement,
                              mtp_plan=mtp_plan)
         return Model(config, params, load_tokenizer(path_or_preset), plan, dt, backend, path_or_preset, expert_parallel,
-                     mtp_plan, read_kv_scales(path_or_preset, config, quant, mtp_plan is not None))
+                     mtp_plan, read_kv_scales(path_or_preset, config, quant, mtp_plan is not None),
+                     ChatTemplate.from_dir(path_or_preset))
     if path_or_preset in FULL_PRESETS:
         raise ValueError(
             f"{path_or_preset!r} is a full-size preset: it cannot be randomly initialised here. "

@@ -8,7 +8,7 @@ nodes, so packed int32, float8 values and scales are stored as they are) beside 
     PATH/model.json   {"config": ModelConfig, "plan": WeightPlan, "mtp_plan": WeightPlan or null,
                        "kv_scales": the checkpoint's FP8 KV scales ([k per layer], [v per layer]) or null,
                        "dtype": "bfloat16"} (dataclasses.asdict)
-    PATH/tokenizer*   copied from the source checkpoint directory, when it had them
+    PATH/tokenizer*   copied from the source checkpoint directory, when it had them (and its chat template)
 
 Restore builds the abstract target from config + plan (jax.eval_shape of the Transformer), so the
 tree, dtypes and the static group sizes come from the code, and each leaf can carry a sharding:
@@ -30,13 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mixserve.chat import ChatTemplate
 from mixserve.gptq import abstract_params, is_quantized
 from mixserve.model import DTYPES, Model
-from mixserve.tokenizer import load_tokenizer
+from mixserve.tokenizer import copy_tokenizer_files, load_tokenizer
 from models.config import ModelConfig, RopeConfig
 from models.weights import WeightFormat, WeightPlan
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "special_tokens_map.json")
 
 
 def save_params(path: str, model: Model) -> None:
@@ -62,11 +62,7 @@ def save_params(path: str, model: Model) -> None:
         json.dump(meta, f, indent=1)
     if os.path.isdir(model.source) and os.path.samefile(model.source, path):
         return  # saved into its own source: its tokenizer files are already the ones to keep
-    for name in TOKENIZER_FILES:  # an earlier save's files must not outlive it (load_tokenizer would read them)
-        if os.path.exists(os.path.join(path, name)):
-            os.remove(os.path.join(path, name))
-        if os.path.isdir(model.source) and os.path.exists(os.path.join(model.source, name)):
-            shutil.copy(os.path.join(model.source, name), os.path.join(path, name))
+    copy_tokenizer_files(model.source if os.path.isdir(model.source) else None, path)
 
 
 def restore_params(path: str, *, shardings: Any = None, target: Any = None, backend: str = "xla") -> Model:
@@ -90,7 +86,7 @@ def restore_params(path: str, *, shardings: Any = None, target: Any = None, back
         params = ckpt.restore(os.path.join(path, "params"), target)
     kv_scales = None if meta.get("kv_scales") is None else tuple(np.asarray(x, np.float32) for x in meta["kv_scales"])
     return Model(config, params, load_tokenizer(path), plan, dtype, backend, path, mtp_plan=mtp_plan,
-                 kv_scales=kv_scales)
+                 kv_scales=kv_scales, chat_template=ChatTemplate.from_dir(path))
 
 
 def config_from_dict(d: dict) -> ModelConfig:

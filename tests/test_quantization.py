@@ -645,12 +645,18 @@ def test_orbax_save_keeps_only_the_saved_models_tokenizer(tmp_path):
     src.mkdir()
     (src / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     (src / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"256": {"content": "<|im_end|>"}}}))
+    (src / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools | length }}")
     out = str(tmp_path / "ckpt")
     save_params(out, dataclasses.replace(mixserve.load("tiny-kimi", dtype="float32"), source=str(src)))
     restored = restore_params(out)
+    assert restored.chat_template.render([{"role": "user", "content": "hi"}]) == "[hi]"
+    assert restored.chat_template.render([{"role": "user", "content": "hi"}], tools=[{}, {}]) == "2"
     save_params(out, restored)  # into its own source directory
     assert restore_params(out).tokenizer.decode([104, 105, 256]) == "hi<|im_end|>"
+    assert sorted(restore_params(out).chat_template.templates) == ["default", "tool_use"]
     save_params(out, mixserve.load("tiny-glm4", dtype="float32"))  # a model without tokenizer files
     back = restore_params(out)
-    assert back.config.family == "glm4_moe" and back.tokenizer is None
+    assert back.config.family == "glm4_moe" and back.tokenizer is None and back.chat_template is None
     assert sorted(os.listdir(out)) == ["model.json", "params"]
