@@ -2,6 +2,8 @@
 
   POST /v1/completions  OpenAI's completions (and vLLM's sampling extensions); "stream": true sends
                         server-sent events, a chunk per engine step that gave the request tokens
+  POST /v1/chat/completions  the same for a conversation (OpenAI's messages), through the model's chat
+                        template (mixserve/chat.py), or --chat-template's
   GET  /v1/models       the one model served
   GET  /health          200 while the engine loop runs, 503 once it has stopped
   GET  /metrics         the engine's gauges and counters, for Prometheus (vLLM's names, under mixserve:)
@@ -19,6 +21,7 @@ import argparse
 import dataclasses
 import http.server
 import json
+import os
 import queue
 import select
 import socket
@@ -29,26 +32,76 @@ import traceback
 import uuid
 
 from mixserve import run
+from mixserve.chat import ChatTemplate, ChatTemplateError
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
-# OpenAI's completion fields (vLLM's extensions among them) -> Frontend.submit's keywords, with the
-# value a missing or null field takes: OpenAI's (max_tokens 16, temperature 1), not submit's.
+# The sampling fields of both endpoints (vLLM's extensions among them) -> Frontend.submit's keywords,
+# with the value a missing or null field takes.
 SAMPLING_FIELDS = {
-    "max_tokens": ("max_new_tokens", 16), "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0),
-    "top_k": ("top_k", 0), "min_p": ("min_p", 0.0), "seed": ("seed", None), "stop": ("stop", None),
-    "stop_token_ids": ("stop_token_ids", ()), "ignore_eos": ("ignore_eos", False),
-    "logprobs": ("logprobs", None), "prompt_logprobs": ("prompt_logprobs", None),
+    "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 0), "min_p": ("min_p", 0.0),
+    "seed": ("seed", None), "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", ()),
+    "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
 }
 # Fields served only at their default: another value asks for what this server does not compute,
 # and is refused rather than dropped unsaid.
-DEFAULT_ONLY = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0.0,
-                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
-# The other fields, and the JSON types they take.
-OTHER_FIELDS = {"model": (str,), "prompt": (str, list), "stream": (bool,), "stream_options": (dict,), "user": (str,),
-                "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
+# The other fields both take, and the JSON types they take.
+COMMON_FIELDS = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,),
+                 "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """What one endpoint's body may hold beyond SAMPLING_FIELDS: fields served at their default only,
+    and the other fields with their JSON types (None: a value the engine checks, as it checks the
+    sampling fields', per request)."""
+    default_only: dict
+    other: dict
+
+    def check(self, body: dict, model_name: str) -> None:
+        """A field this server does not know or does not compute is refused by name."""
+        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(self.default_only) - set(self.other))
+        if unknown:
+            raise BadRequest(f"unknown fields: {', '.join(unknown)}")
+        for name, default in self.default_only.items():
+            if body.get(name) not in (None, default, {}, []):
+                why = f" ({WHY_DEFAULT_ONLY[name]})" if name in WHY_DEFAULT_ONLY else ""
+                raise BadRequest(f"{name}={body[name]!r} is not supported: only {default!r}{why}")
+        for name, kinds in self.other.items():
+            if kinds is not None and body.get(name) is not None and not isinstance(body[name], kinds):
+                raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {body[name]!r}")
+        if body.get("model") is not None and body["model"] != model_name:
+            raise BadRequest(f"the model `{body['model']}` does not exist: this server serves `{model_name}`", 404,
+                             "not_found_error")
+        usage_option = (body.get("stream_options") or {}).get("include_usage")
+        if usage_option is not None and not isinstance(usage_option, bool):
+            raise BadRequest(f"stream_options.include_usage must be bool, got {usage_option!r}")
+
+    @staticmethod
+    def sampling(body: dict) -> dict:
+        options = {keyword: default if body.get(name) is None else body[name]
+                   for name, (keyword, default) in SAMPLING_FIELDS.items()}
+        if isinstance(options["stop_token_ids"], list):
+            options["stop_token_ids"] = tuple(options["stop_token_ids"])
+        return options
+
+
+WHY_DEFAULT_ONLY = {"tools": "mixserve has no tool-call parser", "tool_choice": "mixserve has no tool-call parser",
+                    "response_format": "mixserve has no constrained decoding"}
+# POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's.
+COMPLETIONS = Endpoint({"n": 1, "best_of": 1, "echo": False, "suffix": None, **PENALTIES},
+                       {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None})
+# POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
+# continue_final_message, chat_template_kwargs). No tool-call parser: tools are refused.
+CHAT_COMPLETIONS = Endpoint({"n": 1, **PENALTIES, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+                             "response_format": {"type": "text"}},
+                            {**COMMON_FIELDS, "messages": (list,), "max_tokens": None, "max_completion_tokens": None,
+                             "logprobs": (bool,), "top_logprobs": None,
+                             "add_generation_prompt": (bool,), "continue_final_message": (bool,),
+                             "chat_template_kwargs": (dict,)})
 POLL_S = 0.25  # how often a waiting handler looks whether its client is still there
 
 
@@ -172,42 +225,93 @@ class Returned:
 
 
 @dataclasses.dataclass(frozen=True)
+class Served:
+    """What requests are read against: the model's name, its tokenizer and chat template, and the
+    tokens one request may hold (prompt and output: the context limit, or the whole KV pool if smaller)."""
+    model_name: str
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Completion:
-    """A /v1/completions body, parsed: the prompts (token ids), submit's keywords for each, and how
-    the answer goes back."""
+    """A /v1/completions or /v1/chat/completions body, parsed: the prompts (token ids), submit's
+    keywords for each, and how the answer goes back."""
     prompts: list[list[int]]
     options: dict
     stream: bool
     include_usage: bool
     returned: Returned
+    chat: bool = False
 
     @classmethod
-    def parse(cls, body: dict, tokenizer: Tokenizer, model_name: str) -> Completion:
-        """A field this server does not know or does not compute is refused by name; the sampling
-        values are the engine's to check, per request."""
-        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(DEFAULT_ONLY) - set(OTHER_FIELDS))
-        if unknown:
-            raise BadRequest(f"unknown fields: {', '.join(unknown)}")
-        for name, default in DEFAULT_ONLY.items():
-            if body.get(name) not in (None, default, {}):
-                raise BadRequest(f"{name}={body[name]!r} is not supported: only {default!r}")
-        for name, kinds in OTHER_FIELDS.items():
-            if body.get(name) is not None and not isinstance(body[name], kinds):
-                raise BadRequest(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {body[name]!r}")
-        if body.get("model") is not None and body["model"] != model_name:
-            raise BadRequest(f"the model `{body['model']}` does not exist: this server serves `{model_name}`", 404,
-                             "not_found_error")
+    def parse(cls, body: dict, served: Served) -> Completion:
+        """A /v1/completions body."""
+        COMPLETIONS.check(body, served.model_name)
         if "prompt" not in body:
             raise BadRequest("prompt is required")
-        usage_option = (body.get("stream_options") or {}).get("include_usage")
-        if usage_option is not None and not isinstance(usage_option, bool):
-            raise BadRequest(f"stream_options.include_usage must be bool, got {usage_option!r}")
-        options = {keyword: default if body.get(name) is None else body[name]
-                   for name, (keyword, default) in SAMPLING_FIELDS.items()}
-        if isinstance(options["stop_token_ids"], list):
-            options["stop_token_ids"] = tuple(options["stop_token_ids"])
-        return cls(prompts_of(body["prompt"], tokenizer), options, bool(body.get("stream")), bool(usage_option),
-                   Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))))
+        options = {**Endpoint.sampling(body), "logprobs": body.get("logprobs"),
+                   "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"]}
+        return cls(prompts_of(body["prompt"], served.tokenizer), options, *answer_form(body))
+
+    @classmethod
+    def parse_chat(cls, body: dict, served: Served) -> Completion:
+        """A /v1/chat/completions body: its messages through the chat template, encoded. Without a
+        max_tokens (or max_completion_tokens) the reply may fill the context, as in vLLM."""
+        CHAT_COMPLETIONS.check(body, served.model_name)
+        if served.chat_template is None:
+            raise BadRequest("this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
+                             "chat_template): start the server with --chat-template FILE, or POST /v1/completions")
+        if "messages" not in body:
+            raise BadRequest("messages is required")
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            raise BadRequest("top_logprobs needs logprobs: true")
+        go_on = bool(body.get("continue_final_message"))
+        add = not go_on if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
+        try:
+            text = served.chat_template.render(chat_messages(body["messages"]), add_generation_prompt=add,
+                                               continue_final_message=go_on,
+                                               variables=body.get("chat_template_kwargs"))
+        except ChatTemplateError as e:
+            raise BadRequest(str(e))
+        prompt = served.tokenizer.encode(text)
+        limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                     max(1, served.max_model_len - len(prompt)))
+        options = {**Endpoint.sampling(body), "max_new_tokens": limit,
+                   "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
+        return cls([prompt], options, *answer_form(body), chat=True)
+
+
+PARSERS = {"/v1/completions": Completion.parse, "/v1/chat/completions": Completion.parse_chat}
+
+
+def answer_form(body: dict) -> tuple[bool, bool, Returned]:
+    """stream, include_usage and what else comes back, from a checked body."""
+    return (bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")),
+            Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))))
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """OpenAI's messages as the template reads them: a content given as parts becomes their texts
+    joined by newlines (vLLM's "string" content form, which chat templates read); other fields (name,
+    tool_calls, reasoning_content, ...) pass as they are. Parts other than text are refused: this
+    server serves text models."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role, got {message!r}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                 f"are served, got {content!r}")
+            content = "\n".join(p["text"] for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
+        out.append({**message, "content": content})
+    return out
 
 
 def prompts_of(prompt, tokenizer: Tokenizer) -> list[list[int]]:
@@ -226,10 +330,13 @@ def prompts_of(prompt, tokenizer: Tokenizer) -> list[list[int]]:
 
 class Choice:
     """One prompt's completion as it streams: its tokens, its text so far (less what may still turn
-    out to start a stop string: that is held back, as vLLM holds it) and its logprobs, in OpenAI's form."""
+    out to start a stop string: that is held back, as vLLM holds it) and its logprobs, in OpenAI's form
+    (a text completion's, or with chat: an assistant message's, streamed as deltas)."""
 
-    def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned):
-        self.index, self.prompt, self.tokenizer, self.returned = index, prompt, tokenizer, returned
+    def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned,
+                 chat: bool = False):
+        self.index, self.prompt, self.tokenizer, self.returned, self.chat = index, prompt, tokenizer, returned, chat
+        self.announced = False  # a chat stream's first delta names the role
         self.hold = max(map(len, stop_strings(stop)), default=1) - 1
         self.tokens: list[int] = []
         self.decoder = IncrementalDecoder(tokenizer)
@@ -249,7 +356,7 @@ class Choice:
         else:
             text = run.output_text(self.tokenizer, self.result)
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
-        return self.choice(delta, start, update.new_logprobs)
+        return self.choice(self.part(delta, whole=False), start, update.new_logprobs)
 
     def whole(self, result: Result) -> dict:
         """The finished completion as one choice (a response not streamed), from its Result alone: the
@@ -259,7 +366,7 @@ class Choice:
             self._extend(result.tokens)  # the text offsets
         else:
             self.tokens = list(result.tokens)
-        return self.choice(run.output_text(self.tokenizer, result), 0, result.logprobs)
+        return self.choice(self.part(run.output_text(self.tokenizer, result), whole=True), 0, result.logprobs)
 
     def _extend(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -267,10 +374,20 @@ class Choice:
             self.tokens.append(token)
             self.decoder.add(self.tokens)
 
-    def choice(self, text: str, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
+    def part(self, text: str, whole: bool) -> dict:
+        """The text's field: a text completion's text, a chat reply's message or a chat stream's delta."""
+        if not self.chat:
+            return {"text": text}
+        if whole:
+            return {"message": {"role": "assistant", "content": text}}
+        delta = {"content": text} if self.announced else {"role": "assistant", "content": text}
+        self.announced = True
+        return {"delta": delta}
+
+    def choice(self, part: dict, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
         r = self.result
         done = r is not None and r.status == "ok"
-        out = {"index": self.index, "text": text,
+        out = {"index": self.index, **part,
                "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
                "finish_reason": ("length" if r.stop_reason is None else "stop") if done else None,
                "stop_reason": r.stop_reason if done else None}
@@ -285,6 +402,10 @@ class Choice:
         return out
 
     def openai_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> dict:
+        if self.chat:  # each token with its text's UTF-8 bytes, and its likeliest alternatives
+            named = lambda t, v: {"token": self.name(t), "logprob": v, "bytes": list(self.name(t).encode())}
+            return {"content": [{**named(t, lp.logprob), "top_logprobs": [named(a, v) for a, v in lp.top]}
+                                for t, lp in zip(self.tokens[start:], logprobs)]}
         return {"tokens": [self.name(t) for t in self.tokens[start : start + len(logprobs)]],
                 "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{self.name(t): v for t, v in lp.top} for lp in logprobs],
@@ -316,8 +437,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200 if alive else 503, {} if alive else error_body(self.server.loop.stopped()))
         elif self.path == "/v1/models":
             self.send_json(200, {"object": "list", "data": [{
-                "id": self.server.model_name, "object": "model", "created": self.server.started, "owned_by": "mixserve",
-                "max_model_len": self.server.max_seq_len}]})
+                "id": self.server.served.model_name, "object": "model", "created": self.server.started,
+                "owned_by": "mixserve", "max_model_len": self.server.served.max_model_len}]})
         elif self.path == "/metrics":
             payload = prometheus(self.server.loop).encode()
             self.send_response(200)
@@ -330,10 +451,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         try:
-            if self.path != "/v1/completions":
-                raise BadRequest(f"no POST {self.path}: this server serves POST /v1/completions (chat completions "
-                                 "need a chat template, which mixserve does not render)", 404)
-            self.complete(self.read_json())
+            if self.path not in PARSERS:
+                raise BadRequest(f"no POST {self.path}: this server serves POST {' and '.join(PARSERS)}", 404)
+            self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         except BadRequest as e:
             self.send_json(e.status, error_body(e))
         except (BrokenPipeError, ConnectionResetError):
@@ -351,15 +471,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest("the body must be a JSON object")
         return body
 
-    def complete(self, body: dict) -> None:
-        s = self.server
-        request = Completion.parse(body, s.tokenizer, s.model_name)
+    def complete(self, request: Completion) -> None:
+        s, served = self.server, self.server.served
         call = s.loop.submit(Call(request.prompts, request.options))
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": s.model_name}
+        kind = ("chat.completion.chunk" if request.stream else "chat.completion") if request.chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
+                "created": int(time.time()), "model": served.model_name}
         try:
             first = self.first_updates(call)  # a rejection comes in the first: a 400
-            choices = [Choice(i, p, s.tokenizer, request.options["stop"], request.returned)
+            choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat)
                        for i, p in enumerate(request.prompts)]
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)
@@ -517,12 +637,10 @@ class Server(http.server.ThreadingHTTPServer):
     """The HTTP server around one EngineLoop. `serve_forever` serves; `close` stops both."""
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], engine: Frontend, tokenizer: Tokenizer, model_name: str,
-                 max_seq_len: int, verbose: bool = False):
+    def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False):
         super().__init__(address, Handler)
         self.loop = EngineLoop(engine)
-        self.tokenizer, self.model_name, self.max_seq_len = tokenizer, model_name, max_seq_len
-        self.verbose, self.started = verbose, int(time.time())
+        self.served, self.verbose, self.started = served, verbose, int(time.time())
 
     @property
     def url(self) -> str:
@@ -548,6 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model's name in requests and responses (default: --model)")
     p.add_argument("--max-logprobs", type=run.counted(0), default=20,
                    help="the most likeliest tokens a request may ask for (vLLM's --max-logprobs)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions, over the checkpoint's own (if it has one)")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
     return p
 
@@ -556,14 +676,24 @@ def make_server(argv=None) -> Server:
     """Load the model, build the engine as mixserve.run does, and bind (not yet serving)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template {args.chat_template}: no such file")
     _, _, setup = run.start(parser, args, progress=True)
-    return Server((args.host, args.port), setup.engine, setup.model.tokenizer, args.served_model_name or args.model,
-                  setup.decoder.max_seq_len, verbose=args.log_requests)
+    template = setup.model.chat_template
+    if args.chat_template is not None:
+        template = ChatTemplate.from_file(args.chat_template, args.model if os.path.isdir(args.model) else None)
+    d = setup.decoder
+    served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
+                    min(d.max_seq_len, d.num_pages * d.page_size))
+    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests)
 
 
 def main(argv=None) -> None:
     server = make_server(argv)
-    print(f"mixserve: serving {server.model_name} at {server.url} (POST /v1/completions)", file=sys.stderr, flush=True)
+    served = server.served
+    chat = "" if served.chat_template is None else " and /v1/chat/completions"
+    print(f"mixserve: serving {served.model_name} at {server.url} (POST /v1/completions{chat})", file=sys.stderr,
+          flush=True)
     threading.Thread(target=server.stop_with_the_loop, daemon=True).start()
     try:
         server.serve_forever()

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server (mixserve/server.py), over real HTTP on a free local port: what it
-serves equals what `mixserve.run` serves for the same prompt and flags, streamed or not; bad input
+serves equals what `mixserve.run` serves for the same prompt and flags, streamed or not; a chat
+reply is the completion of its messages' rendered prompt; bad input
 is a 400 naming the fault and leaves the server serving; a client that goes away has its request
 cancelled and its pages freed; an integrity abort is an error, never an answer; an engine that
 raises (strict) stops the server."""
@@ -24,6 +25,16 @@ from mixserve.tokenizer import ByteTokenizer
 FLAGS = ["--model", "tiny-kimi", "--page-size", "4", "--concurrency", "2"]
 PROMPT = "KV cache pages"
 NEW = 12
+# A chat template as checkpoints write them: a header per message, a role it does not know refused,
+# a variable of its own (chat_template_kwargs's), the assistant's header to end with.
+CHAT_TEMPLATE = ("{% for m in messages %}"
+                 "{% if m.role not in ('system', 'user', 'assistant') %}{{ raise_exception('no role ' + m.role) }}"
+                 "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% if brief %}Briefly: {% endif %}{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be terse."},
+            {"role": "user", "content": [{"type": "text", "text": "KV cache"}, {"type": "text", "text": "pages"}]}]
+RENDERED = "<system>Be terse.\n<user>KV cache\npages\n<assistant>"  # text parts join with newlines
+CHAT = "/v1/chat/completions"
 
 
 def serving(srv: server.Server) -> server.Server:
@@ -32,8 +43,10 @@ def serving(srv: server.Server) -> server.Server:
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = serving(server.make_server([*FLAGS, "--port", "0"]))
+def srv(tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    s = serving(server.make_server([*FLAGS, "--port", "0", "--chat-template", str(template)]))
     yield s
     s.close()
 
@@ -63,10 +76,10 @@ def get(s, path):
         return r.status, json.loads(r.read())
 
 
-def events(s, body) -> list:
+def events(s, body, path="/v1/completions") -> list:
     """A streamed completion's server-sent events, parsed ("[DONE]" kept as the string)."""
     with contextlib.closing(connect(s)) as c:
-        c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+        c.request("POST", path, json.dumps({**body, "stream": True}))
         r = c.getresponse()
         assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
         lines = r.read().decode().split("\n\n")
@@ -77,6 +90,10 @@ def events(s, body) -> list:
 
 def greedy(**extra):
     return {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, **extra}
+
+
+def chat(**extra):
+    return {"messages": MESSAGES, "max_tokens": NEW, "temperature": 0, **extra}
 
 
 def test_a_completion_is_what_mixserve_run_serves(srv, reference):
@@ -130,6 +147,91 @@ def test_a_list_of_prompts_gets_a_choice_each(srv, reference):
     assert body["usage"]["completion_tokens"] == 2 * NEW
 
 
+def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
+    encode = ByteTokenizer().encode
+    status, body = post(srv, chat(return_token_ids=True, logprobs=True, top_logprobs=2), CHAT)
+    assert status == 200, body
+    _, plain = post(srv, greedy(prompt=encode(RENDERED), return_token_ids=True, logprobs=2))
+    (choice,), (expected,) = body["choices"], plain["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected["text"]}
+    assert choice["prompt_token_ids"] == encode(RENDERED) and choice["token_ids"] == expected["token_ids"]
+    assert choice["finish_reason"] == "length" and body["usage"] == plain["usage"]
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    content = choice["logprobs"]["content"]  # OpenAI's chat form: a list per token, alternatives as lists
+    assert [t["token"] for t in content] == [ByteTokenizer().decode([t]) for t in expected["token_ids"]]
+    assert [t["logprob"] for t in content] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-6)
+    assert all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"])
+               for t in content)  # greedy: the chosen token is the likeliest
+    assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+
+
+def test_a_streamed_chat_reply_adds_up_to_the_whole_one(srv):
+    _, whole = post(srv, chat(), CHAT)
+    got = events(srv, chat(stream_options={"include_usage": True}), CHAT)
+    assert got[-1] == "[DONE]"
+    *chunks, usage = got[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d["content"] for d in deltas) == whole["choices"][0]["message"]["content"]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and chunks[-1]["choices"][0]["finish_reason"]
+    assert usage["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize("extra, prompt", [
+    ({"chat_template_kwargs": {"brief": True}}, RENDERED + "Briefly: "),  # the template's own variable
+    ({"add_generation_prompt": False}, RENDERED.removesuffix("<assistant>")),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": "Pages"}], "continue_final_message": True},
+     RENDERED + "Pages"),  # the reply goes on with the open message, and has no new header
+])
+def test_the_template_options_shape_the_prompt(srv, extra, prompt):
+    status, body = post(srv, chat(max_tokens=1, return_token_ids=True, **extra), CHAT)
+    assert status == 200, body
+    assert body["choices"][0]["prompt_token_ids"] == ByteTokenizer().encode(prompt)
+
+
+def test_a_chat_reply_without_max_tokens_may_fill_the_context(srv):
+    """As in vLLM: the context limit (512, the model's) less the prompt. max_completion_tokens, OpenAI's
+    newer name, wins over max_tokens."""
+    messages = [{"role": "user", "content": "x" * (512 - len("<user>\n<assistant>") - 5)}]
+    status, body = post(srv, {"messages": messages, "temperature": 0, "ignore_eos": True}, CHAT)
+    assert status == 200, body
+    assert body["usage"]["total_tokens"] == 512 and body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["finish_reason"] == "length"
+    status, body = post(srv, chat(max_tokens=NEW, max_completion_tokens=3, ignore_eos=True), CHAT)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
+def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
+    served = server.Served("tiny-kimi", ByteTokenizer(), None, 512)
+    with pytest.raises(server.BadRequest, match="--chat-template FILE, or POST /v1/completions"):
+        server.Completion.parse_chat(chat(), served)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 3}, "messages is required"),
+    ({"messages": "hi"}, "messages must be list"),
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"content": "hi"}]}, "messages[0] must be an object with a string role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "only text parts"),
+    ({"messages": [{"role": "user", "content": 7}]}, "a string or a list of text parts"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "no role tool"),  # the template's raise_exception
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "no tool-call parser"),
+    (chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
+    (chat(logprobs=True, top_logprobs=21), "max_logprobs=20"),
+    (chat(chat_template_kwargs={"messages": [], "add_generation_prompt": False}),
+     "may not set add_generation_prompt, messages"),
+    (chat(add_generation_prompt=True, continue_final_message=True), "exclude each other"),
+    (chat(prompt="x"), "unknown fields: prompt"),
+    (chat(max_completion_tokens=600), "exceeds the context limit 512"),
+    (chat(n=3), "n=3 is not supported"),
+])
+def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, message):
+    status, error = post(srv, body, CHAT)
+    assert status == 400 and message in error["error"]["message"], error
+    assert post(srv, chat(max_tokens=2), CHAT)[0] == 200
+
+
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "not JSON"),
     ([1, 2], 400, "JSON object"),
@@ -160,14 +262,22 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     max_leaves=6)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(field=st.sampled_from(sorted({*server.SAMPLING_FIELDS, *server.DEFAULT_ONLY, *server.OTHER_FIELDS})), value=JSON)
-def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, field, value):
+# Every field each endpoint reads, with a body that is valid without it (two tokens at most).
+FIELDS = [(path, field) for path, endpoint in (("/v1/completions", server.COMPLETIONS), (CHAT, server.CHAT_COMPLETIONS))
+          for field in sorted({*server.SAMPLING_FIELDS, *endpoint.default_only, *endpoint.other})]
+BASE = {"/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 2},
+        CHAT: {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 2}}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path_field=st.sampled_from(FIELDS), value=JSON)
+def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, path_field, value):
     """Python's json reads NaN and Infinity too: they are among the floats."""
-    assume(not (field == "max_tokens" and isinstance(value, int) and value > 4))  # valid, but slow to serve
-    body = {"prompt": [1, 2, 3], "max_tokens": 2, field: value}
+    path, field = path_field
+    assume(not (field.startswith("max_") and isinstance(value, int) and value > 4))  # valid, but slow to serve
+    body = {**BASE[path], field: value}
     with contextlib.closing(connect(srv)) as c:
-        c.request("POST", "/v1/completions", json.dumps(body))
+        c.request("POST", path, json.dumps(body))
         r = c.getresponse()
         r.read()
     assert r.status in (200, 400, 404), (r.status, body)
@@ -186,8 +296,8 @@ def test_the_other_endpoints(srv):
     assert status == 200 and [m["id"] for m in models["data"]] == ["tiny-kimi"]
     assert models["data"][0]["max_model_len"] == 512
     assert get(srv, "/nowhere")[0] == 404
-    status, error = post(srv, {"messages": []}, path="/v1/chat/completions")
-    assert status == 404 and "/v1/completions" in error["error"]["message"]
+    status, error = post(srv, {"prompt": "x"}, path="/v1/nowhere")
+    assert status == 404 and "/v1/completions and /v1/chat/completions" in error["error"]["message"]
 
 
 def metrics(s) -> dict[str, float]:
@@ -249,7 +359,8 @@ def fault_engine(integrity: str):
 
 
 def served(engine: Engine) -> server.Server:
-    return serving(server.Server(("127.0.0.1", 0), engine, ByteTokenizer(), "tiny-kimi", engine.max_seq_len))
+    return serving(server.Server(("127.0.0.1", 0), engine, server.Served("tiny-kimi", ByteTokenizer(), None,
+                                                                        engine.max_seq_len)))
 
 
 def test_an_integrity_abort_is_an_error_never_an_answer():
