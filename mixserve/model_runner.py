@@ -255,8 +255,10 @@ class ModelRunner:
         it would have; speculative decoding draws them otherwise, from the same distribution) and
         whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
-        for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token; the clamp keeps it in int32
-            s.temperature_B[row], s.top_p_B[row], s.top_k_B[row] = r.temperature, r.top_p, min(max(r.top_k, 0), 2**31 - 1)
+        for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token, a temperature past float32's
+            # largest samples as uniformly: the clamps keep them in int32 and float32
+            s.temperature_B[row] = min(r.temperature, float(np.finfo(np.float32).max))
+            s.top_p_B[row], s.top_k_B[row] = r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.min_p_B[row] = r.min_p
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
             s.logprobs_B[row] = r.logprobs is not None

@@ -3,6 +3,7 @@ oversubscription, and the no-op integrity mode."""
 
 import dataclasses
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -590,6 +591,10 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
         assert [r.tokens for r in nucleus] == [r.tokens for r in greedy], top_p  # only the top token survives
     min_p = e.generate(ps, max_new_tokens=NEW, temperature=1.5, min_p=1.0, seed=3)  # likewise
     assert [r.tokens for r in min_p] == [r.tokens for r in greedy]
+    with warnings.catch_warnings():  # a temperature past float32's largest is its largest, cast without overflow
+        warnings.simplefilter("error")
+        huge = e.generate(ps, max_new_tokens=NEW, temperature=1e300, seed=3)
+    assert [r.tokens for r in huge] == [r.tokens for r in e.generate(ps, max_new_tokens=NEW, temperature=3e38, seed=3)]
     # Without a seed, copies of one prompt sample independently (best-of-n; a default seed of 0
     # made them all alike), and each Result names the seed that reproduces it.
     rids = [e.submit(ps[0], max_new_tokens=NEW, temperature=1.5) for _ in range(4)]
