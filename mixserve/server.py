@@ -49,7 +49,7 @@ SAMPLING_FIELDS = {
 # and is refused rather than dropped unsaid.
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
 # The other fields both take, and the JSON types they take.
-COMMON_FIELDS = {"model": (str,), "stream": (bool,), "stream_options": (dict,), "user": (str,),
+COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
                  "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
 
 
@@ -92,11 +92,11 @@ class Endpoint:
 WHY_DEFAULT_ONLY = {"tools": "mixserve has no tool-call parser", "tool_choice": "mixserve has no tool-call parser",
                     "response_format": "mixserve has no constrained decoding"}
 # POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's.
-COMPLETIONS = Endpoint({"n": 1, "best_of": 1, "echo": False, "suffix": None, **PENALTIES},
+COMPLETIONS = Endpoint({"best_of": 1, "echo": False, "suffix": None, **PENALTIES},
                        {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None})
 # POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
 # continue_final_message, chat_template_kwargs). No tool-call parser: tools are refused.
-CHAT_COMPLETIONS = Endpoint({"n": 1, **PENALTIES, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+CHAT_COMPLETIONS = Endpoint({**PENALTIES, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
                              "response_format": {"type": "text"}},
                             {**COMMON_FIELDS, "messages": (list,), "max_tokens": None, "max_completion_tokens": None,
                              "logprobs": (bool,), "top_logprobs": None,
@@ -115,10 +115,11 @@ class BadRequest(Exception):
 
 @dataclasses.dataclass
 class Call:
-    """One HTTP request's prompts as the loop serves them: (prompt index, Update) pairs, in step
-    order, on `updates`; an exception there instead once the loop has stopped."""
-    prompts: list[list[int]]
-    options: dict
+    """One HTTP request's engine requests as the loop serves them, a (prompt, submit's keywords) per
+    choice: (choice index, Update) pairs, in step order, on `updates`; an exception there instead
+    once the loop has stopped. n: the choices per prompt (choice i is prompt i // n's)."""
+    requests: list[tuple[list[int], dict]]
+    n: int = 1
     updates: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     rids: list[int] = dataclasses.field(default_factory=list)
 
@@ -193,8 +194,8 @@ class EngineLoop:
             self.cancelled += sum(self.engine.cancel(rid) for rid in item.call.rids)
             return
         try:
-            for i, prompt in enumerate(item.prompts):
-                item.rids.append(self.engine.submit(prompt, **item.options))
+            for i, (prompt, options) in enumerate(item.requests):
+                item.rids.append(self.engine.submit(prompt, **options))
                 self._routes[item.rids[-1]] = (item, i)
         except Exception as e:  # noqa: BLE001 - input the engine's checks missed fails its request, not the server
             traceback.print_exc()
@@ -237,9 +238,10 @@ class Served:
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """A /v1/completions or /v1/chat/completions body, parsed: the prompts (token ids), submit's
-    keywords for each, and how the answer goes back."""
+    keywords for each, the choices per prompt, and how the answer goes back."""
     prompts: list[list[int]]
     options: dict
+    n: int
     stream: bool
     include_usage: bool
     returned: Returned
@@ -249,11 +251,11 @@ class Completion:
     def parse(cls, body: dict, served: Served) -> Completion:
         """A /v1/completions body."""
         COMPLETIONS.check(body, served.model_name)
-        if "prompt" not in body:
+        if body.get("prompt") is None:
             raise BadRequest("prompt is required")
         options = {**Endpoint.sampling(body), "logprobs": body.get("logprobs"),
                    "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"]}
-        return cls(prompts_of(body["prompt"], served.tokenizer), options, *answer_form(body))
+        return cls(prompts_of(body["prompt"], served.tokenizer), options, choices_per_prompt(body), *answer_form(body))
 
     @classmethod
     def parse_chat(cls, body: dict, served: Served) -> Completion:
@@ -263,7 +265,7 @@ class Completion:
         if served.chat_template is None:
             raise BadRequest("this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
                              "chat_template): start the server with --chat-template FILE, or POST /v1/completions")
-        if "messages" not in body:
+        if body.get("messages") is None:
             raise BadRequest("messages is required")
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true")
@@ -280,10 +282,28 @@ class Completion:
                      max(1, served.max_model_len - len(prompt)))
         options = {**Endpoint.sampling(body), "max_new_tokens": limit,
                    "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
-        return cls([prompt], options, *answer_form(body), chat=True)
+        return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True)
+
+    def call(self) -> Call:
+        """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
+        seeded request's j-th has seed + j (vLLM's rule), so that its n samples differ and repeat."""
+        seed = self.options["seed"]
+        seeded = isinstance(seed, int) and not isinstance(seed, bool)  # else the engine refuses it, by name
+        return Call([(p, {**self.options, "seed": seed + j} if seeded else self.options)
+                     for p in self.prompts for j in range(self.n)], self.n)
 
 
 PARSERS = {"/v1/completions": Completion.parse, "/v1/chat/completions": Completion.parse_chat}
+
+
+MAX_N = 128  # OpenAI's limit on n
+
+
+def choices_per_prompt(body: dict) -> int:
+    n = 1 if body.get("n") is None else body["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r}")
+    return n
 
 
 def answer_form(body: dict) -> tuple[bool, bool, Returned]:
@@ -426,6 +446,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     timeout = 5  # seconds a kept-alive connection may idle before its thread closes it (uvicorn's default)
     server: "Server"
     looked = 0.0  # when next_update last looked whether the client is still there
+    responded = False  # whether this POST has begun its response (a later failure can only cut it)
 
     def log_message(self, fmt, *args):  # one line per request on stderr, as vLLM logs them
         if self.server.verbose:
@@ -450,6 +471,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(404, error_body(BadRequest(f"no GET {self.path}: GET /health, /v1/models or /metrics", 404)))
 
     def do_POST(self):
+        self.responded = False
         try:
             if self.path not in PARSERS:
                 raise BadRequest(f"no POST {self.path}: this server serves POST {' and '.join(PARSERS)}", 404)
@@ -458,6 +480,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(e.status, error_body(e))
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception as e:  # noqa: BLE001 - a bug here: this request's 500 (or its stream cut), the server goes on
+            traceback.print_exc()
+            self.close_connection = True
+            if not self.responded:
+                self.send_json(500, error_body(BadRequest(f"the server failed on this request: {e!r}", 500,
+                                                          "server_error")))
+
+    def send_response(self, code, message=None):
+        self.responded = True
+        super().send_response(code, message)
 
     def read_json(self) -> dict:
         length = self.headers.get("Content-Length", "0")
@@ -473,47 +505,52 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def complete(self, request: Completion) -> None:
         s, served = self.server, self.server.served
-        call = s.loop.submit(Call(request.prompts, request.options))
+        call = s.loop.submit(request.call())
         kind = ("chat.completion.chunk" if request.stream else "chat.completion") if request.chat else "text_completion"
         head = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": served.model_name}
         try:
             first = self.first_updates(call)  # a rejection comes in the first: a 400
             choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat)
-                       for i, p in enumerate(request.prompts)]
+                       for i, (p, _) in enumerate(call.requests)]
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)
                 return
             results = {index: update.result for index, update in self.updates(call, first) if update.result}
             if failed := [(i, r.reason) for i, r in sorted(results.items()) if r.status != "ok"]:
-                raise BadRequest("; ".join(f"prompt {i}: {why}" for i, why in failed), 500, "server_error")
+                raise BadRequest("; ".join(f"choice {i}: {why}" for i, why in failed), 500, "server_error")
             whole = [c.whole(results[c.index]) for c in choices]
-            self.send_json(200, {**head, "choices": whole, "usage": usage(choices)})
+            self.send_json(200, {**head, "choices": whole, "usage": usage(choices, call.n)})
         except (BrokenPipeError, ConnectionResetError, ClientGone):
             pass  # the client has gone
         finally:  # whatever is left of the call (nothing, once answered): its client gone, a rejection, an error here
             s.loop.cancel(call)
 
     def first_updates(self, call: Call) -> list[tuple[int, Update]]:
-        """The updates until every prompt has had its first; a 400 naming each rejected prompt."""
+        """The updates until every choice has had its first; a 400 naming each rejected prompt (once,
+        however many of its choices were)."""
         got, seen = [], set()
-        while len(seen) < len(call.prompts):
+        while len(seen) < len(call.requests):
             got.append(self.next_update(call))
             seen.add(got[-1][0])
-        rejected = [(i, u.result.reason) for i, u in got if u.result is not None and u.result.status == "rejected"]
+        rejected = {}
+        for i, u in sorted(got, key=lambda item: item[0]):
+            if u.result is not None and u.result.status == "rejected":
+                rejected.setdefault(i // call.n, u.result.reason)
         if rejected:
-            raise BadRequest("; ".join(f"prompt {i}: {why}" if len(call.prompts) > 1 else why for i, why in rejected))
+            several = len(call.requests) > call.n
+            raise BadRequest("; ".join(f"prompt {i}: {why}" if several else why for i, why in rejected.items()))
         return got
 
     def updates(self, call: Call, first: list):
-        """first, then every later update, until each prompt has its Result."""
-        open_prompts = len(call.prompts)
+        """first, then every later update, until each choice has its Result."""
+        open_choices = len(call.requests)
         for index, update in first:
-            open_prompts -= update.result is not None
+            open_choices -= update.result is not None
             yield index, update
-        while open_prompts:
+        while open_choices:
             index, update = self.next_update(call)
-            open_prompts -= update.result is not None
+            open_choices -= update.result is not None
             yield index, update
 
     def next_update(self, call: Call) -> tuple[int, Update]:
@@ -551,11 +588,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 choice = choices[index]
                 chunk = choice.add(update)
                 if choice.result is not None and choice.result.status != "ok":  # streamed tokens passed their checks
-                    self.send_event(error_body(BadRequest(f"prompt {index}: {choice.result.reason}", 500, "server_error")))
+                    self.send_event(error_body(BadRequest(f"choice {index}: {choice.result.reason}", 500, "server_error")))
                     continue
                 self.send_event({**head, "choices": [chunk]})
             if include_usage:
-                self.send_event({**head, "choices": [], "usage": usage(choices)})
+                self.send_event({**head, "choices": [], "usage": usage(choices, call.n)})
         except BadRequest as e:  # the loop stopped mid-stream
             self.send_event(error_body(e))
         self.send_event("[DONE]")
@@ -624,8 +661,9 @@ def prometheus(loop: EngineLoop) -> str:
     return "\n".join(lines) + "\n"
 
 
-def usage(choices: list[Choice]) -> dict:
-    prompt, completion = sum(len(c.prompt) for c in choices), sum(len(c.tokens) for c in choices)
+def usage(choices: list[Choice], n: int) -> dict:
+    """Each prompt's tokens once, however many choices it has (as vLLM counts them)."""
+    prompt, completion = sum(len(c.prompt) for c in choices[::n]), sum(len(c.tokens) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -641,6 +679,10 @@ class Server(http.server.ThreadingHTTPServer):
         super().__init__(address, Handler)
         self.loop = EngineLoop(engine)
         self.served, self.verbose, self.started = served, verbose, int(time.time())
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # else: its client went away
+            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

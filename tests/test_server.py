@@ -147,6 +147,30 @@ def test_a_list_of_prompts_gets_a_choice_each(srv, reference):
     assert body["usage"]["completion_tokens"] == 2 * NEW
 
 
+def test_n_samples_are_the_requests_seeded_one_apart(srv):
+    """vLLM's rule: with a seed, choice j samples as one request with seed + j; a list of prompts
+    gets n choices each, prompt i's j-th at index i * n + j; each prompt's tokens count once."""
+    sample = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "return_token_ids": True}
+    status, body = post(srv, {"prompt": [PROMPT, "pages"], "n": 3, **sample})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    for i, prompt in enumerate([PROMPT, "pages"]):
+        for j in range(3):
+            _, one = post(srv, {"prompt": prompt, **sample, "seed": 11 + j})
+            assert body["choices"][3 * i + j]["token_ids"] == one["choices"][0]["token_ids"]
+            assert body["choices"][3 * i + j]["prompt_token_ids"] == ByteTokenizer().encode(prompt)
+    assert len({tuple(c["token_ids"]) for c in body["choices"][:3]}) > 1  # a random model's samples differ
+    assert body["usage"]["prompt_tokens"] == len(PROMPT) + len("pages") and body["usage"]["completion_tokens"] == 36
+    chunks = events(srv, chat(n=2, seed=3, temperature=1.0, max_tokens=4, stream_options={"include_usage": True}),
+                    CHAT)[:-1]
+    _, whole = post(srv, chat(n=2, seed=3, temperature=1.0, max_tokens=4), CHAT)
+    for j in range(2):
+        deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"][0]["index"] == j]
+        assert deltas[0]["role"] == "assistant"
+        assert "".join(d["content"] for d in deltas) == whole["choices"][j]["message"]["content"]
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["prompt_tokens"] == len(RENDERED)
+
+
 def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
     encode = ByteTokenizer().encode
     status, body = post(srv, chat(return_token_ids=True, logprobs=True, top_logprobs=2), CHAT)
@@ -209,6 +233,7 @@ def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
 
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 3}, "messages is required"),
+    ({"messages": None}, "messages is required"),
     ({"messages": "hi"}, "messages must be list"),
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"content": "hi"}]}, "messages[0] must be an object with a string role"),
@@ -224,7 +249,7 @@ def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
     (chat(add_generation_prompt=True, continue_final_message=True), "exclude each other"),
     (chat(prompt="x"), "unknown fields: prompt"),
     (chat(max_completion_tokens=600), "exceeds the context limit 512"),
-    (chat(n=3), "n=3 is not supported"),
+    (chat(n="3"), "n must be an integer from 1 to 128, got '3'"),
 ])
 def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, message):
     status, error = post(srv, body, CHAT)
@@ -238,7 +263,10 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"max_tokens": 3}, 400, "prompt is required"),
     ({"prompt": [[1], 2]}, 400, "prompt must be"),
     ({"prompt": "x", "frobnicate": 1}, 400, "unknown fields: frobnicate"),
-    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an integer from 1 to 128, got 0"),
+    ({"prompt": "x", "n": 129}, 400, "n must be an integer from 1 to 128"),
+    ({"prompt": "x", "n": True}, 400, "n must be an integer"),
+    ({"prompt": [[1], [1, -1]], "n": 3}, 400, "prompt 1: token ids outside the vocabulary"),
     ({"prompt": "x", "echo": True}, 400, "echo=True is not supported"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
@@ -282,6 +310,17 @@ def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, 
         r.read()
     assert r.status in (200, 400, 404), (r.status, body)
     assert srv.loop.alive
+
+
+def test_a_bug_in_a_handler_is_that_requests_500_and_the_server_goes_on(srv, monkeypatch):
+    def broken(body, served):
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(server.PARSERS, "/v1/completions", broken)
+    status, error = post(srv, {"prompt": "x"})
+    assert status == 500 and "KeyError('a bug')" in error["error"]["message"], error
+    monkeypatch.undo()
+    assert post(srv, {"prompt": "ok", "max_tokens": 2})[0] == 200
 
 
 def test_a_bad_content_length_is_refused_not_waited_on(srv):
