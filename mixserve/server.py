@@ -3,7 +3,8 @@
   POST /v1/completions  OpenAI's completions (and vLLM's sampling extensions); "stream": true sends
                         server-sent events, a chunk per engine step that gave the request tokens
   POST /v1/chat/completions  the same for a conversation (OpenAI's messages), through the model's chat
-                        template (mixserve/chat.py), or --chat-template's
+                        template (mixserve/chat.py), or --chat-template's; the reply read for its
+                        reasoning and tool calls (mixserve/replies.py)
   GET  /v1/models       the one model served
   GET  /health          200 while the engine loop runs, 503 once it has stopped
   GET  /metrics         the engine's gauges and counters, for Prometheus (vLLM's names, under mixserve:)
@@ -18,6 +19,7 @@ go back at once. The engine flags are mixserve.run's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import http.server
 import json
@@ -35,6 +37,7 @@ from mixserve import run
 from mixserve.chat import ChatTemplate, ChatTemplateError
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
+from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -89,16 +92,15 @@ class Endpoint:
         return options
 
 
-WHY_DEFAULT_ONLY = {"tools": "mixserve has no tool-call parser", "tool_choice": "mixserve has no tool-call parser",
-                    "response_format": "mixserve has no constrained decoding"}
+WHY_DEFAULT_ONLY = {"response_format": "mixserve has no constrained decoding"}
 # POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's.
 COMPLETIONS = Endpoint({"best_of": 1, "echo": False, "suffix": None, **PENALTIES},
                        {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None})
 # POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
-# continue_final_message, chat_template_kwargs). No tool-call parser: tools are refused.
-CHAT_COMPLETIONS = Endpoint({**PENALTIES, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
-                             "response_format": {"type": "text"}},
+# continue_final_message, chat_template_kwargs).
+CHAT_COMPLETIONS = Endpoint({**PENALTIES, "response_format": {"type": "text"}},
                             {**COMMON_FIELDS, "messages": (list,), "max_tokens": None, "max_completion_tokens": None,
+                             "tools": (list,), "tool_choice": None, "parallel_tool_calls": (bool,),
                              "logprobs": (bool,), "top_logprobs": None,
                              "add_generation_prompt": (bool,), "continue_final_message": (bool,),
                              "chat_template_kwargs": (dict,)})
@@ -227,18 +229,21 @@ class Returned:
 
 @dataclasses.dataclass(frozen=True)
 class Served:
-    """What requests are read against: the model's name, its tokenizer and chat template, and the
-    tokens one request may hold (prompt and output: the context limit, or the whole KV pool if smaller)."""
+    """What requests are read against: the model's name, its tokenizer and chat template, the tokens
+    one request may hold (prompt and output: the context limit, or the whole KV pool if smaller), and
+    what its chat replies are read for (reasoning, tool calls)."""
     model_name: str
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     max_model_len: int
+    reply_format: ReplyFormat = ReplyFormat()
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """A /v1/completions or /v1/chat/completions body, parsed: the prompts (token ids), submit's
-    keywords for each, the choices per prompt, and how the answer goes back."""
+    keywords for each, the choices per prompt, and how the answer goes back (a chat reply read for
+    reasoning and tool calls by `reply`, keeping only its first call if one_call)."""
     prompts: list[list[int]]
     options: dict
     n: int
@@ -246,6 +251,8 @@ class Completion:
     include_usage: bool
     returned: Returned
     chat: bool = False
+    reply: ReplyParser | None = None
+    one_call: bool = False
 
     @classmethod
     def parse(cls, body: dict, served: Served) -> Completion:
@@ -271,9 +278,10 @@ class Completion:
             raise BadRequest("top_logprobs needs logprobs: true")
         go_on = bool(body.get("continue_final_message"))
         add = not go_on if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
+        tools = offered_tools(body, served.reply_format)
         try:
             text = served.chat_template.render(chat_messages(body["messages"]), add_generation_prompt=add,
-                                               continue_final_message=go_on,
+                                               continue_final_message=go_on, tools=tools,
                                                variables=body.get("chat_template_kwargs"))
         except ChatTemplateError as e:
             raise BadRequest(str(e))
@@ -282,7 +290,10 @@ class Completion:
                      max(1, served.max_model_len - len(prompt)))
         options = {**Endpoint.sampling(body), "max_new_tokens": limit,
                    "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
-        return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True)
+        fmt = served.reply_format
+        reply = ReplyParser.for_request(fmt, text, tools) if fmt.reasoning or tools else None
+        return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True, reply=reply,
+                   one_call=body.get("parallel_tool_calls") is False)
 
     def call(self) -> Call:
         """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
@@ -312,11 +323,36 @@ def answer_form(body: dict) -> tuple[bool, bool, Returned]:
             Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))))
 
 
+def offered_tools(body: dict, fmt: ReplyFormat) -> list[dict] | None:
+    """The request's tools, checked, for the template to render and the reply to be read for; None
+    when it offers none or tool_choice is "none" (the model is not shown them). Forcing a call
+    ("required", a named function) would need constrained decoding: refused by name."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        raise BadRequest(f"tool_choice={choice!r} is not supported: only 'auto' or 'none' (forcing a call needs "
+                         "constrained decoding, which mixserve does not have)")
+    if choice not in (None, "auto", "none"):
+        raise BadRequest(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}")
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and tool.get("type") == "function" and isinstance(function.get("name"), str)
+                and function["name"] and isinstance(function.get("parameters", {}), (dict, type(None)))):
+            raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                             f'{{...}}}}}}, got {tool!r}')
+    if not tools or choice == "none":
+        return None
+    if fmt.tool_calls is None:
+        raise BadRequest("this model's tool calls are not read: its chat template writes none in a format mixserve "
+                         f"knows ({', '.join(TOOL_CALL_FORMATS)}); start the server with --tool-call-parser NAME")
+    return tools
+
+
 def chat_messages(messages: list) -> list[dict]:
     """OpenAI's messages as the template reads them: a content given as parts becomes their texts
-    joined by newlines (vLLM's "string" content form, which chat templates read); other fields (name,
-    tool_calls, reasoning_content, ...) pass as they are. Parts other than text are refused: this
-    server serves text models."""
+    joined by newlines (vLLM's "string" content form, which chat templates read); a tool call's
+    arguments given as a JSON object's text become the object (vLLM's rule: GLM's template iterates
+    them); other fields (name, tool_call_id, reasoning_content, ...) pass as they are. Parts other
+    than text are refused: this server serves text models."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -331,6 +367,24 @@ def chat_messages(messages: list) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
         out.append({**message, "content": content})
+        if message.get("tool_calls") is not None:
+            out[-1]["tool_calls"] = template_tool_calls(f"messages[{i}].tool_calls", message["tool_calls"])
+    return out
+
+
+def template_tool_calls(where: str, calls) -> list[dict]:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise BadRequest(f'{where} must be a list of {{"id": ..., "type": "function", "function": {{"name": ..., '
+                         f'"arguments": ...}}}}, got {calls!r}')
+    out = []
+    for call in calls:
+        arguments = call["function"].get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(arguments)
+                arguments = parsed if isinstance(parsed, dict) else arguments
+        out.append({**call, "function": {**call["function"], "arguments": arguments}})
     return out
 
 
@@ -354,8 +408,9 @@ class Choice:
     (a text completion's, or with chat: an assistant message's, streamed as deltas)."""
 
     def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned,
-                 chat: bool = False):
+                 chat: bool = False, reply: ReplyStream | None = None):
         self.index, self.prompt, self.tokenizer, self.returned, self.chat = index, prompt, tokenizer, returned, chat
+        self.reply = reply  # a chat reply read for reasoning and tool calls (else its text is the content)
         self.announced = False  # a chat stream's first delta names the role
         self.hold = max(map(len, stop_strings(stop)), default=1) - 1
         self.tokens: list[int] = []
@@ -375,8 +430,8 @@ class Choice:
             text = self.decoder.visible[: max(self.sent, len(self.decoder) - self.hold)]
         else:
             text = run.output_text(self.tokenizer, self.result)
-        delta, self.sent = text[self.sent:], max(self.sent, len(text))
-        return self.choice(self.part(delta, whole=False), start, update.new_logprobs)
+        new, self.sent = text[self.sent:], max(self.sent, len(text))
+        return self.choice(self.streamed_part(new, text), start, update.new_logprobs)
 
     def whole(self, result: Result) -> dict:
         """The finished completion as one choice (a response not streamed), from its Result alone: the
@@ -386,7 +441,7 @@ class Choice:
             self._extend(result.tokens)  # the text offsets
         else:
             self.tokens = list(result.tokens)
-        return self.choice(self.part(run.output_text(self.tokenizer, result), whole=True), 0, result.logprobs)
+        return self.choice(self.whole_part(run.output_text(self.tokenizer, result)), 0, result.logprobs)
 
     def _extend(self, tokens: list[int]) -> None:
         for token in tokens:
@@ -394,14 +449,20 @@ class Choice:
             self.tokens.append(token)
             self.decoder.add(self.tokens)
 
-    def part(self, text: str, whole: bool) -> dict:
-        """The text's field: a text completion's text, a chat reply's message or a chat stream's delta."""
+    def whole_part(self, text: str) -> dict:
+        """The finished text's field: a text completion's text, or a chat reply's message."""
         if not self.chat:
             return {"text": text}
-        if whole:
-            return {"message": {"role": "assistant", "content": text}}
-        delta = {"content": text} if self.announced else {"role": "assistant", "content": text}
-        self.announced = True
+        return {"message": self.reply.message(text) if self.reply else {"role": "assistant", "content": text}}
+
+    def streamed_part(self, new: str, text: str) -> dict:
+        """A stream chunk's field for the new text (text: all of it so far): a text completion's text,
+        or a chat stream's delta."""
+        if not self.chat:
+            return {"text": new}
+        delta = self.reply.delta(text, final=self.result is not None) if self.reply else {"content": new}
+        if not self.announced:
+            delta, self.announced = {"role": "assistant", **delta}, True
         return {"delta": delta}
 
     def choice(self, part: dict, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
@@ -409,7 +470,7 @@ class Choice:
         done = r is not None and r.status == "ok"
         out = {"index": self.index, **part,
                "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
-               "finish_reason": ("length" if r.stop_reason is None else "stop") if done else None,
+               "finish_reason": self.finish_reason() if done else None,
                "stop_reason": r.stop_reason if done else None}
         if self.returned.token_ids:
             out["token_ids"] = self.tokens[start:]
@@ -420,6 +481,11 @@ class Choice:
                                               for t, (v, rank) in ranked(token, lp).items()}
                                       for token, lp in zip(self.prompt, self.prompt_logprobs)]
         return out
+
+    def finish_reason(self) -> str:
+        if self.result.stop_reason is None:
+            return "length"
+        return "tool_calls" if self.reply is not None and self.reply.called else "stop"
 
     def openai_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> dict:
         if self.chat:  # each token with its text's UTF-8 bytes, and its likeliest alternatives
@@ -511,7 +577,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 "created": int(time.time()), "model": served.model_name}
         try:
             first = self.first_updates(call)  # a rejection comes in the first: a 400
-            choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat)
+            choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat,
+                              None if request.reply is None else ReplyStream(request.reply, request.one_call))
                        for i, (p, _) in enumerate(call.requests)]
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)
@@ -710,6 +777,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most likeliest tokens a request may ask for (vLLM's --max-logprobs)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions, over the checkpoint's own (if it has one)")
+    p.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+                   help="read a chat reply's <think>...</think> as its reasoning_content (auto: if the chat "
+                        "template writes </think>)")
+    p.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_FORMATS, "none"), default="auto",
+                   help="read a chat reply's tool calls in this family's markup (auto: the one the chat template "
+                        "writes; none: refuse requests with tools)")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
     return p
 
@@ -726,14 +799,25 @@ def make_server(argv=None) -> Server:
         template = ChatTemplate.from_file(args.chat_template, args.model if os.path.isdir(args.model) else None)
     d = setup.decoder
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
-                    min(d.max_seq_len, d.num_pages * d.page_size))
+                    min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template))
     return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests)
+
+
+def reply_format(args, template: ChatTemplate | None) -> ReplyFormat:
+    """--reasoning-parser and --tool-call-parser, "auto" read from what the chat template writes."""
+    found = ReplyFormat.detect(list(template.templates.values()) if template else [])
+    reasoning = found.reasoning if args.reasoning_parser == "auto" else args.reasoning_parser == "think"
+    calls = found.tool_calls if args.tool_call_parser == "auto" else TOOL_CALL_FORMATS.get(args.tool_call_parser)
+    return ReplyFormat(reasoning, calls)
 
 
 def main(argv=None) -> None:
     server = make_server(argv)
     served = server.served
-    chat = "" if served.chat_template is None else " and /v1/chat/completions"
+    fmt = served.reply_format
+    read = [*(["reasoning"] if fmt.reasoning else []), *([f"{fmt.tool_calls.name} tool calls"] if fmt.tool_calls else [])]
+    chat = "" if served.chat_template is None else " and /v1/chat/completions" + (
+        f"; replies read for {' and '.join(read)}" if read else "")
     print(f"mixserve: serving {served.model_name} at {server.url} (POST /v1/completions{chat})", file=sys.stderr,
           flush=True)
     threading.Thread(target=server.stop_with_the_loop, daemon=True).start()

@@ -5,12 +5,14 @@ is a 400 naming the fault and leaves the server serving; a client that goes away
 cancelled and its pages freed; an integrity abort is an error, never an answer; an engine that
 raises (strict) stops the server."""
 
+import argparse
 import contextlib
 import http.client
 import json
 import socket
 import threading
 import time
+import types
 
 import jax.numpy as jnp
 import pytest
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 import mixserve
 from mixserve import faults, run, server
 from mixserve.engine import Engine
+from mixserve.frontend import Frontend
 from mixserve.tokenizer import ByteTokenizer
 
 FLAGS = ["--model", "tiny-kimi", "--page-size", "4", "--concurrency", "2"]
@@ -231,6 +234,127 @@ def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
         server.Completion.parse_chat(chat(), served)
 
 
+class Scripted(Frontend):
+    """An engine whose every request replies `reply` (its UTF-8 bytes: the tiny presets' tokens) and
+    then EOS, two tokens a step: the server's side of a reply, without a model to write it."""
+    EOS = 300
+
+    def __init__(self, reply: str = ""):
+        super().__init__()
+        self.counters, self.reply, self.live = types.SimpleNamespace(rejections=0), reply, []
+
+    def _reject_reason(self, req):
+        return None
+
+    def _enqueue(self, req):
+        self.live.append(req)
+
+    def _drop(self, req):
+        self.live.remove(req)
+
+    def _advance(self):
+        script = [*ByteTokenizer().encode(self.reply), self.EOS]
+        for req in list(self.live):
+            for token in script[len(req.out):len(req.out) + 2]:
+                req.accept(token, time.perf_counter(), (self.EOS,), tokenizer=ByteTokenizer())
+            if req.result is not None:
+                self.live.remove(req)
+
+
+# Chat templates as Kimi K2's and GLM-4.7's write a turn: the tools declared, reasoning, and calls
+# in their families' markup, ids and arguments as given (Kimi) or arguments iterated (GLM); GLM's
+# generation prompt opens <think> unless thinking is switched off.
+KIMI_TEMPLATE = ("{% if tools %}<|im_system|>tools<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+                 "{% for m in messages %}<|im_{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                 "</think>{% endif %}{{ m.content or '' }}{% if m.tool_calls %}<|tool_calls_section_begin|>"
+                 "{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}<|tool_call_argument_begin|>"
+                 "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}"
+                 "<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
+GLM_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                "<tool_call>{{ c.function.name }}{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}"
+                "</arg_key><arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>"
+                "{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                "{{ '<think></think>' if enable_thinking is defined and not enable_thinking else '<think>' }}{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+KIMI_REPLY = ("<think>Look it up.</think>Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+              '<|tool_call_argument_begin|>{"city": "Oslo", "days": 2}<|tool_call_end|><|tool_calls_section_end|>')
+GLM_REPLY = "Look it up.</think>Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>" \
+            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+
+
+@contextlib.contextmanager
+def scripted_server(template: str, reply: str, **parsers):
+    chat_template = mixserve.chat.ChatTemplate({"default": template})
+    flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
+    served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, server.reply_format(flags, chat_template))
+    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("template, reply", [(KIMI_TEMPLATE, KIMI_REPLY), (GLM_TEMPLATE, GLM_REPLY)],
+                         ids=["kimi_k2", "glm45"])
+def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template, reply):
+    body = {"messages": ASK, "tools": TOOLS, "return_token_ids": True}
+    with scripted_server(template, reply) as s:
+        status, whole = post(s, body, CHAT)
+        assert status == 200, whole
+        (choice,) = whole["choices"]
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"].pop("tool_calls")
+        assert choice["message"] == {"role": "assistant", "content": "Checking.", "reasoning_content": "Look it up."}
+        assert call["type"] == "function" and call["function"] == {"name": "get_weather",
+                                                                   "arguments": '{"city": "Oslo", "days": 2}'}
+        assert call["id"] == "functions.get_weather:0" if template is KIMI_TEMPLATE else call["id"].startswith("call_")
+        prompt = ByteTokenizer().decode(choice["prompt_token_ids"])
+        assert ('"name": "get_weather"' in prompt) == (template is KIMI_TEMPLATE)  # the tools, declared
+        chunks = events(s, body, CHAT)[:-1]  # two bytes a step: the markers arrive in pieces
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert deltas[0]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        for field in ("content", "reasoning_content"):
+            assert "".join(d.get(field, "") for d in deltas) == choice["message"][field]
+        (streamed,) = [c for d in deltas for c in d.get("tool_calls", ())]
+        assert streamed["index"] == 0 and streamed["function"] == call["function"]
+        # The call, sent back as the client got it, is written into the next prompt as the model wrote it.
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+        status, again = post(s, {"messages": history, "tools": TOOLS, "return_token_ids": True}, CHAT)
+        markup = reply[reply.index("<|tool_calls" if template is KIMI_TEMPLATE else "<tool_call>"):]
+        assert markup in ByteTokenizer().decode(again["choices"][0]["prompt_token_ids"]), again
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    second = KIMI_REPLY.replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.get_weather:1"
+                                '<|tool_call_argument_begin|>{"city": "Bergen"}<|tool_call_end|><|tool_calls_section_end|>')
+    with scripted_server(KIMI_TEMPLATE, second) as s:
+        for parallel, ids in [(None, ["functions.get_weather:0", "functions.get_weather:1"]),
+                              (False, ["functions.get_weather:0"])]:
+            _, body = post(s, {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": parallel}, CHAT)
+            assert [c["id"] for c in body["choices"][0]["message"]["tool_calls"]] == ids
+            streamed = events(s, {"messages": ASK, "tools": TOOLS, "parallel_tool_calls": parallel}, CHAT)[:-1]
+            assert [c["id"] for e in streamed for c in e["choices"][0]["delta"].get("tool_calls", ())] == ids
+
+
+def test_tool_choice_none_shows_no_tools_and_reads_no_calls_and_thinking_can_be_off():
+    with scripted_server(GLM_TEMPLATE, GLM_REPLY) as s:
+        _, body = post(s, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "return_token_ids": True}, CHAT)
+        (choice,) = body["choices"]
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["message"]["content"] == GLM_REPLY[GLM_REPLY.index("Checking"):]
+        off = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+        assert post(s, off, CHAT)[1]["choices"][0]["message"]["content"] == GLM_REPLY  # no open <think>
+    with scripted_server(GLM_TEMPLATE, GLM_REPLY, reasoning_parser="none", tool_call_parser="none") as s:
+        message = post(s, {"messages": ASK}, CHAT)[1]["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": GLM_REPLY}
+        status, error = post(s, {"messages": ASK, "tools": TOOLS}, CHAT)
+        assert status == 400 and "--tool-call-parser" in error["error"]["message"]
+
+
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 3}, "messages is required"),
     ({"messages": None}, "messages is required"),
@@ -241,7 +365,17 @@ def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
      "only text parts"),
     ({"messages": [{"role": "user", "content": 7}]}, "a string or a list of text parts"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "no role tool"),  # the template's raise_exception
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "no tool-call parser"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "start the server with --tool-call-parser"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "needs constrained"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "f"}}), "needs constrained decoding"),
+    (chat(tool_choice="any"), "tool_choice must be 'auto', 'none', 'required' or a named function, got 'any'"),
+    (chat(tools=[{"type": "function", "function": {"name": ""}}]), 'tools[0] must be {"type": "function"'),
+    (chat(tools=[{"name": "f"}]), "tools[0] must be"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]), "tools[0] must be"),
+    (chat(tools={"f": 1}), "tools must be list"),
+    (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
+     "messages[0].tool_calls must be a list of"),
     (chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
     (chat(logprobs=True, top_logprobs=21), "max_logprobs=20"),
     (chat(chat_template_kwargs={"messages": [], "add_generation_prompt": False}),
@@ -310,6 +444,35 @@ def test_any_json_in_any_field_is_served_or_refused_and_the_server_goes_on(srv, 
         r.read()
     assert r.status in (200, 400, 404), (r.status, body)
     assert srv.loop.alive
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    with scripted_server(KIMI_TEMPLATE, KIMI_REPLY) as s:
+        yield s
+
+
+CALL = {"id": "functions.get_weather:0", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+TOOL_FIELDS = [("tools",), ("tool_choice",), ("parallel_tool_calls",), ("tools", 0, "function"),
+               ("tools", 0, "function", "parameters"), ("messages", 1, "tool_calls"),
+               ("messages", 1, "tool_calls", 0, "function"), ("messages", 1, "tool_calls", 0, "function", "arguments")]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.sampled_from(TOOL_FIELDS), value=JSON, stream=st.booleans())
+def test_any_json_in_the_tool_fields_is_served_or_refused(kimi, where, value, stream):
+    body = json.loads(json.dumps({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]}],
+                                  "tools": TOOLS, "stream": stream}))
+    parent = body
+    for key in where[:-1]:
+        parent = parent[key]
+    parent[where[-1]] = value
+    with contextlib.closing(connect(kimi)) as c:
+        c.request("POST", CHAT, json.dumps(body))
+        r = c.getresponse()
+        r.read()
+    assert r.status in (200, 400), (r.status, body)
+    assert kimi.loop.alive
 
 
 def test_a_bug_in_a_handler_is_that_requests_500_and_the_server_goes_on(srv, monkeypatch):
