@@ -5,6 +5,8 @@
   POST /v1/chat/completions  the same for a conversation (OpenAI's messages), through the model's chat
                         template (mixserve/chat.py), or --chat-template's; the reply read for its
                         reasoning and tool calls (mixserve/replies.py)
+  POST /tokenize, /detokenize  text (or messages) <-> token ids, as the completion endpoints encode them
+  GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
   GET  /health          200 while the engine loop runs, 503 once it has stopped
   GET  /metrics         the engine's gauges and counters, for Prometheus (vLLM's names, under mixserve:)
@@ -34,7 +36,7 @@ import traceback
 import uuid
 
 from mixserve import run
-from mixserve.chat import ChatTemplate, ChatTemplateError
+from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream
@@ -63,10 +65,12 @@ class Endpoint:
     sampling fields', per request)."""
     default_only: dict
     other: dict
+    sampled: bool = True  # whether it takes SAMPLING_FIELDS
 
     def check(self, body: dict, model_name: str) -> None:
         """A field this server does not know or does not compute is refused by name."""
-        unknown = sorted(set(body) - set(SAMPLING_FIELDS) - set(self.default_only) - set(self.other))
+        unknown = sorted(set(body) - set(SAMPLING_FIELDS if self.sampled else ()) - set(self.default_only)
+                         - set(self.other))
         if unknown:
             raise BadRequest(f"unknown fields: {', '.join(unknown)}")
         for name, default in self.default_only.items():
@@ -92,10 +96,12 @@ class Endpoint:
         return options
 
 
-WHY_DEFAULT_ONLY = {"response_format": "mixserve has no constrained decoding"}
-# POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's.
-COMPLETIONS = Endpoint({"best_of": 1, "echo": False, "suffix": None, **PENALTIES},
-                       {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None})
+WHY_DEFAULT_ONLY = {"response_format": "mixserve has no constrained decoding",
+                    "add_special_tokens": "prompts are encoded as given, as the completion endpoints encode them"}
+# POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's; echo (with logprobs:
+# the prompt's too) is how lm-eval scores multiple choice through this endpoint.
+COMPLETIONS = Endpoint({"best_of": 1, "suffix": None, **PENALTIES},
+                       {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None, "echo": (bool,)})
 # POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
 # continue_final_message, chat_template_kwargs).
 CHAT_COMPLETIONS = Endpoint({**PENALTIES, "response_format": {"type": "text"}},
@@ -104,6 +110,12 @@ CHAT_COMPLETIONS = Endpoint({**PENALTIES, "response_format": {"type": "text"}},
                              "logprobs": (bool,), "top_logprobs": None,
                              "add_generation_prompt": (bool,), "continue_final_message": (bool,),
                              "chat_template_kwargs": (dict,)})
+# POST /tokenize and /detokenize, vLLM's (lm-eval's remote tokenizer uses them, with GET /tokenizer_info).
+TOKENIZE = Endpoint({"add_special_tokens": False}, {
+    "model": (str,), "prompt": (str,), "messages": (list,), "add_generation_prompt": (bool,),
+    "continue_final_message": (bool,), "chat_template_kwargs": (dict,), "tools": (list,), "tool_choice": None},
+    sampled=False)
+DETOKENIZE = Endpoint({}, {"model": (str,), "tokens": (list,)}, sampled=False)
 POLL_S = 0.25  # how often a waiting handler looks whether its client is still there
 
 
@@ -222,9 +234,12 @@ class EngineLoop:
 
 @dataclasses.dataclass(frozen=True)
 class Returned:
-    """What a request asked to get back beside the text (vLLM's extensions)."""
+    """What a request asked to get back beside the text (vLLM's extensions, OpenAI's echo)."""
     token_ids: bool = False  # each choice's token_ids, and its prompt_token_ids in the first chunk
     ids_as_names: bool = False  # logprobs name tokens "token_id:N", not by their text
+    echo: bool = False  # the prompt's text before the completion's (and its tokens' logprobs before theirs)
+    top: int = 0  # the likeliest tokens logprobs lists: the request's logprobs=n
+    prompt_top: int | None = None  # the same for vLLM's prompt_logprobs field (None: not shown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +252,7 @@ class Served:
     chat_template: ChatTemplate | None
     max_model_len: int
     reply_format: ReplyFormat = ReplyFormat()
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ... as text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +278,9 @@ class Completion:
             raise BadRequest("prompt is required")
         options = {**Endpoint.sampling(body), "logprobs": body.get("logprobs"),
                    "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"]}
+        top, asked = options["logprobs"], options["prompt_logprobs"]
+        if body.get("echo") and top is not None:  # the prompt's logprobs too: the engine computes the most asked
+            options["prompt_logprobs"] = top if asked is None else max(top, asked) if counts(top, asked) else asked
         return cls(prompts_of(body["prompt"], served.tokenizer), options, choices_per_prompt(body), *answer_form(body))
 
     @classmethod
@@ -269,22 +288,9 @@ class Completion:
         """A /v1/chat/completions body: its messages through the chat template, encoded. Without a
         max_tokens (or max_completion_tokens) the reply may fill the context, as in vLLM."""
         CHAT_COMPLETIONS.check(body, served.model_name)
-        if served.chat_template is None:
-            raise BadRequest("this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
-                             "chat_template): start the server with --chat-template FILE, or POST /v1/completions")
-        if body.get("messages") is None:
-            raise BadRequest("messages is required")
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true")
-        go_on = bool(body.get("continue_final_message"))
-        add = not go_on if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
-        tools = offered_tools(body, served.reply_format)
-        try:
-            text = served.chat_template.render(chat_messages(body["messages"]), add_generation_prompt=add,
-                                               continue_final_message=go_on, tools=tools,
-                                               variables=body.get("chat_template_kwargs"))
-        except ChatTemplateError as e:
-            raise BadRequest(str(e))
+        text, tools = rendered_chat(body, served)
         prompt = served.tokenizer.encode(text)
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
                      max(1, served.max_model_len - len(prompt)))
@@ -307,6 +313,36 @@ class Completion:
 PARSERS = {"/v1/completions": Completion.parse, "/v1/chat/completions": Completion.parse_chat}
 
 
+def tokenize(body: dict, served: Served) -> dict:
+    """A prompt's tokens, or a conversation's through the chat template, as the completion endpoints
+    encode them."""
+    TOKENIZE.check(body, served.model_name)
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise BadRequest("give prompt (a string) or messages")
+    text = body["prompt"] if body.get("prompt") is not None else rendered_chat(body, served)[0]
+    tokens = served.tokenizer.encode(text)
+    return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+
+def detokenize(body: dict, served: Served) -> dict:
+    DETOKENIZE.check(body, served.model_name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not counts(*tokens) or min(tokens, default=0) < 0:
+        raise BadRequest(f"tokens must be a list of token ids, got {tokens!r}")
+    return {"prompt": served.tokenizer.decode(tokens)}
+
+
+def tokenizer_info(served: Served) -> dict:
+    """The tokenizer's named special tokens and chat template (vLLM's GET /tokenizer_info)."""
+    template = served.chat_template
+    return {name: None for name in SPECIAL_TOKEN_NAMES} | served.special_tokens | {
+        "chat_template": template.templates.get("default") if template else None,
+        "model_max_length": served.max_model_len}
+
+
+TOKENIZER_POSTS = {"/tokenize": tokenize, "/detokenize": detokenize}
+
+
 MAX_N = 128  # OpenAI's limit on n
 
 
@@ -317,10 +353,37 @@ def choices_per_prompt(body: dict) -> int:
     return n
 
 
+def counts(*values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
 def answer_form(body: dict) -> tuple[bool, bool, Returned]:
-    """stream, include_usage and what else comes back, from a checked body."""
+    """stream, include_usage and what else comes back, from a checked body (logprobs counts that
+    are not counts the engine refuses)."""
+    top = body.get("logprobs") if counts(body.get("logprobs")) else 0
+    prompt_top = body.get("prompt_logprobs") if counts(body.get("prompt_logprobs")) else None
     return (bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")),
-            Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids"))))
+            Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids")),
+                     bool(body.get("echo")), top, prompt_top))
+
+
+def rendered_chat(body: dict, served: Served) -> tuple[str, list[dict] | None]:
+    """A checked body's messages (and tools) through the chat template: the prompt text, and the
+    tools the reply is to be read for."""
+    if served.chat_template is None:
+        raise BadRequest("this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
+                         "chat_template): start the server with --chat-template FILE, or POST /v1/completions")
+    if body.get("messages") is None:
+        raise BadRequest("messages is required")
+    go_on = bool(body.get("continue_final_message"))
+    add = not go_on if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
+    tools = offered_tools(body, served.reply_format)
+    try:
+        return served.chat_template.render(chat_messages(body["messages"]), add_generation_prompt=add,
+                                           continue_final_message=go_on, tools=tools,
+                                           variables=body.get("chat_template_kwargs")), tools
+    except ChatTemplateError as e:
+        raise BadRequest(str(e))
 
 
 def offered_tools(body: dict, fmt: ReplyFormat) -> list[dict] | None:
@@ -419,6 +482,8 @@ class Choice:
         self.sent = 0  # characters of the text already sent
         self.result: Result | None = None
         self.prompt_logprobs = None
+        # echo: the prompt's text, and each of its tokens' first character there
+        self.echo_text, self.echo_offsets = decoded_with_offsets(prompt, tokenizer) if returned.echo else ("", [])
 
     def add(self, update: Update) -> dict:
         """The update as a chunk's choice: the text, tokens and logprobs it adds."""
@@ -444,10 +509,7 @@ class Choice:
         return self.choice(self.whole_part(run.output_text(self.tokenizer, result)), 0, result.logprobs)
 
     def _extend(self, tokens: list[int]) -> None:
-        for token in tokens:
-            self.offsets.append(len(self.decoder))
-            self.tokens.append(token)
-            self.decoder.add(self.tokens)
+        extend_decoded(self.decoder, self.tokens, self.offsets, tokens)
 
     def whole_part(self, text: str) -> dict:
         """The finished text's field: a text completion's text, or a chat reply's message."""
@@ -468,6 +530,8 @@ class Choice:
     def choice(self, part: dict, start: int, logprobs: list[TokenLogprobs] | None) -> dict:
         r = self.result
         done = r is not None and r.status == "ok"
+        if self.echo_text and start == 0:
+            part = {"text": self.echo_text + part["text"]}
         out = {"index": self.index, **part,
                "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
                "finish_reason": self.finish_reason() if done else None,
@@ -476,9 +540,10 @@ class Choice:
             out["token_ids"] = self.tokens[start:]
             if start == 0:
                 out["prompt_token_ids"] = self.prompt
-        if self.prompt_logprobs is not None and start == 0:  # vLLM's form: {token id: logprob, rank, text}
+        top = self.returned.prompt_top
+        if top is not None and self.prompt_logprobs is not None and start == 0:  # vLLM's form: {id: logprob, rank, text}
             out["prompt_logprobs"] = [lp and {str(t): {"logprob": v, "rank": rank, "decoded_token": self.name(t)}
-                                              for t, (v, rank) in ranked(token, lp).items()}
+                                              for t, (v, rank) in ranked(token, lp, top).items()}
                                       for token, lp in zip(self.prompt, self.prompt_logprobs)]
         return out
 
@@ -492,19 +557,40 @@ class Choice:
             named = lambda t, v: {"token": self.name(t), "logprob": v, "bytes": list(self.name(t).encode())}
             return {"content": [{**named(t, lp.logprob), "top_logprobs": [named(a, v) for a, v in lp.top]}
                                 for t, lp in zip(self.tokens[start:], logprobs)]}
-        return {"tokens": [self.name(t) for t in self.tokens[start : start + len(logprobs)]],
-                "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.name(t): v for t, v in lp.top} for lp in logprobs],
-                "text_offset": self.offsets[start : start + len(logprobs)]}
+        tokens = self.tokens[start : start + len(logprobs)]
+        offsets = [len(self.echo_text) + o for o in self.offsets[start : start + len(logprobs)]]
+        if self.returned.echo and start == 0:  # the prompt's first, as OpenAI echoes them (null for the first)
+            tokens, offsets = [*self.prompt, *tokens], [*self.echo_offsets, *offsets]
+            logprobs = [*self.prompt_logprobs, *logprobs]
+        top = self.returned.top
+        return {"tokens": [self.name(t) for t in tokens],
+                "token_logprobs": [lp and lp.logprob for lp in logprobs],
+                "top_logprobs": [lp and {self.name(t): v for t, v in lp.top[:top]} for lp in logprobs],
+                "text_offset": offsets}
 
     def name(self, token: int) -> str:
         """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
         return f"token_id:{token}" if self.returned.ids_as_names else self.tokenizer.decode([token])
 
 
-def ranked(token: int, lp: TokenLogprobs) -> dict[int, tuple[float, int]]:
-    """The token's (logprob, rank), then each of the likeliest's."""
-    return {token: (lp.logprob, lp.rank), **{t: (v, i + 1) for i, (t, v) in enumerate(lp.top) if t != token}}
+def ranked(token: int, lp: TokenLogprobs, top: int) -> dict[int, tuple[float, int]]:
+    """The token's (logprob, rank), then each of the top likeliest's."""
+    return {token: (lp.logprob, lp.rank), **{t: (v, i + 1) for i, (t, v) in enumerate(lp.top[:top]) if t != token}}
+
+
+def extend_decoded(decoder: IncrementalDecoder, ids: list[int], offsets: list[int], tokens: list[int]) -> None:
+    """Append tokens to ids (decoder's), and each one's first character in the text to offsets."""
+    for token in tokens:
+        offsets.append(len(decoder))
+        ids.append(token)
+        decoder.add(ids)
+
+
+def decoded_with_offsets(ids: list[int], tokenizer: Tokenizer) -> tuple[str, list[int]]:
+    """ids' text, and each token's first character in it."""
+    offsets = []
+    extend_decoded(IncrementalDecoder(tokenizer), [], offsets, ids)
+    return tokenizer.decode(ids), offsets
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -526,6 +612,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200, {"object": "list", "data": [{
                 "id": self.server.served.model_name, "object": "model", "created": self.server.started,
                 "owned_by": "mixserve", "max_model_len": self.server.served.max_model_len}]})
+        elif self.path == "/tokenizer_info":
+            self.send_json(200, tokenizer_info(self.server.served))
         elif self.path == "/metrics":
             payload = prometheus(self.server.loop).encode()
             self.send_response(200)
@@ -534,13 +622,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         else:
-            self.send_json(404, error_body(BadRequest(f"no GET {self.path}: GET /health, /v1/models or /metrics", 404)))
+            self.send_json(404, error_body(BadRequest(
+                f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info or /metrics", 404)))
 
     def do_POST(self):
         self.responded = False
         try:
+            if self.path in TOKENIZER_POSTS:
+                self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
+                return
             if self.path not in PARSERS:
-                raise BadRequest(f"no POST {self.path}: this server serves POST {' and '.join(PARSERS)}", 404)
+                raise BadRequest(f"no POST {self.path}: this server serves POST "
+                                 f"{', '.join([*PARSERS, *TOKENIZER_POSTS])}", 404)
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         except BadRequest as e:
             self.send_json(e.status, error_body(e))
@@ -799,7 +892,8 @@ def make_server(argv=None) -> Server:
         template = ChatTemplate.from_file(args.chat_template, args.model if os.path.isdir(args.model) else None)
     d = setup.decoder
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
-                    min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template))
+                    min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
+                    special_tokens_in(args.model) if os.path.isdir(args.model) else {})
     return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests)
 
 

@@ -150,6 +150,69 @@ def test_a_list_of_prompts_gets_a_choice_each(srv, reference):
     assert body["usage"]["completion_tokens"] == 2 * NEW
 
 
+def lm_eval_loglikelihood(choice: dict, context_tokens: int) -> tuple[float, bool]:
+    """What lm-eval's local-completions model reads from an echoed completion (its parse_logprobs):
+    the continuation's log-likelihood, and whether each of its tokens was the likeliest."""
+    lps = choice["logprobs"]["token_logprobs"][context_tokens:-1]
+    tops = choice["logprobs"]["top_logprobs"][context_tokens:-1]
+    return sum(lps), all(lp == max(top.values()) for lp, top in zip(lps, tops))
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_scores_them(srv):
+    """lm-eval's loglikelihood request (its payload as sent): the prompt is context + continuation,
+    and the echoed logprobs score the continuation; they are the engine's prompt logprobs."""
+    context, continuation = ByteTokenizer().encode("KV cache"), ByteTokenizer().encode(" pages")
+    lm_eval = {"prompt": [context + continuation] * 2, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+               "echo": True}
+    status, body = post(srv, {**lm_eval, "prompt_logprobs": 3, "return_token_ids": True})
+    assert status == 200, body
+    for choice in body["choices"]:
+        tokens = context + continuation
+        lp, prompt = choice["logprobs"], [None, *(p[str(t)] for t, p in zip(tokens[1:], choice["prompt_logprobs"][1:]))]
+        assert choice["text"] == "KV cache pages" + ByteTokenizer().decode(choice["token_ids"])
+        assert lp["tokens"][:14] == list("KV cache pages") and lp["text_offset"] == list(range(15))
+        assert lp["token_logprobs"][:14] == [p and p["logprob"] for p in prompt] and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and all(len(top) == 1 for top in lp["top_logprobs"][1:])  # logprobs=1
+        assert max(len(p) for p in choice["prompt_logprobs"][1:]) == 4  # prompt_logprobs=3, and the token's own
+        total, likeliest = lm_eval_loglikelihood(choice, len(context))
+        assert total == pytest.approx(sum(p["logprob"] for p in prompt[len(context):]))
+        assert likeliest == all(p["rank"] == 1 for p in prompt[len(context):])
+    assert post(srv, lm_eval)[1]["choices"][0]["logprobs"] == body["choices"][0]["logprobs"]
+    chunks = events(srv, {**lm_eval, "prompt": PROMPT, "max_tokens": 4})[:-1]
+    _, whole = post(srv, {**lm_eval, "prompt": PROMPT, "max_tokens": 4})
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for c in chunks for x in c["choices"][0]["logprobs"][key]] == whole["choices"][0]["logprobs"][key]
+    assert post(srv, greedy(echo=True))[1]["choices"][0]["text"].startswith(PROMPT)  # without logprobs: the text
+    (more,) = post(srv, greedy(echo=True, max_tokens=1, logprobs=3, prompt_logprobs=1,
+                               return_tokens_as_token_ids=True))[1]["choices"]  # named apart
+    assert all(len(top) == 3 for top in more["logprobs"]["top_logprobs"][1:])  # the most asked is computed,
+    assert all(len(p) <= 2 for p in more["prompt_logprobs"][1:])  # and each field shows what it asked
+
+
+def test_tokenize_and_detokenize_are_the_completion_endpoints_encoding(srv):
+    status, body = post(srv, {"prompt": PROMPT, "add_special_tokens": False}, "/tokenize")
+    assert status == 200 and body == {"count": len(PROMPT), "max_model_len": 512,
+                                      "tokens": ByteTokenizer().encode(PROMPT)}, body
+    _, chat_tokens = post(srv, {"messages": MESSAGES}, "/tokenize")
+    _, reply = post(srv, chat(max_tokens=1, return_token_ids=True), CHAT)
+    assert chat_tokens["tokens"] == reply["choices"][0]["prompt_token_ids"] == ByteTokenizer().encode(RENDERED)
+    assert post(srv, {"tokens": body["tokens"]}, "/detokenize") == (200, {"prompt": PROMPT})
+    status, info = get(srv, "/tokenizer_info")  # what lm-eval's remote tokenizer checks for
+    assert status == 200 and "eos_token" in info and info["chat_template"] == CHAT_TEMPLATE
+    for path, bad, message in [("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens=True"),
+                               ("/tokenize", {}, "give prompt (a string) or messages"),
+                               ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "give prompt"),
+                               ("/tokenize", {"prompt": "x", "temperature": 0}, "unknown fields: temperature"),
+                               ("/tokenize", {"messages": [{"role": "tool", "content": "1"}]}, "no role tool"),
+                               ("/detokenize", {"tokens": [1, -2]}, "tokens must be a list of token ids"),
+                               ("/detokenize", {"tokens": [1, True]}, "tokens must be a list of token ids"),
+                               ("/detokenize", {"tokens": "12"}, "tokens must be list")]:
+        status, error = post(srv, bad, path)
+        assert status == 400 and message in error["error"]["message"], (bad, error)
+
+
 def test_n_samples_are_the_requests_seeded_one_apart(srv):
     """vLLM's rule: with a seed, choice j samples as one request with seed + j; a list of prompts
     gets n choices each, prompt i's j-th at index i * n + j; each prompt's tokens count once."""
@@ -401,7 +464,7 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"prompt": "x", "n": 129}, 400, "n must be an integer from 1 to 128"),
     ({"prompt": "x", "n": True}, 400, "n must be an integer"),
     ({"prompt": [[1], [1, -1]], "n": 3}, 400, "prompt 1: token ids outside the vocabulary"),
-    ({"prompt": "x", "echo": True}, 400, "echo=True is not supported"),
+    ({"prompt": "x", "echo": 1}, 400, "echo must be bool"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
@@ -425,10 +488,13 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
 
 
 # Every field each endpoint reads, with a body that is valid without it (two tokens at most).
-FIELDS = [(path, field) for path, endpoint in (("/v1/completions", server.COMPLETIONS), (CHAT, server.CHAT_COMPLETIONS))
+ENDPOINTS = (("/v1/completions", server.COMPLETIONS), (CHAT, server.CHAT_COMPLETIONS), ("/tokenize", server.TOKENIZE),
+             ("/detokenize", server.DETOKENIZE))
+FIELDS = [(path, field) for path, endpoint in ENDPOINTS
           for field in sorted({*server.SAMPLING_FIELDS, *endpoint.default_only, *endpoint.other})]
 BASE = {"/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 2},
-        CHAT: {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 2}}
+        CHAT: {"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 2},
+        "/tokenize": {"messages": MESSAGES}, "/detokenize": {"tokens": [75, 86]}}
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -499,7 +565,7 @@ def test_the_other_endpoints(srv):
     assert models["data"][0]["max_model_len"] == 512
     assert get(srv, "/nowhere")[0] == 404
     status, error = post(srv, {"prompt": "x"}, path="/v1/nowhere")
-    assert status == 404 and "/v1/completions and /v1/chat/completions" in error["error"]["message"]
+    assert status == 404 and "/v1/completions, /v1/chat/completions, /tokenize, /detokenize" in error["error"]["message"]
 
 
 def metrics(s) -> dict[str, float]:
