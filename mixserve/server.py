@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hmac
 import http.server
 import json
 import os
@@ -117,6 +118,7 @@ TOKENIZE = Endpoint({"add_special_tokens": False}, {
     sampled=False)
 DETOKENIZE = Endpoint({}, {"model": (str,), "tokens": (list,)}, sampled=False)
 POLL_S = 0.25  # how often a waiting handler looks whether its client is still there
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 
 
 class BadRequest(Exception):
@@ -604,7 +606,46 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.server.verbose:
             super().log_message(fmt, *args)
 
+    def authorized(self) -> bool:
+        """Whether the request carries the server's API key (--api-key; /health and /metrics need
+        none: load balancers and Prometheus ask without). Else it has its 401."""
+        key = self.server.api_key
+        if key is None or self.path in OPEN_PATHS:
+            return True
+        if hmac.compare_digest(self.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+            return True
+        self.close_connection = True  # its body is left unread
+        self.send_json(401, error_body(BadRequest("a missing or wrong API key: send the header "
+                                                  "`Authorization: Bearer KEY` (the server's --api-key)", 401,
+                                                  "authentication_error")))
+        return False
+
     def do_GET(self):
+        self.respond(self.get)
+
+    def do_POST(self):
+        self.respond(self.post)
+
+    def respond(self, handle) -> None:
+        """handle() the request, if authorized: a BadRequest is its 4xx, any other failure (a bug)
+        its 500 (or its stream cut), and the server goes on."""
+        self.responded = False
+        if not self.authorized():
+            return
+        try:
+            handle()
+        except BadRequest as e:
+            self.send_json(e.status, error_body(e))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            self.close_connection = True
+            if not self.responded:
+                self.send_json(500, error_body(BadRequest(f"the server failed on this request: {e!r}", 500,
+                                                          "server_error")))
+
+    def get(self) -> None:
         if self.path == "/health":
             alive = self.server.loop.alive
             self.send_json(200 if alive else 503, {} if alive else error_body(self.server.loop.stopped()))
@@ -622,29 +663,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         else:
-            self.send_json(404, error_body(BadRequest(
-                f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info or /metrics", 404)))
+            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info or /metrics", 404)
 
-    def do_POST(self):
-        self.responded = False
-        try:
-            if self.path in TOKENIZER_POSTS:
-                self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
-                return
-            if self.path not in PARSERS:
-                raise BadRequest(f"no POST {self.path}: this server serves POST "
-                                 f"{', '.join([*PARSERS, *TOKENIZER_POSTS])}", 404)
+    def post(self) -> None:
+        if self.path in TOKENIZER_POSTS:
+            self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
+        elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
-        except BadRequest as e:
-            self.send_json(e.status, error_body(e))
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        except Exception as e:  # noqa: BLE001 - a bug here: this request's 500 (or its stream cut), the server goes on
-            traceback.print_exc()
-            self.close_connection = True
-            if not self.responded:
-                self.send_json(500, error_body(BadRequest(f"the server failed on this request: {e!r}", 500,
-                                                          "server_error")))
+        else:
+            raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join([*PARSERS, *TOKENIZER_POSTS])}",
+                             404)
 
     def send_response(self, code, message=None):
         self.responded = True
@@ -835,10 +863,11 @@ class Server(http.server.ThreadingHTTPServer):
     """The HTTP server around one EngineLoop. `serve_forever` serves; `close` stops both."""
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False):
+    def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False,
+                 api_key: str | None = None):
         super().__init__(address, Handler)
         self.loop = EngineLoop(engine)
-        self.served, self.verbose, self.started = served, verbose, int(time.time())
+        self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # else: its client went away
@@ -876,6 +905,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=("auto", *TOOL_CALL_FORMATS, "none"), default="auto",
                    help="read a chat reply's tool calls in this family's markup (auto: the one the chat template "
                         "writes; none: refuse requests with tools)")
+    p.add_argument("--api-key", default=os.environ.get("MIXSERVE_API_KEY") or None,
+                   help="refuse requests without `Authorization: Bearer KEY` (but /health and /metrics); "
+                        "default: $MIXSERVE_API_KEY, else none needed")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
     return p
 
@@ -894,7 +926,7 @@ def make_server(argv=None) -> Server:
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
                     min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
-    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests)
+    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key)
 
 
 def reply_format(args, template: ChatTemplate | None) -> ReplyFormat:

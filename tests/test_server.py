@@ -349,11 +349,11 @@ GLM_REPLY = "Look it up.</think>Checking.<tool_call>get_weather<arg_key>city</ar
 
 
 @contextlib.contextmanager
-def scripted_server(template: str, reply: str, **parsers):
+def scripted_server(template: str, reply: str, api_key: str | None = None, **parsers):
     chat_template = mixserve.chat.ChatTemplate({"default": template})
     flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
     served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, server.reply_format(flags, chat_template))
-    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served))
+    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key))
     try:
         yield s
     finally:
@@ -389,6 +389,30 @@ def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template
         status, again = post(s, {"messages": history, "tools": TOOLS, "return_token_ids": True}, CHAT)
         markup = reply[reply.index("<|tool_calls" if template is KIMI_TEMPLATE else "<tool_call>"):]
         assert markup in ByteTokenizer().decode(again["choices"][0]["prompt_token_ids"]), again
+
+
+def test_an_api_key_guards_all_but_health_and_metrics(monkeypatch):
+    def ask(s, method, path, key=None, body=None):
+        with contextlib.closing(connect(s)) as c:
+            c.request(method, path, None if body is None else json.dumps(body),
+                      {} if key is None else {"Authorization": f"Bearer {key}"})
+            r = c.getresponse()
+            return r.status, r.read()
+
+    with scripted_server(KIMI_TEMPLATE, "hi", api_key="sesame") as s:
+        for key in (None, "open", "sesame "):
+            assert ask(s, "POST", CHAT, key, {"messages": ASK})[0] == 401
+            status, text = ask(s, "GET", "/v1/models", key)
+            assert status == 401 and b"Authorization: Bearer KEY" in text
+        assert ask(s, "POST", CHAT, "sesame", {"messages": ASK})[0] == 200
+        assert ask(s, "GET", "/v1/models", "sesame")[0] == 200
+        assert ask(s, "GET", "/health")[0] == 200
+        status, text = ask(s, "GET", "/metrics")  # no key asked; a scripted engine has no scheduler to report
+        assert status == 500 and b"'Scripted' object has no attribute 'scheduler'" in text
+    monkeypatch.setenv("MIXSERVE_API_KEY", "from-env")
+    assert server.build_parser().parse_args([]).api_key == "from-env"
+    monkeypatch.setenv("MIXSERVE_API_KEY", "")
+    assert server.build_parser().parse_args([]).api_key is None
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
