@@ -25,7 +25,9 @@ from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
+from mixserve.chat import ChatTemplateError
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
+from mixserve.replies import ReplyFormat, ReplyParser
 from mixserve.tokenizer import ByteTokenizer
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
@@ -152,6 +154,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens per prompt: the model's end tokens "
                    "do not end a request (a benchmark's fixed output length)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
+    p.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered through the model's "
+                   "chat template (ending with the assistant's header); its reply is read for <think> reasoning")
 
 
 def with_weights(model, choice: str):
@@ -179,7 +183,16 @@ def main(argv=None) -> dict:
     # The sampling and stop flags are every request's: values no request may take are a usage error.
     if why := setup.engine.options_reason(**request_options(args)):
         parser.error(why)
-    return serve(args, backend, mesh, setup)
+    texts = args.prompt or DEFAULT_PROMPTS
+    if args.chat:
+        if setup.model.chat_template is None:
+            parser.error(f"--chat renders prompts through the model's chat template, and {args.model} has none")
+        try:
+            texts = [setup.model.chat_template.render([{"role": "user", "content": t}], add_generation_prompt=True)
+                     for t in texts]
+        except ChatTemplateError as e:
+            parser.error(f"--chat: {e}")
+    return serve(args, backend, mesh, setup, texts)
 
 
 def start(parser: argparse.ArgumentParser, args, progress: bool) -> tuple[str, object, Setup]:
@@ -268,8 +281,8 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
     return Setup(model, prefill_model, decode_model, engine, engine, engine)
 
 
-def serve(args, backend: str, mesh, setup: Setup) -> dict:
-    """Serve the prompts and report (printed, or as JSON)."""
+def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
+    """Serve the prompts' texts and report (printed, or as JSON)."""
     model, prefill_model, decode_model = setup.model, setup.prefill_model, setup.decode_model
     engine, prefiller, decoder = setup.engine, setup.prefiller, setup.decoder
     tp, budget, random_weights = args.tensor_parallel, args.kv_memory, args.model in TINY_PRESETS
@@ -280,7 +293,7 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
     if two_sets:
         weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
-    prompts = [model.tokenizer.encode(p) for p in (args.prompt or DEFAULT_PROMPTS)]
+    prompts = [model.tokenizer.encode(t) for t in texts]
     t0 = time.perf_counter()
     results = engine.generate(prompts, **request_options(args))
     wall = time.perf_counter() - t0
@@ -323,6 +336,14 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
             for p, r in zip(prompts, results)
         ],
     }
+    if args.chat:  # each reply read as /v1/chat/completions reads it
+        fmt = ReplyFormat.detect(list(model.chat_template.templates.values()))
+        for text, r in zip(texts, report["requests"]):
+            if fmt.reasoning:
+                reply = ReplyParser.for_request(fmt, text, None).parse(r["text"], final=True)
+                r["reasoning_content"], r["content"] = reply.reasoning or None, reply.content
+            else:
+                r["reasoning_content"], r["content"] = None, r["text"]
     if args.disaggregate:
         report["disaggregated"] = {
             "prefill_devices": sorted(str(d) for d in jax.tree.leaves(prefiller.runner.pools)[0].devices()),
@@ -359,9 +380,11 @@ def serve(args, backend: str, mesh, setup: Setup) -> dict:
         print(f"sampling: temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, min_p {s['min_p']}, seed {s['seed']} "
               f"(--seed {s['seed']} repeats this run)")
     for i, r in enumerate(report["requests"]):
-        shown = r["tokens"] if random_weights else repr(r["text"])
+        shown = r["tokens"] if random_weights else repr(r["content"] if args.chat else r["text"])
         why = r["reason"] or (r["stop_reason"] is not None and f"stopped by {r['stop_reason']!r}")
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({why})" if why else ""))
+        if args.chat and r["reasoning_content"] and not random_weights:
+            print(f"    reasoning: {r['reasoning_content']!r}")
         if r["prompt_logprobs"] and len(r["prompt_logprobs"]) > 1:
             print(f"    prompt: {perplexity(r['prompt_logprobs'][1:])} over its last {len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 import hf_reference as ref
 import mixserve
+from mixserve import run
 from mixserve.chat import ChatTemplate, ChatTemplateError
 from mixserve.quantize import plan_for, quantize_checkpoint
 from mixserve.tokenizer import HFTokenizer
@@ -250,3 +251,24 @@ def test_a_quantized_copy_keeps_the_checkpoints_templates(tmp_path):
     quantize_checkpoint(str(src), str(tmp_path / "int4"), plan_for(WeightFormat("int4", 32), "experts"))
     template = mixserve.load(str(tmp_path / "int4"), dtype="float32", progress=False).chat_template
     assert template == ChatTemplate.from_dir(str(src)) and sorted(template.templates) == ["default", "tool_use"]
+
+
+def test_run_chat_renders_each_prompt_as_a_users_message(tmp_path, capsys):
+    """`mixserve.run --chat`: the prompt is the template's rendering of one user message; the reply
+    is read for reasoning as the server reads it; a model without a template is a usage error."""
+    path = tmp_path / "model"
+    ref.save(ref.build("glm4-plain", vocab_size=400), path)  # the tokenizer's
+    write_checkpoint(path, GLM_STYLE)
+    flags = ["--model", str(path), "--max-new-tokens", "3", "--json", "--kv-memory", "64KiB"]
+    report = run.main([*flags, "--chat", "--prompt", "weather in Paris?"])
+    (r,) = report["requests"]
+    rendered = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
+        [{"role": "user", "content": "weather in Paris?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert r["prompt_tokens"] == len(rendered) and r["status"] == "ok"
+    assert r["content"] == r["text"].strip() or r["reasoning_content"] is not None  # GLM's template writes </think>
+    plain = run.main([*flags, "--prompt", "weather in Paris?"])["requests"][0]
+    assert plain["prompt_tokens"] < len(rendered) and "content" not in plain
+    os.remove(path / "tokenizer_config.json")
+    with pytest.raises(SystemExit):
+        run.main([*flags, "--chat"])
+    assert "has none" in capsys.readouterr().err
