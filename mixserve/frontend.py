@@ -40,7 +40,7 @@ class Frontend:
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> int:
+               prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -52,11 +52,13 @@ class Frontend:
         Result's stop_reason says which). logprobs=n: each token's log-probability and rank, and
         the n likeliest tokens (n <= the engine's max_logprobs), in its Updates and Result.
         prompt_logprobs=n: the same for each prompt token after the first, from the prefill that
-        computes it (the request then shares no cached prefix), in its first Update and Result."""
+        computes it (the request then shares no cached prefix), in its first Update and Result.
+        logit_bias: token id -> a number in [-100, 100] added to its logit before sampling, greedy
+        included (OpenAI's; at most MAX_LOGIT_BIAS ids); logprobs stay the model's own."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs).rid
+                            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -94,7 +96,8 @@ class Frontend:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Result]:
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 logit_bias: dict[int, float] | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -103,7 +106,7 @@ class Frontend:
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
-                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

@@ -253,7 +253,7 @@ class ModelRunner:
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
         it would have; speculative decoding draws them otherwise, from the same distribution) and
-        whether it wants logprobs. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        whether it wants logprobs, and its logit bias. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
         for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token, a temperature past float32's
             # largest samples as uniformly: the clamps keep them in int32 and float32
@@ -262,6 +262,9 @@ class ModelRunner:
             s.min_p_B[row] = r.min_p
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
             s.logprobs_B[row] = r.logprobs is not None
+            if r.logit_bias:
+                s.bias_ids_BK[row, :len(r.logit_bias)] = list(r.logit_bias)
+                s.bias_BK[row, :len(r.logit_bias)] = list(r.logit_bias.values())
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:

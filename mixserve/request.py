@@ -13,6 +13,8 @@ import numpy as np
 
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
+MAX_LOGIT_BIAS = 300  # tokens one request may bias: the sampling argument of the steps has this fixed width
+
 
 class TokenLogprobs(NamedTuple):
     """A generated token's log-probability under the model's own distribution (before temperature,
@@ -68,6 +70,7 @@ class Request:
     stop: tuple[str, ...] = ()  # stop strings: it finishes once its decoded output contains one
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: dict | None = None  # token id -> a number added to its logit before sampling (greedy too)
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
@@ -153,6 +156,19 @@ def _finite(v) -> bool:
         return False
 
 
+def logit_bias_reason(bias, vocab_size: int) -> str | None:
+    """OpenAI's rule: up to MAX_LOGIT_BIAS token ids, each biased by a number in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab_size
+            and isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and _finite(v)
+            and -100 <= v <= 100 for t, v in bias.items()):
+        return (f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids in [0, {vocab_size}) to numbers in "
+                f"[-100, 100], got {bias!r}")
+    return None
+
+
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
                   max_logprobs: int, has_tokenizer: bool, prompt_only: bool = False) -> str | None:
     """Why this request can never be served (None if it can): checked before it is queued.
@@ -188,6 +204,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         n = getattr(req, name)
         if n is not None and (not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 0 <= n <= max_logprobs):
             return f"{name} must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
+    if why := logit_bias_reason(req.logit_bias, vocab_size):
+        return why
     if req.temperature < 0 or not 0 < req.top_p <= 1 or not 0 <= req.min_p <= 1:
         return (f"need temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, got {req.temperature}, {req.top_p}, "
                 f"{req.min_p}")

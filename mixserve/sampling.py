@@ -1,5 +1,6 @@
-"""Per-row sampling inside the jitted steps: greedy, temperature, min-p, top-k, top-p (vLLM's
-order), with each row's key derived in the step from (seed, request index, token index)."""
+"""Per-row sampling inside the jitted steps: a logit bias, then greedy, or temperature, min-p,
+top-k, top-p (vLLM's order), with each row's key derived in the step from (seed, request index,
+token index)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from mixserve.request import MAX_LOGIT_BIAS
 
 
 class Sampling(NamedTuple):
@@ -17,24 +20,42 @@ class Sampling(NamedTuple):
     min_p_B: jax.Array  # float32 in [0, 1]; 0 = every token
     key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
     logprobs_B: jax.Array  # bool: the row's request asked for logprobs
+    bias_ids_BK: jax.Array  # int32 token ids whose logits get bias_BK added (K = MAX_LOGIT_BIAS; 0-padded)
+    bias_BK: jax.Array  # float32; 0 past a row's own entries
 
     @classmethod
     def greedy(cls, batch: int, xp=jnp) -> "Sampling":
         """Every row greedy, no logprobs, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
-                   xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool))
+                   xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool),
+                   xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32))
+
+
+def add_logit_bias(logits_BV, s: Sampling):
+    """The logits with each row's logit bias added (OpenAI's logit_bias: greedy rows too)."""
+    rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
+    return logits_BV.at[rows_B1, s.bias_ids_BK].add(s.bias_BK.astype(logits_BV.dtype))
+
+
+def slow_path(s: Sampling):
+    """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias. The
+    common step (all greedy, no bias) skips the bias's scatter and the sampling; a greedy step with
+    a bias takes the sampling branch (on CPU, B=64, V=163840, logits made in the step: 280 ms, as a
+    step with one sampled row; all greedy 31 ms; interleaved medians of 30)."""
+    return jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0)
 
 
 def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
-    what is left (vLLM's order), per row. The key is folded here, in the step, so the decode loop
-    makes no per-request host calls."""
+    what is left (vLLM's order), per row, after the logit bias. The key is folded here, in the
+    step, so the decode loop makes no per-request host calls."""
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    # A step whose rows are all greedy skips the sort over the vocabulary (lax.cond runs one branch).
-    return jax.lax.cond(jnp.any(s.temperature_B > 0), _sampled, lambda _logits, _s, g: g, logits_BV, s, greedy)
+    return jax.lax.cond(slow_path(s), _sampled, lambda _logits, _s, g: g, logits_BV, s, greedy)
 
 
-def _sampled(logits_BV, s: Sampling, greedy_B):
+def _sampled(logits_BV, s: Sampling, _raw_greedy_B):
+    logits_BV = add_logit_bias(logits_BV, s)
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     choice_B = jax.vmap(jax.random.categorical)(sampling_keys(s), sampling_logits(logits_BV, s))
     return jnp.where(s.temperature_B > 0, choice_B.astype(jnp.int32), greedy_B)
 

@@ -50,10 +50,11 @@ SAMPLING_FIELDS = {
     "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 0), "min_p": ("min_p", 0.0),
     "seed": ("seed", None), "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", ()),
     "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
+    "logit_bias": ("logit_bias", None),
 }
 # Fields served only at their default: another value asks for what this server does not compute,
 # and is refused rather than dropped unsaid.
-PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": None}
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
                  "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
@@ -94,6 +95,8 @@ class Endpoint:
                    for name, (keyword, default) in SAMPLING_FIELDS.items()}
         if isinstance(options["stop_token_ids"], list):
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
+        if isinstance(bias := options["logit_bias"], dict):  # JSON keys are strings: the token ids as text
+            options["logit_bias"] = {int(k) if k.isdecimal() else k: v for k, v in bias.items()}
         return options
 
 

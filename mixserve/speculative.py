@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixserve.sampling import Sampling, sampling_keys, sampling_logits
+from mixserve.sampling import Sampling, add_logit_bias, sampling_keys, sampling_logits, slow_path
 
 
 def per_position(s: Sampling, J: int) -> Sampling:
@@ -37,14 +37,15 @@ def per_position(s: Sampling, J: int) -> Sampling:
     the key of token index (its token count) + j: the key plain decode would use for that token."""
     rep = lambda a: jnp.repeat(a, J, axis=0)
     keys = rep(s.key_ints_B3).at[:, 2].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), s.key_ints_B3.shape[0]))
-    return Sampling(rep(s.temperature_B), rep(s.top_p_B), rep(s.top_k_B), rep(s.min_p_B), keys, rep(s.logprobs_B))
+    return s._replace(**{name: rep(a) for name, a in s._asdict().items() if name != "key_ints_B3"}, key_ints_B3=keys)
 
 
 def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     """logits_RJV: the model's (raw) logits at each verified position j of each request; drafts_RK
     (K = J - 1): the guess for the token after position j; n_drafts_R: how many of them are real;
     s_X: per_position(sampling, J). Returns (accepted_R: leading drafts kept, tokens_RJ: the
-    tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler)."""
+    tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler). Each row's logit bias
+    is applied first."""
     R, J, V = logits_RJV.shape
     logits_XV = logits_RJV.reshape(R * J, V)
     draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
@@ -52,8 +53,10 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     greedy_X = jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
     sampled_X = s_X.temperature_B > 0
 
-    def sampled(_):
-        draw_XV = sampling_logits(logits_XV, s_X)
+    def sampled(_):  # or greedy with a logit bias
+        biased_XV = add_logit_bias(logits_XV, s_X)
+        greedy_X = jnp.argmax(biased_XV, axis=-1).astype(jnp.int32)
+        draw_XV = sampling_logits(biased_XV, s_X)
         p_draft_X = jnp.take_along_axis(jax.nn.softmax(draw_XV, axis=-1), draft_X[:, None], axis=-1)[:, 0]
         keys = sampling_keys(s_X)
         u_X = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
@@ -67,7 +70,7 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     def greedy(_):
         return greedy_X == draft_X, greedy_X
 
-    kept_X, replacement_X = jax.lax.cond(jnp.any(sampled_X), sampled, greedy, None)
+    kept_X, replacement_X = jax.lax.cond(slow_path(s_X), sampled, greedy, None)
     kept_RJ = (kept_X & has_draft_X).reshape(R, J)
     accepted_R = jnp.sum(jnp.cumprod(kept_RJ, axis=1), axis=1).astype(jnp.int32)
     position_J = jnp.arange(J)[None, :]

@@ -655,10 +655,10 @@ def test_sampled_frequencies_follow_temperature_min_p_top_k_then_top_p(top_k, to
     logits = np.array([1.0, 2.5, -0.5, 2.0, 0.3, 1.6], np.float32)
     temperatures = jnp.full(n + greedy_rows, temperature, jnp.float32).at[n:].set(0.0)  # mixed in one call
     n += greedy_rows
-    sampling = Sampling(temperatures, jnp.full(n, top_p, jnp.float32),
-                        jnp.full(n, max(top_k, 0), jnp.int32), jnp.full(n, min_p, jnp.float32),
-                        jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1),
-                        jnp.zeros(n, bool))
+    sampling = Sampling.greedy(n)._replace(
+        temperature_B=temperatures, top_p_B=jnp.full(n, top_p, jnp.float32), top_k_B=jnp.full(n, max(top_k, 0), jnp.int32),
+        min_p_B=jnp.full(n, min_p, jnp.float32),
+        key_ints_B3=jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1))
     tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
     assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
     want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)
@@ -886,3 +886,24 @@ def test_dsa_choosing_every_token_takes_the_dense_kernel():
     dense = engine(dataclasses.replace(glm5, backend="interpret"), attention_backend="interpret", **kw)
     assert [r.tokens for r in dense.generate(ps, max_new_tokens=4)] == [r.tokens for r in ref]
     assert all(r.status == "ok" for r in ref)
+
+
+def test_a_logit_bias_moves_greedy_and_sampled_picks_and_leaves_logprobs_the_models():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = prompts(6)[:2]
+    e = engine(model)
+    plain = e.generate(ps, max_new_tokens=1, logprobs=2)
+    first = [r.tokens[0] for r in plain]
+    away = e.generate(ps, max_new_tokens=1, logprobs=2, logit_bias={t: -100 for t in first})
+    for p, a in zip(plain, away):  # the likeliest barred: the runner-up, at the model's own logprob
+        assert a.tokens[0] == p.logprobs[0].top[1][0] and a.logprobs[0].logprob == pytest.approx(p.logprobs[0].top[1][1])
+        assert a.logprobs[0].rank == 2
+    for temperature in (0.0, 1.5):
+        assert all(r.tokens == [9] * NEW for r in e.generate(ps, max_new_tokens=NEW, temperature=temperature, seed=1,
+                                                             logit_bias={9: 100}))
+    assert [r.tokens for r in e.generate(ps, max_new_tokens=NEW, logit_bias={})] == \
+        [r.tokens for r in e.generate(ps, max_new_tokens=NEW)]
+    V = model.config.vocab_size
+    for bias in ({V: 1}, {-1: 1}, {1: 100.5}, {1: float("nan")}, {1: True}, [(1, 1)], {i: 1 for i in range(301)}):
+        (r,) = e.generate(ps[:1], max_new_tokens=2, logit_bias=bias)
+        assert r.status == "rejected" and "logit_bias must map at most 300 token ids" in r.reason, bias

@@ -213,6 +213,14 @@ def test_tokenize_and_detokenize_are_the_completion_endpoints_encoding(srv):
         assert status == 400 and message in error["error"]["message"], (bad, error)
 
 
+def test_a_logit_bias_is_served_by_token_id(srv):
+    for path, body in (("/v1/completions", greedy(max_tokens=4)), (CHAT, chat(max_tokens=4))):
+        for temperature in (0, 1.0):
+            status, out = post(srv, {**body, "temperature": temperature, "logit_bias": {"65": 100}}, path)
+            (choice,) = out["choices"]
+            assert status == 200 and choice.get("text", choice.get("message", {}).get("content")) == "AAAA", out
+
+
 def test_n_samples_are_the_requests_seeded_one_apart(srv):
     """vLLM's rule: with a seed, choice j samples as one request with seed + j; a list of prompts
     gets n choices each, prompt i's j-th at index i * n + j; each prompt's tokens count once."""
@@ -489,7 +497,8 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"prompt": "x", "n": True}, 400, "n must be an integer"),
     ({"prompt": [[1], [1, -1]], "n": 3}, 400, "prompt 1: token ids outside the vocabulary"),
     ({"prompt": "x", "echo": 1}, 400, "echo must be bool"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias must map at most 300 token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias must map"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
     ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),

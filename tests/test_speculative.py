@@ -445,3 +445,17 @@ def test_integrity_check_aborts_only_the_affected_requests_of_a_speculative_step
             assert h.status == "aborted" and "tag" in h.reason and h.tokens == c.tokens[:len(h.tokens)], h.reason
         else:
             assert h.status == "ok" and h.tokens == c.tokens
+
+
+def test_speculative_decoding_applies_the_logit_bias_as_plain_decoding_does():
+    """Verification picks and accepts drafts on the biased logits: greedy, the plain tokens."""
+    model = mixserve.load("tiny-kimi", dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size)
+    unbiased = _engine(model).generate(prompts, max_new_tokens=16)
+    common = max(range(model.config.vocab_size), key=lambda t: sum(r.tokens.count(t) for r in unbiased))
+    request = dict(max_new_tokens=16, logit_bias={common: -100, 5: 3.0})
+    plain = _engine(model).generate(prompts, **request)
+    assert [r.tokens for r in plain] != [r.tokens for r in unbiased] and all(common not in r.tokens for r in plain)
+    for k in (1, 3):
+        assert [r.tokens for r in _engine(model, speculative_tokens=k).generate(prompts, **request)] == \
+            [r.tokens for r in plain], k
