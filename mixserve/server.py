@@ -310,8 +310,7 @@ class Completion:
         """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
         seeded request's j-th has seed + j (vLLM's rule), so that its n samples differ and repeat."""
         seed = self.options["seed"]
-        seeded = isinstance(seed, int) and not isinstance(seed, bool)  # else the engine refuses it, by name
-        return Call([(p, {**self.options, "seed": seed + j} if seeded else self.options)
+        return Call([(p, {**self.options, "seed": seed + j} if counts(seed) else self.options)  # else refused by name
                      for p in self.prompts for j in range(self.n)], self.n)
 
 
@@ -353,12 +352,13 @@ MAX_N = 128  # OpenAI's limit on n
 
 def choices_per_prompt(body: dict) -> int:
     n = 1 if body.get("n") is None else body["n"]
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+    if not counts(n) or not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r}")
     return n
 
 
 def counts(*values) -> bool:
+    """Whether each value is an integer (JSON's true and false are not)."""
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 

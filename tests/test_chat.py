@@ -19,6 +19,7 @@ import mixserve
 from mixserve import run
 from mixserve.chat import ChatTemplate, ChatTemplateError
 from mixserve.quantize import plan_for, quantize_checkpoint
+from mixserve.replies import ReplyFormat, ReplyParser
 from mixserve.tokenizer import HFTokenizer
 from models.weights import WeightFormat
 
@@ -262,10 +263,13 @@ def test_run_chat_renders_each_prompt_as_a_users_message(tmp_path, capsys):
     flags = ["--model", str(path), "--max-new-tokens", "3", "--json", "--kv-memory", "64KiB"]
     report = run.main([*flags, "--chat", "--prompt", "weather in Paris?"])
     (r,) = report["requests"]
+    ours_text = ChatTemplate.from_dir(str(path)).render([{"role": "user", "content": "weather in Paris?"}],
+                                                        add_generation_prompt=True)
     rendered = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(
         [{"role": "user", "content": "weather in Paris?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
     assert r["prompt_tokens"] == len(rendered) and r["status"] == "ok"
-    assert r["content"] == r["text"].strip() or r["reasoning_content"] is not None  # GLM's template writes </think>
+    read = ReplyParser.for_request(ReplyFormat(reasoning=True), ours_text, None).parse(r["text"], final=True)
+    assert (r["content"], r["reasoning_content"]) == (read.content, read.reasoning or None)  # it writes </think>
     plain = run.main([*flags, "--prompt", "weather in Paris?"])["requests"][0]
     assert plain["prompt_tokens"] < len(rendered) and "content" not in plain
     os.remove(path / "tokenizer_config.json")
