@@ -20,12 +20,12 @@ import jax
 import mixserve
 import pallas_kernels
 from mixserve import sharding
+from mixserve.chat import ChatTemplateError
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
-from mixserve.chat import ChatTemplateError
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
 from mixserve.replies import ReplyFormat, ReplyParser
 from mixserve.tokenizer import ByteTokenizer

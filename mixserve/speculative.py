@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixserve.sampling import Sampling, add_logit_bias, sampling_keys, sampling_logits, slow_path
+from mixserve.sampling import Sampling, add_logit_bias, greedy_tokens, sampling_keys, sampling_logits, slow_path
 
 
 def per_position(s: Sampling, J: int) -> Sampling:
@@ -50,12 +50,11 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     logits_XV = logits_RJV.reshape(R * J, V)
     draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
     has_draft_X = (jnp.arange(J)[None, :] < n_drafts_R[:, None]).reshape(-1)
-    greedy_X = jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
     sampled_X = s_X.temperature_B > 0
 
     def sampled(_):  # or greedy with a logit bias
         biased_XV = add_logit_bias(logits_XV, s_X)
-        greedy_X = jnp.argmax(biased_XV, axis=-1).astype(jnp.int32)
+        greedy_X = greedy_tokens(biased_XV)
         draw_XV = sampling_logits(biased_XV, s_X)
         p_draft_X = jnp.take_along_axis(jax.nn.softmax(draw_XV, axis=-1), draft_X[:, None], axis=-1)[:, 0]
         keys = sampling_keys(s_X)
@@ -68,6 +67,7 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         return jnp.where(sampled_X, u_X < p_draft_X, greedy_X == draft_X), jnp.where(sampled_X, drawn_X, greedy_X)
 
     def greedy(_):
+        greedy_X = greedy_tokens(logits_XV)
         return greedy_X == draft_X, greedy_X
 
     kept_X, replacement_X = jax.lax.cond(slow_path(s_X), sampled, greedy, None)
