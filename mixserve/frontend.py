@@ -40,7 +40,8 @@ class Frontend:
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None) -> int:
+               prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
+               repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -54,11 +55,17 @@ class Frontend:
         prompt_logprobs=n: the same for each prompt token after the first, from the prefill that
         computes it (the request then shares no cached prefix), in its first Update and Result.
         logit_bias: token id -> a number in [-100, 100] added to its logit before sampling, greedy
-        included (OpenAI's; at most MAX_LOGIT_BIAS ids); logprobs stay the model's own."""
+        included (OpenAI's; at most MAX_LOGIT_BIAS ids); logprobs stay the model's own.
+        Then the penalties, as vLLM applies them, greedy included: a token of the prompt or output
+        has its logit divided by repetition_penalty (> 0; 1: off) where positive, multiplied
+        where not; a token of the output loses frequency_penalty (in [-2, 2]) per occurrence and
+        presence_penalty (in [-2, 2]) once. logprobs stay the model's own."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias).rid
+                            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -97,7 +104,8 @@ class Frontend:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None) -> list[Result]:
+                 logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -106,7 +114,9 @@ class Frontend:
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
-                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias)
+                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                       repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                       presence_penalty=presence_penalty)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

@@ -253,11 +253,16 @@ class ModelRunner:
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
         it would have; speculative decoding draws them otherwise, from the same distribution) and
-        whether it wants logprobs, and its logit bias. reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
-        s = Sampling.greedy(batch, np)  # numpy: a device array read back here would wait for the last call
-        for r, row in zip(reqs, rows):  # top_k >= vocab keeps every token, a temperature past float32's
-            # largest samples as uniformly: the clamps keep them in int32 and float32
-            s.temperature_B[row] = min(r.temperature, float(np.finfo(np.float32).max))
+        whether it wants logprobs, its logit bias and its penalties, with the token counts they read
+        (as many columns as the most distinct tokens a penalized request holds, a power of two:
+        `penalty_width`). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        counts = [r.token_counts() if r.penalized else {} for r in reqs]
+        s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))  # numpy: a device
+        # array read back here would wait for the last call
+        largest = float(np.finfo(np.float32).max)
+        for r, row, seen in zip(reqs, rows, counts):  # top_k >= vocab keeps every token, a temperature (or
+            # repetition penalty) past float32's largest acts as its largest: the clamps keep them in int32 and float32
+            s.temperature_B[row] = min(r.temperature, largest)
             s.top_p_B[row], s.top_k_B[row] = r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.min_p_B[row] = r.min_p
             s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
@@ -265,6 +270,11 @@ class ModelRunner:
             if r.logit_bias:
                 s.bias_ids_BK[row, :len(r.logit_bias)] = list(r.logit_bias)
                 s.bias_BK[row, :len(r.logit_bias)] = list(r.logit_bias.values())
+            if seen:
+                s.repetition_B[row] = min(r.repetition_penalty, largest)
+                s.frequency_B[row], s.presence_B[row] = r.frequency_penalty, r.presence_penalty
+                s.seen_ids_BU[row, :len(seen)] = list(seen)
+                s.output_counts_BU[row, :len(seen)] = list(seen.values())
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
@@ -485,6 +495,13 @@ def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int)
     """Page-table columns a step attends over when its longest row ends at `tokens` tokens: a
     power of two of pages covering max(tokens, min_tokens), at most the whole table."""
     return _power_of_two_at_least(-(-max(tokens, min_tokens) // page_size), max_pages)
+
+
+def penalty_width(tokens: int) -> int:
+    """Columns of a step's penalty token lists when its most varied penalized request holds `tokens`
+    distinct tokens: 0 when none is penalized, else a power of two >= max(tokens, 64), so a
+    request's growing output compiles a new step only when it doubles its distinct tokens."""
+    return 0 if tokens == 0 else _power_of_two_at_least(max(tokens, 64), 1 << 31)
 
 
 def step_rows(requests: int, max_batch: int, min_rows: int) -> int:

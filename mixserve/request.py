@@ -71,6 +71,9 @@ class Request:
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: dict | None = None  # token id -> a number added to its logit before sampling (greedy too)
+    repetition_penalty: float = 1.0  # > 0: prompt and output tokens' logits divided (> 0) or multiplied (<= 0) by it
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted from a token's logit for each time it is in the output
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of a token in the output
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
@@ -88,6 +91,9 @@ class Request:
     result: Result | None = None  # set once: finished, aborted or rejected
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (Result.stop_reason)
     output_text: IncrementalDecoder | None = None  # out decoded, kept while it has stop strings to find
+    # penalized: each prompt and output token -> its count in out[:_counted] (token_counts)
+    _counts: dict[int, int] | None = dataclasses.field(default=None, repr=False)
+    _counted: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -98,6 +104,21 @@ class Request:
         """It asked for prompt logprobs and prefill has not computed them all yet: it must compute
         its whole prompt (no shared prefix pages)."""
         return self.prompt_logprobs is not None and len(self.out_prompt_logprobs) < len(self.prompt) - 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    def token_counts(self) -> dict[int, int]:
+        """Each distinct token of the prompt and output -> how often the output holds it (0: the
+        prompt only), what the penalties read. Kept up to date as tokens arrive (out only grows),
+        so a step reads it in time proportional to the distinct tokens, not to the sequence."""
+        if self._counts is None:
+            self._counts = dict.fromkeys(map(int, self.prompt), 0)
+        for t in self.out[self._counted:]:
+            self._counts[t] = self._counts.get(t, 0) + 1
+        self._counted = len(self.out)
+        return self._counts
 
     def reported_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         """Result.prompt_logprobs: None for the first prompt token, then those computed so far."""
@@ -184,7 +205,7 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
     if not isinstance(req.max_new_tokens, (int, np.integer)) or isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
         return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         v = getattr(req, name)
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):
             return f"{name} must be a finite number, got {v!r}"
@@ -206,6 +227,9 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
             return f"{name} must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
     if why := logit_bias_reason(req.logit_bias, vocab_size):
         return why
+    if req.repetition_penalty <= 0 or not -2 <= req.frequency_penalty <= 2 or not -2 <= req.presence_penalty <= 2:
+        return (f"need repetition_penalty > 0 and frequency_penalty, presence_penalty in [-2, 2] (vLLM's and "
+                f"OpenAI's ranges), got {req.repetition_penalty}, {req.frequency_penalty}, {req.presence_penalty}")
     if req.temperature < 0 or not 0 < req.top_p <= 1 or not 0 <= req.min_p <= 1:
         return (f"need temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, got {req.temperature}, {req.top_p}, "
                 f"{req.min_p}")

@@ -144,6 +144,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of likeliest tokens with this mass")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 or -1: all)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divide (positive) or multiply (negative) "
+                   "the logits of the prompt's and output's tokens by this (> 0; 1 = off), greedy included (vLLM's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this from a token's logit for each "
+                   "time the output holds it (in [-2, 2])")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once from the logit of a token "
+                   "the output holds (in [-2, 2])")
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
     p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
                    "and this many likeliest tokens (the model's distribution, before sampling)")
@@ -239,7 +245,9 @@ def request_options(args) -> dict:
     """The per-request options the flags give every prompt (Frontend.submit's keywords)."""
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty)
 
 
 @dataclasses.dataclass
@@ -312,7 +320,8 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "kv_scales": "checkpoint" if decoder.kv_scales_from_checkpoint else "1",
         "integrity": args.integrity,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                     "seed": results[0].seed},
+                     "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+                     "presence_penalty": args.presence_penalty, "seed": results[0].seed},
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,

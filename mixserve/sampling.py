@@ -1,6 +1,6 @@
-"""Per-row sampling inside the jitted steps: a logit bias, then greedy, or temperature, min-p,
-top-k, top-p (vLLM's order), with each row's key derived in the step from (seed, request index,
-token index)."""
+"""Per-row sampling inside the jitted steps: a logit bias and the repetition, frequency and
+presence penalties, then greedy, or temperature, min-p, top-k, top-p (vLLM's order), with each
+row's key derived in the step from (seed, request index, token index)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mixserve.request import MAX_LOGIT_BIAS
+
+NO_TOKEN = np.iinfo(np.int32).max  # pads seen_ids_BU: past any vocabulary, so gathers fill and scatters drop it
 
 
 class Sampling(NamedTuple):
@@ -22,13 +25,23 @@ class Sampling(NamedTuple):
     logprobs_B: jax.Array  # bool: the row's request asked for logprobs
     bias_ids_BK: jax.Array  # int32 token ids whose logits get bias_BK added (K = MAX_LOGIT_BIAS; 0-padded)
     bias_BK: jax.Array  # float32; 0 past a row's own entries
+    repetition_B: jax.Array  # float32 > 0; 1 = off (vLLM's repetition_penalty)
+    frequency_B: jax.Array  # float32; 0 = off (OpenAI's frequency_penalty)
+    presence_B: jax.Array  # float32; 0 = off (OpenAI's presence_penalty)
+    # Each penalized row's distinct prompt and output tokens (NO_TOKEN-padded) and how often each
+    # occurs in its output (0: the prompt only). U, a power of two, is 0 when no row is penalized.
+    seen_ids_BU: jax.Array  # int32
+    output_counts_BU: jax.Array  # int32
 
     @classmethod
-    def greedy(cls, batch: int, xp=jnp) -> "Sampling":
-        """Every row greedy, no logprobs, in jnp or (xp=np: host arrays, no wait on the device) numpy."""
+    def greedy(cls, batch: int, xp=jnp, seen: int = 0) -> "Sampling":
+        """Every row greedy, no logprobs, no penalty, in jnp or (xp=np: host arrays, no wait on the
+        device) numpy; `seen`: the width U of the penalties' token lists."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
                    xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool),
-                   xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32))
+                   xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32),
+                   xp.ones(batch, xp.float32), xp.zeros(batch, xp.float32), xp.zeros(batch, xp.float32),
+                   xp.full((batch, seen), NO_TOKEN, xp.int32), xp.zeros((batch, seen), xp.int32))
 
 
 def add_logit_bias(logits_BV, s: Sampling):
@@ -37,17 +50,49 @@ def add_logit_bias(logits_BV, s: Sampling):
     return logits_BV.at[rows_B1, s.bias_ids_BK].add(s.bias_BK.astype(logits_BV.dtype))
 
 
+def apply_penalties(logits_BV, s: Sampling, drafted_BE=None):
+    """The logits after each row's penalties, as vLLM applies them: a token of the prompt or the
+    output has its logit divided by the repetition penalty where it is positive and multiplied by
+    it elsewhere; then each output token's logit loses frequency x its count, and presence once.
+    Only the row's U listed tokens are gathered, changed and scattered back: nothing [B, V] beyond
+    the logits. drafted_BE: tokens the row's output also holds, beyond its counts (a speculative
+    position's earlier drafts), NO_TOKEN where none. Every entry of one token computes the same
+    value from that token's total count, so a token listed twice (a draft also among the seen)
+    is written twice with one value."""
+    rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
+    ids_BU, counts_BU = s.seen_ids_BU, s.output_counts_BU
+    if drafted_BE is not None:
+        drafted_BE = drafted_BE.astype(jnp.int32)
+        # a draft's count: its count among the seen, if listed there; either list's count: the drafts equal to it
+        counts_BE = jnp.sum(jnp.where(drafted_BE[:, :, None] == ids_BU[:, None, :], counts_BU[:, None, :], 0), axis=-1)
+        ids_BU = jnp.concatenate([ids_BU, drafted_BE], axis=1)
+        counts_BU = jnp.concatenate([counts_BU, counts_BE], axis=1)
+        counts_BU += jnp.sum(ids_BU[:, :, None] == drafted_BE[:, None, :], axis=-1)
+    # Every listed token is seen; NO_TOKEN entries compute from a filled 0 and are dropped.
+    x_BU = logits_BV.at[rows_B1, ids_BU].get(mode="fill", fill_value=0)
+    repetition_B1 = s.repetition_B[:, None].astype(x_BU.dtype)
+    x_BU = jnp.where(x_BU > 0, x_BU / repetition_B1, x_BU * repetition_B1)
+    x_BU = x_BU - (s.frequency_B[:, None] * counts_BU + s.presence_B[:, None] * (counts_BU > 0)).astype(x_BU.dtype)
+    return logits_BV.at[rows_B1, ids_BU].set(x_BU, mode="drop")
+
+
+def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):
+    """What a row picks from: its logit bias added, then its penalties applied (vLLM's order)."""
+    return apply_penalties(add_logit_bias(logits_BV, s), s, drafted_BE)
+
+
 def slow_path(s: Sampling):
-    """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias. The
-    common step (all greedy, no bias) skips the bias's scatter and the sampling; a greedy step with
-    a bias takes the sampling branch (on CPU, B=64, V=163840, logits made in the step: 264 ms, as a
-    step with one sampled row, 268 ms; all greedy 31 ms; interleaved medians of 30)."""
-    return jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0)
+    """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias or a
+    penalty. The common step (all greedy, neither) skips their scatters and the sampling; a greedy
+    step with a bias takes the sampling branch (on CPU, B=64, V=163840, logits made in the step:
+    264 ms, as a step with one sampled row, 268 ms; all greedy 31 ms; interleaved medians of 30)."""
+    return (jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0) | jnp.any(s.repetition_B != 1)
+            | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0))
 
 
 def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
-    what is left (vLLM's order), per row, after the logit bias. The key is folded here, in the
+    what is left (vLLM's order), per row, after the logit bias and penalties. The key is folded here, in the
     step, so the decode loop makes no per-request host calls."""
     return jax.lax.cond(slow_path(s), _sampled, lambda l_BV, _s: greedy_tokens(l_BV), logits_BV, s)
 
@@ -57,7 +102,7 @@ def greedy_tokens(logits_BV):
 
 
 def _sampled(logits_BV, s: Sampling):
-    logits_BV = add_logit_bias(logits_BV, s)
+    logits_BV = adjusted_logits(logits_BV, s)
     greedy_B = greedy_tokens(logits_BV)
     choice_B = jax.vmap(jax.random.categorical)(sampling_keys(s), sampling_logits(logits_BV, s))
     return jnp.where(s.temperature_B > 0, choice_B.astype(jnp.int32), greedy_B)

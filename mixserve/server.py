@@ -50,11 +50,9 @@ SAMPLING_FIELDS = {
     "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 0), "min_p": ("min_p", 0.0),
     "seed": ("seed", None), "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", ()),
     "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
-    "logit_bias": ("logit_bias", None),
+    "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
 }
-# Fields served only at their default: another value asks for what this server does not compute,
-# and is refused rather than dropped unsaid.
-PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
                  "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
@@ -104,11 +102,11 @@ WHY_DEFAULT_ONLY = {"response_format": "mixserve has no constrained decoding",
                     "add_special_tokens": "prompts are encoded as given, as the completion endpoints encode them"}
 # POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's; echo (with logprobs:
 # the prompt's too) is how lm-eval scores multiple choice through this endpoint.
-COMPLETIONS = Endpoint({"best_of": 1, "suffix": None, **PENALTIES},
+COMPLETIONS = Endpoint({"best_of": 1, "suffix": None},
                        {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None, "echo": (bool,)})
 # POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
 # continue_final_message, chat_template_kwargs).
-CHAT_COMPLETIONS = Endpoint({**PENALTIES, "response_format": {"type": "text"}},
+CHAT_COMPLETIONS = Endpoint({"response_format": {"type": "text"}},
                             {**COMMON_FIELDS, "messages": (list,), "max_tokens": None, "max_completion_tokens": None,
                              "tools": (list,), "tool_choice": None, "parallel_tool_calls": (bool,),
                              "logprobs": (bool,), "top_logprobs": None,

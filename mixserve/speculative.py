@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mixserve.sampling import Sampling, add_logit_bias, greedy_tokens, sampling_keys, sampling_logits, slow_path
+from mixserve.sampling import NO_TOKEN, Sampling, adjusted_logits, greedy_tokens, sampling_keys, sampling_logits, slow_path
 
 
 def per_position(s: Sampling, J: int) -> Sampling:
@@ -45,15 +45,20 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     (K = J - 1): the guess for the token after position j; n_drafts_R: how many of them are real;
     s_X: per_position(sampling, J). Returns (accepted_R: leading drafts kept, tokens_RJ: the
     tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler). Each row's logit bias
-    is applied first."""
+    and penalties are applied first, position j's penalties counting drafts 1..j as output (what
+    the output holds there if they are kept), as plain decoding would count them."""
     R, J, V = logits_RJV.shape
     logits_XV = logits_RJV.reshape(R * J, V)
     draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
     has_draft_X = (jnp.arange(J)[None, :] < n_drafts_R[:, None]).reshape(-1)
     sampled_X = s_X.temperature_B > 0
+    K = J - 1
+    before_RJK = (jnp.arange(K)[None, None, :] < jnp.arange(J)[None, :, None]) & \
+        (jnp.arange(K)[None, None, :] < n_drafts_R[:, None, None])
+    drafted_XK = jnp.where(before_RJK, drafts_RK[:, None, :], NO_TOKEN).reshape(R * J, K)
 
-    def sampled(_):  # or greedy with a logit bias
-        biased_XV = add_logit_bias(logits_XV, s_X)
+    def sampled(_):  # or greedy with a logit bias or penalties
+        biased_XV = adjusted_logits(logits_XV, s_X, drafted_XK)
         greedy_X = greedy_tokens(biased_XV)
         draw_XV = sampling_logits(biased_XV, s_X)
         p_draft_X = jnp.take_along_axis(jax.nn.softmax(draw_XV, axis=-1), draft_X[:, None], axis=-1)[:, 0]

@@ -221,6 +221,24 @@ def test_a_logit_bias_is_served_by_token_id(srv):
             assert status == 200 and choice.get("text", choice.get("message", {}).get("content")) == "AAAA", out
 
 
+def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference):
+    """The three penalties through both endpoints: the tokens `mixserve.run` serves with its
+    flags of the same values, other than the unpenalized ones; out of range, a 400 naming them."""
+    penalties = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_penalty": -0.5}
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in penalties.items()]
+    report = run.main([*FLAGS, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--json", *flags])
+    assert report["sampling"]["repetition_penalty"] == 1.5 and report["requests"][0]["tokens"] != reference["tokens"]
+    status, body = post(srv, greedy(return_token_ids=True, **penalties))
+    assert status == 200 and body["choices"][0]["token_ids"] == report["requests"][0]["tokens"], body
+    status, body = post(srv, chat(**penalties), CHAT)
+    assert status == 200 and body["choices"][0]["message"]["content"], body
+    for bad, name in (({"repetition_penalty": 0}, "repetition_penalty > 0"), ({"frequency_penalty": 2.5}, "[-2, 2]"),
+                      ({"presence_penalty": "high"}, "presence_penalty must be a finite number")):
+        for path, request in (("/v1/completions", greedy(**bad)), (CHAT, chat(**bad))):
+            status, error = post(srv, request, path)
+            assert status == 400 and name in error["error"]["message"], (bad, error)
+
+
 def test_n_samples_are_the_requests_seeded_one_apart(srv):
     """vLLM's rule: with a seed, choice j samples as one request with seed + j; a list of prompts
     gets n choices each, prompt i's j-th at index i * n + j; each prompt's tokens count once."""
