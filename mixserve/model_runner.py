@@ -256,7 +256,7 @@ class ModelRunner:
         whether it wants logprobs, its logit bias and its penalties, with the token counts they read
         (as many columns as the most distinct tokens a penalized request holds, a power of two:
         `penalty_width`). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
-        counts = [r.token_counts() if r.penalized else {} for r in reqs]
+        counts = [r.token_counts() if r.penalized else () for r in reqs]
         s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))  # numpy: a device
         # array read back here would wait for the last call
         largest = float(np.finfo(np.float32).max)
@@ -273,8 +273,7 @@ class ModelRunner:
             if seen:
                 s.repetition_B[row] = min(r.repetition_penalty, largest)
                 s.frequency_B[row], s.presence_B[row] = r.frequency_penalty, r.presence_penalty
-                s.seen_ids_BU[row, :len(seen)] = list(seen)
-                s.output_counts_BU[row, :len(seen)] = list(seen.values())
+                s.seen_ids_BU[row, :len(seen)], s.output_counts_BU[row, :len(seen)] = seen.ids, seen.counts
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:

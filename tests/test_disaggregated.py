@@ -52,13 +52,14 @@ def test_handover_serves_the_tokens_one_engine_serves(model):
     """Same FP8 format on both sides (calibrated-looking scales, not 1): pages move unchanged.
     Prompts end mid-page and span several prefill chunks; half the requests sample, with logprobs
     (the first token's from the prefill engine, the rest from the decode engine) and prompt
-    logprobs (from the prefill engine)."""
+    logprobs (from the prefill engine) and penalties (the first token's read on the prefill side,
+    the rest on the decode side)."""
     scales = dict(kv_dtype="fp8_e4m3", k_scale=0.05, v_scale=0.04)
     ps = prompts(1) + [[7] * 30]
     one = Engine(model, num_pages=64, **CFG, **scales)
     dis = pair(model, **scales)
-    for temperature, logprobs in ((0.0, None), (0.8, 3)):
-        options = dict(temperature=temperature, seed=3, logprobs=logprobs, prompt_logprobs=logprobs)
+    for temperature, logprobs, penalties in ((0.0, None, {}), (0.8, 3, dict(repetition_penalty=1.3, presence_penalty=0.5))):
+        options = dict(temperature=temperature, seed=3, logprobs=logprobs, prompt_logprobs=logprobs, **penalties)
         want = one.generate(ps, max_new_tokens=6, **options)
         got = dis.generate(ps, max_new_tokens=6, **options)
         assert [r.status for r in got] == ["ok"] * len(ps)

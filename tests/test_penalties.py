@@ -11,6 +11,7 @@ import pytest
 import mixserve
 from mixserve.engine import Engine
 from mixserve.model_runner import penalty_width
+from mixserve.request import Request
 from mixserve.sampling import NO_TOKEN, Sampling, apply_penalties, sample
 from test_speculative import _engine, _prompts, _run_with_oracle
 
@@ -179,3 +180,17 @@ def test_bad_penalties_are_rejected_per_request():
 
 def test_a_penalized_step_compiles_per_doubling_of_distinct_tokens():
     assert [penalty_width(n) for n in (0, 1, 64, 65, 200, 4096)] == [0, 64, 64, 128, 256, 4096]
+
+
+def test_token_counts_grow_with_the_output_as_a_recount_does():
+    """A request's lists, kept as tokens arrive (past their first capacity), equal a recount of
+    its prompt and output after every step."""
+    rng = np.random.default_rng()
+    prompt = [int(t) for t in rng.integers(0, 50, 12)]
+    r = Request(0, prompt, 500, 0.0, 1.0, 0, repetition_penalty=1.2)
+    for _ in range(40):
+        r.out += [int(t) for t in rng.integers(0, 300, rng.integers(1, 6))]
+        c = r.token_counts()
+        want = {t: r.out.count(t) for t in dict.fromkeys(prompt + r.out)}
+        assert dict(zip(c.ids.tolist(), c.counts.tolist())) == want and len(c) == len(want)
+        assert c.ids.tolist() == list(want)  # first appearance order, no repeats
