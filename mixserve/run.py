@@ -384,10 +384,13 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
               f"{h.pages_sent} pages, {h.bytes_sent} bytes, {h.pages_shared} shared by the decode pool, {h.handover_s:.2f} s")
     elif len(weight_sets) == 2:
         print("two weight sets on one device: prefill and decode formats differ (--disaggregate splits them)")
+    s = report["sampling"]
     if args.temperature > 0:
-        s = report["sampling"]
         print(f"sampling: temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, min_p {s['min_p']}, seed {s['seed']} "
               f"(--seed {s['seed']} repeats this run)")
+    if (s["repetition_penalty"], s["frequency_penalty"], s["presence_penalty"]) != (1, 0, 0):
+        print(f"penalties: repetition {s['repetition_penalty']}, frequency {s['frequency_penalty']}, "
+              f"presence {s['presence_penalty']}")
     for i, r in enumerate(report["requests"]):
         shown = r["tokens"] if random_weights else repr(r["content"] if args.chat else r["text"])
         why = r["reason"] or (r["stop_reason"] is not None and f"stopped by {r['stop_reason']!r}")

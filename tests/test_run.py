@@ -49,7 +49,9 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     greedy = run.main(["--json", "--max-new-tokens", "4", "--integrity", "off"])
     capsys.readouterr()
     tokens = lambda report: [r["tokens"] for r in report["requests"]]
-    assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "min_p": 0.01, "seed": seed}
+    assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "min_p": 0.01, "seed": seed,
+                                 "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    assert "penalties:" not in out
     assert tokens(again) == tokens(drawn) != tokens(greedy)
     assert all(r["logprobs"] is None and r["prompt_logprobs"] is None for r in drawn["requests"])
     for r in again["requests"]:  # logprobs, ranks and the 21 likeliest of each sampled token
@@ -177,6 +179,9 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--temperature", "-1"): "need temperature >= 0",
         ("--top-p", "0"): "0 < top_p <= 1",
         ("--seed", "-5"): "seed must be an integer in [0, 2**32)",
+        ("--repetition-penalty", "0"): "need repetition_penalty > 0",
+        ("--presence-penalty", "2.5"): "presence_penalty in [-2, 2]",
+        ("--frequency-penalty", "nan"): "frequency_penalty must be a finite number",
         ("--stop", ""): "stop must be a list of non-empty strings",
         ("--logprobs", "1000"): "logprobs must be None or an integer in [0, max_logprobs=320], got 1000",
         ("--max-new-tokens", "512"): "--max-new-tokens 512 leaves no room for a prompt within the context limit 512",

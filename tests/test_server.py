@@ -221,12 +221,14 @@ def test_a_logit_bias_is_served_by_token_id(srv):
             assert status == 200 and choice.get("text", choice.get("message", {}).get("content")) == "AAAA", out
 
 
-def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference):
+def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference, capsys):
     """The three penalties through both endpoints: the tokens `mixserve.run` serves with its
-    flags of the same values, other than the unpenalized ones; out of range, a 400 naming them."""
+    flags of the same values (and says it used), other than the unpenalized ones; out of range,
+    a 400 naming them."""
     penalties = {"repetition_penalty": 1.5, "frequency_penalty": 1.0, "presence_penalty": -0.5}
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in penalties.items()]
-    report = run.main([*FLAGS, "--prompt", PROMPT, "--max-new-tokens", str(NEW), "--json", *flags])
+    report = run.main([*FLAGS, "--prompt", PROMPT, "--max-new-tokens", str(NEW), *flags])
+    assert "penalties: repetition 1.5, frequency 1.0, presence -0.5" in capsys.readouterr().out
     assert report["sampling"]["repetition_penalty"] == 1.5 and report["requests"][0]["tokens"] != reference["tokens"]
     status, body = post(srv, greedy(return_token_ids=True, **penalties))
     assert status == 200 and body["choices"][0]["token_ids"] == report["requests"][0]["tokens"], body
