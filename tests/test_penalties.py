@@ -120,11 +120,13 @@ def penalized_reference(model, prompt, new, repetition_penalty, frequency_penalt
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4", "tiny-glm5"])
+@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4"])
 def test_greedy_penalized_decoding_equals_the_cache_free_forward_penalized(preset):
     """Prefill's first token and every decode step read the request's prompt and output so far:
     the tokens of penalized greedy decoding over the growing sequence. The penalties change what
-    the random models repeat, and a request beside them without penalties keeps its own tokens."""
+    the random models repeat, and a request beside them without penalties keeps its own tokens.
+    MLA and GQA; GLM-5 (it passed too) is left out for the suite's time: the penalties act on
+    the logits, after any family's forward."""
     model = mixserve.load(preset, dtype="float32")
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 14)]
