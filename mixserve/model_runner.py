@@ -257,8 +257,8 @@ class ModelRunner:
         (as many columns as the most distinct tokens a penalized request holds, a power of two:
         `penalty_width`). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
-        s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))  # numpy: a device
-        # array read back here would wait for the last call
+        # numpy: a device array read back here would wait for the last call
+        s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))
         largest = float(np.finfo(np.float32).max)
         for r, row, seen in zip(reqs, rows, counts):  # top_k >= vocab keeps every token, a temperature (or
             # repetition penalty) past float32's largest acts as its largest: the clamps keep them in int32 and float32
