@@ -69,6 +69,7 @@ class DisaggregatedEngine(Frontend):
                              f"{decode.speculative_tokens} ({decode.draft})")
         super().__init__()
         self.prefill, self.decode = prefill, decode
+        self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         self.counters = HandoverCounters()
         p_cfg, d_cfg = prefill.runner.cfg, decode.runner.cfg
         self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)

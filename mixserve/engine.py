@@ -35,6 +35,7 @@ import pallas_kernels
 from mixserve import page_table as pt
 from mixserve import sharding, speculative
 from mixserve.frontend import Frontend
+from mixserve.grammar import Grammars
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
@@ -130,6 +131,7 @@ class Engine(Frontend):
         v_scale = layer_scales(defaults[1] if v_scale is None else v_scale, "v_scale", cfg, mtp)
         self.stop_tokens = tuple(cfg.eos_token_ids if stop_tokens is None else stop_tokens)
         self.tokenizer = model.tokenizer  # decodes the outputs of requests with stop strings
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.stop_tokens)  # structured outputs
         sharding.check_mesh(mesh, cfg.n_routed_experts, expert_parallel)
         if mesh is not None:
             model = sharding.shard_model(model, mesh, expert_parallel)
@@ -149,7 +151,7 @@ class Engine(Frontend):
             prefill_chunk=prefill_chunk, k_scale=k_scale, v_scale=v_scale, attention_backend=self.attention_backend,
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
-            max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft))
+            max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft), self.grammars)
 
     # ---- public ---------------------------------------------------------------------------------
     @property

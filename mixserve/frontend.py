@@ -14,11 +14,13 @@ import time
 
 import numpy as np
 
+from mixserve.grammar import Grammars, StructuredOutput
 from mixserve.request import Request, Result, Update
 
 
 class Frontend:
     counters: object  # the subclass's counters: `rejections` is counted here
+    grammars: Grammars  # the subclass's: the matchers of structured outputs
 
     def __init__(self):
         self._next_rid = 0
@@ -41,7 +43,8 @@ class Frontend:
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
                prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
-               repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> int:
+               repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+               structured_output: StructuredOutput | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -59,13 +62,17 @@ class Frontend:
         Then the penalties, as vLLM applies them, greedy included: a token of the prompt or output
         has its logit divided by repetition_penalty (> 0; 1: off) where positive, multiplied
         where not; a token of the output loses frequency_penalty (in [-2, 2]) per occurrence and
-        presence_penalty (in [-2, 2]) once. logprobs stay the model's own."""
+        presence_penalty (in [-2, 2]) once. logprobs stay the model's own.
+        structured_output: a JSON schema, regex, choice or grammar the output must match (vLLM's
+        structured outputs, mixserve/grammar.py): tokens that cannot continue a match are never
+        picked, and the output ends on a stop token once the match is complete (one that does not
+        compile is rejected with llguidance's reason)."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty).rid
+                            presence_penalty=presence_penalty, structured_output=structured_output).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -105,7 +112,8 @@ class Frontend:
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> list[Result]:
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 structured_output: StructuredOutput | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -116,7 +124,7 @@ class Frontend:
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
                        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                       presence_penalty=presence_penalty)
+                       presence_penalty=presence_penalty, structured_output=structured_output)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()
@@ -126,7 +134,20 @@ class Frontend:
         """Why every request with these options (submit's keyword arguments) would be rejected,
         whatever its prompt (None: a one-token prompt would be served): a CLI's shared flags."""
         options = {**options, "seed": self._seed(options.get("seed")), "stop": stop_strings(options.get("stop"))}
-        return self._reject_reason(Request(-1, [0], **options))
+        req = Request(-1, [0], **options)
+        return self._reject_reason(req) or self._start_matcher(req)
+
+    def _start_matcher(self, req: Request) -> str | None:
+        """Give a request with a structured output its matcher; or why it can have none."""
+        if req.structured_output is None:
+            return None
+        if not isinstance(req.structured_output, StructuredOutput):
+            return f"structured_output must be a StructuredOutput, got {req.structured_output!r}"
+        matcher = self.grammars.matcher(req.structured_output, req.ignore_eos)
+        if isinstance(matcher, str):
+            return matcher
+        req.matcher = matcher
+        return None
 
     def _seed(self, seed):
         return int(self._seeds.integers(2**32)) if seed is None else seed
@@ -136,7 +157,7 @@ class Frontend:
         req = Request(self._next_rid, list(prompt) if isinstance(prompt, (list, tuple)) else prompt, index=index,
                       t_submit=time.perf_counter(), **options)
         self._next_rid += 1
-        reason = self._reject_reason(req)
+        reason = self._reject_reason(req) or self._start_matcher(req)
         if reason:
             req.result = Result([], "rejected", reason, seed=req.seed, logprobs=None if req.logprobs is None else [],
                                 prompt_logprobs=None if req.prompt_logprobs is None else [])

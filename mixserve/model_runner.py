@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve import page_table as pt
 from mixserve import sharding, speculative
+from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request, TokenLogprobs
@@ -121,8 +122,8 @@ class StepSpec:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig):
-        self.model, self.decode_model, self.cfg = model, decode_model, cfg
+    def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig, grammars: Grammars):
+        self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
         self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
                         cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.num_pages, cfg.kv_format,
@@ -247,15 +248,16 @@ class ModelRunner:
         self.pools, *rest = out
         return rest
 
-    @staticmethod
-    def _sampling(reqs: list[Request], rows, batch: int) -> Sampling:
+    def _sampling(self, reqs: list[Request], rows, batch: int, drafts: list[list[int]] | None = None) -> Sampling:
         """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
         it would have; speculative decoding draws them otherwise, from the same distribution) and
         whether it wants logprobs, its logit bias and its penalties, with the token counts they read
         (as many columns as the most distinct tokens a penalized request holds, a power of two:
-        `penalty_width`). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        `penalty_width`), and the tokens its structured output allows (speculative: drafts[i] are
+        reqs[i]'s drafts, and its row gets a mask per verified position). reqs[i] goes to row
+        rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
         # numpy: a device array read back here would wait for the last call
         s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))
@@ -274,6 +276,10 @@ class ModelRunner:
                 s.repetition_B[row] = min(r.repetition_penalty, largest)
                 s.frequency_B[row], s.presence_B[row] = r.frequency_penalty, r.presence_penalty
                 s.seen_ids_BU[row, :len(seen)], s.output_counts_BU[row, :len(seen)] = seen.ids, seen.counts
+        held = [(r.matcher, row, drafts[i] if drafts else []) for i, (r, row) in enumerate(zip(reqs, rows))
+                if r.matcher is not None]
+        if held:
+            s = s._replace(allowed_BW=self.grammars.allowed(held, batch, 1 + self.cfg.speculative_tokens if drafts else 1))
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:
@@ -299,7 +305,7 @@ class ModelRunner:
         emitted, accepted, drafts, logprobs, ok = self._run(
             errors, self.speculative_step, self.decode_model.params, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
-            self._sampling(live, range(len(live)), R),
+            self._sampling(live, range(len(live)), R, [r.drafts[:n] for r, n in zip(live, n_drafts)]),
             width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
         emitted, accepted = np.asarray(emitted), np.asarray(accepted)
         drafts = None if drafts is None else [d.tolist() for d in np.asarray(drafts)[: len(live)]]

@@ -11,6 +11,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from mixserve.grammar import StructuredOutput
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias: the sampling argument of the steps has this fixed width
@@ -74,6 +75,7 @@ class Request:
     repetition_penalty: float = 1.0  # > 0: prompt and output tokens' logits divided (> 0) or multiplied (<= 0) by it
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted from a token's logit for each time it is in the output
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of a token in the output
+    structured_output: StructuredOutput | None = None  # what the output must match (mixserve/grammar.py)
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
@@ -92,6 +94,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (Result.stop_reason)
     output_text: IncrementalDecoder | None = None  # out decoded, kept while it has stop strings to find
     _counts: TokenCounts | None = dataclasses.field(default=None, repr=False)  # penalized: token_counts()
+    # structured_output's llguidance matcher (the engine makes it at submit): at the end of out
+    matcher: object | None = dataclasses.field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -123,7 +127,8 @@ class Request:
                logprobs: TokenLogprobs | None = None, tokenizer: Tokenizer | None = None) -> None:
         """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token,
         a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
-        as in vLLM), or max_new_tokens."""
+        as in vLLM), or max_new_tokens. A token that its structured output refuses (which the
+        step's mask should have made impossible) aborts it with the matcher's reason."""
         self.out.append(token)
         if self.logprobs is not None:
             self.out_logprobs.append(logprobs)
@@ -132,6 +137,9 @@ class Request:
         else:
             self.latencies.append(now - self.t_last)
         self.t_last = now
+        if self.matcher is not None and not self.matcher.consume_token(token):  # the step's mask allowed it
+            self.finish("aborted", f"token {token} breaks the structured output: {self.matcher.get_error()}")
+            return
         if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
         elif self.stop:

@@ -1,5 +1,5 @@
 """Per-row sampling inside the jitted steps: a logit bias and the repetition, frequency and
-presence penalties, then greedy, or temperature, min-p, top-k, top-p (vLLM's order), with each
+presence penalties, a structured output's mask (mixserve/grammar.py), then greedy, or temperature, min-p, top-k, top-p (vLLM's order), with each
 row's key derived in the step from (seed, request index, token index)."""
 
 from __future__ import annotations
@@ -32,16 +32,22 @@ class Sampling(NamedTuple):
     # occurs in its output (0: the prompt only). U, a power of two, is 0 when no row is penalized.
     seen_ids_BU: jax.Array  # int32
     output_counts_BU: jax.Array  # int32
+    # Structured outputs: the tokens each row may take, bit v % 32 of word v // 32 (-1: all; W =
+    # ceil(V / 32), 0 when no row is held to a grammar: then nothing of it is traced). A
+    # speculative step's input holds J masks a row, [B, J * W], position j's at words j * W...
+    allowed_BW: jax.Array  # int32
 
     @classmethod
-    def greedy(cls, batch: int, xp=jnp, seen: int = 0) -> "Sampling":
-        """Every row greedy, no logprobs, no penalty, in jnp or (xp=np: host arrays, no wait on the
-        device) numpy; `seen`: the width U of the penalties' token lists."""
+    def greedy(cls, batch: int, xp=jnp, seen: int = 0, words: int = 0) -> "Sampling":
+        """Every row greedy, no logprobs, no penalty, no grammar, in jnp or (xp=np: host arrays, no
+        wait on the device) numpy; `seen`: the width U of the penalties' token lists; `words`: the
+        width of the grammar masks."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
                    xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool),
                    xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32),
                    xp.ones(batch, xp.float32), xp.zeros(batch, xp.float32), xp.zeros(batch, xp.float32),
-                   xp.full((batch, seen), NO_TOKEN, xp.int32), xp.zeros((batch, seen), xp.int32))
+                   xp.full((batch, seen), NO_TOKEN, xp.int32), xp.zeros((batch, seen), xp.int32),
+                   xp.full((batch, words), -1, xp.int32))
 
 
 def add_logit_bias(logits_BV, s: Sampling):
@@ -76,23 +82,33 @@ def apply_penalties(logits_BV, s: Sampling, drafted_BE=None):
     return logits_BV.at[rows_B1, ids_BU].set(x_BU, mode="drop")
 
 
+def allowed_only(logits_BV, allowed_BW):
+    """The logits with every token a row's mask leaves out at -inf (no mask: unchanged)."""
+    B, V = logits_BV.shape
+    if allowed_BW.shape[1] == 0:
+        return logits_BV
+    bits_BV = ((allowed_BW[:, :, None] >> jnp.arange(32, dtype=allowed_BW.dtype)) & 1).reshape(B, -1)[:, :V]
+    return jnp.where(bits_BV == 1, logits_BV, -jnp.inf)
+
+
 def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):
-    """What a row picks from: its logit bias added, then its penalties applied (vLLM's order)."""
-    return apply_penalties(add_logit_bias(logits_BV, s), s, drafted_BE)
+    """What a row picks from: its logit bias added, then its penalties applied (vLLM's order), then
+    the tokens its structured output refuses taken out (last, so that nothing adds them back)."""
+    return allowed_only(apply_penalties(add_logit_bias(logits_BV, s), s, drafted_BE), s.allowed_BW)
 
 
 def slow_path(s: Sampling):
-    """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias or a
-    penalty. The common step (all greedy, neither) skips their scatters and the sampling; a greedy
+    """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias, a
+    penalty or a structured output. The common step (all greedy, neither) skips their scatters and the sampling; a greedy
     step with a bias takes the sampling branch (on CPU, B=64, V=163840, logits made in the step:
     264 ms, as a step with one sampled row, 268 ms; all greedy 31 ms; interleaved medians of 30)."""
     return (jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0) | jnp.any(s.repetition_B != 1)
-            | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0))
+            | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0) | (s.allowed_BW.shape[1] > 0))
 
 
 def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
-    what is left (vLLM's order), per row, after the logit bias and penalties. The key is folded here, in the
+    what is left (vLLM's order), per row, after the logit bias, penalties and grammar mask. The key is folded here, in the
     step, so the decode loop makes no per-request host calls."""
     return jax.lax.cond(slow_path(s), _sampled, lambda l_BV, _s: greedy_tokens(l_BV), logits_BV, s)
 

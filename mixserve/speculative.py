@@ -34,10 +34,14 @@ from mixserve.sampling import NO_TOKEN, Sampling, adjusted_logits, greedy_tokens
 
 def per_position(s: Sampling, J: int) -> Sampling:
     """A request's sampling row repeated for its J verified positions, row r * J + j drawing with
-    the key of token index (its token count) + j: the key plain decode would use for that token."""
+    the key of token index (its token count) + j: the key plain decode would use for that token,
+    and taking the grammar mask of position j (the row's J masks, side by side in s)."""
     rep = lambda a: jnp.repeat(a, J, axis=0)
-    keys = rep(s.key_ints_B3).at[:, 2].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), s.key_ints_B3.shape[0]))
-    return s._replace(**{name: rep(a) for name, a in s._asdict().items() if name != "key_ints_B3"}, key_ints_B3=keys)
+    B = s.key_ints_B3.shape[0]
+    keys = rep(s.key_ints_B3).at[:, 2].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), B))
+    own = ("key_ints_B3", "allowed_BW")
+    return s._replace(**{name: rep(a) for name, a in s._asdict().items() if name not in own}, key_ints_B3=keys,
+                      allowed_BW=s.allowed_BW.reshape(B * J, s.allowed_BW.shape[1] // J))
 
 
 def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
@@ -46,7 +50,8 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     s_X: per_position(sampling, J). Returns (accepted_R: leading drafts kept, tokens_RJ: the
     tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler). Each row's logit bias
     and penalties are applied first, position j's penalties counting drafts 1..j as output (what
-    the output holds there if they are kept), as plain decoding would count them."""
+    the output holds there if they are kept), as plain decoding would count them, and position
+    j's grammar mask is the one after drafts 1..j: a draft the grammar refuses is never kept."""
     R, J, V = logits_RJV.shape
     logits_XV = logits_RJV.reshape(R * J, V)
     draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
@@ -57,7 +62,7 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         (jnp.arange(K)[None, None, :] < n_drafts_R[:, None, None])
     drafted_XK = jnp.where(before_RJK, drafts_RK[:, None, :], NO_TOKEN).reshape(R * J, K)
 
-    def sampled(_):  # or greedy with a logit bias or penalties
+    def sampled(_):  # or greedy with a logit bias, penalties or a grammar
         biased_XV = adjusted_logits(logits_XV, s_X, drafted_XK)
         greedy_X = greedy_tokens(biased_XV)
         draw_XV = sampling_logits(biased_XV, s_X)

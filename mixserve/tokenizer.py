@@ -49,6 +49,9 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        return self._tok.to_str()
+
 
 # Kimi's pre-tokenizer split: CJK runs, words with optional contractions, digit groups of 1-3,
 # punctuation runs, whitespace (as in Moonshot's tokenization_kimi.py).
@@ -83,17 +86,17 @@ class TiktokenTokenizer:
         reserved = {i: f"<|reserved_token_{i}|>" for i in range(len(ranks), len(ranks) + RESERVED_SPECIALS)}
         specials = {name: i for i, name in (reserved | named).items()}
         self._ranks, self._special_ids = len(ranks), frozenset(specials.values())
-        self._enc = tiktoken.Encoding(
+        self.encoding = tiktoken.Encoding(
             name=os.path.basename(os.path.dirname(model_path)) or "kimi",
             pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
         )
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode(text, allowed_special="all")
+        return self.encoding.encode(text, allowed_special="all")
 
     def decode(self, ids: list[int]) -> str:
         # An id past the tokenizer (a model vocab padded beyond it) is dropped, as `tokenizers` does.
-        return self._enc.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
+        return self.encoding.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
 
 
 class ByteTokenizer:

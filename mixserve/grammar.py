@@ -1,0 +1,154 @@
+"""Structured outputs: a request's output held to a JSON schema, a regular expression, a choice of
+strings or a Lark grammar (vLLM's `structured_outputs`), by taking every token that cannot
+continue a match out of the sampling.
+
+llguidance (the Rust engine that vLLM and SGLang offer as their "guidance" backend) keeps one
+matcher per request and computes, on the host, which tokens may come next as a bitmask: bit v % 32
+of int32 word v // 32, W = ceil(V / 32) words a row. The step unpacks it and sets every other logit
+to -inf after the logit bias and the penalties (mixserve/sampling.py), so nothing outside the
+grammar can win, greedy, sampled or in speculative verification (one mask per verified position:
+the matcher's state after the drafts before it). logprobs stay the model's own, as vLLM reports
+them. A request's matcher takes each token as it is accepted (Request.accept). When the grammar is
+complete, only the engine's stop tokens are allowed, and the request ends on one, as on any stop
+token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from mixserve.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, Tokenizer
+
+ALL_ALLOWED = -1  # a mask word whose 32 bits are set
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match: exactly one of a JSON schema (a dict or its text),
+    any JSON object (OpenAI's response_format json_object), a regular expression (Rust's `regex`
+    syntax, anchored at both ends), one of several strings, or a grammar in Lark syntax
+    (llguidance's dialect)."""
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def reason(self) -> str | None:
+        """Why this is no structured output (None: it is one); a grammar's own errors come from
+        Grammars.matcher."""
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] * (self.json_object is True)
+        if len(given) != 1:
+            return f"a structured output takes exactly one of json, json_object, regex, choice, grammar; got {given}"
+        if self.json_object not in (True, False):
+            return f"json_object must be true or false, got {self.json_object!r}"
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str, bool)):
+            return f"json must be a JSON schema (an object or its text), got {self.json_schema!r}"
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                return f"{name} must be a string, got {getattr(self, name)!r}"
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            return f"choice must be a non-empty list of strings, got {self.choice!r}"
+        return None
+
+    def llguidance_grammar(self) -> str:
+        """The grammar as llguidance takes it. Raises ValueError on a schema that is not JSON."""
+        if self.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.json_schema is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(self.json_schema)
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:  # each string literally: Python's escapes are valid in Rust's syntax
+            return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in self.choice))
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+class Grammars:
+    """One engine's grammar side: its tokenizer as llguidance reads it (built at the first
+    structured request: about a second for a 160k vocabulary) and the thread pool that computes a
+    step's masks. `end_tokens`: what the request ends on once its grammar is complete (the
+    engine's stop tokens)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, end_tokens: tuple[int, ...]):
+        self.tokenizer, self.vocab_size, self.end_tokens = tokenizer, vocab_size, end_tokens
+        self.words = -(-vocab_size // 32)  # W
+        self._lltokenizer = None
+        self._executor = None
+
+    def matcher(self, structured: StructuredOutput, ignore_eos: bool = False):
+        """A new matcher for `structured`, or the reason there is none (a str): bad input, a
+        grammar that does not compile, or an engine that could not end the output."""
+        if why := structured.reason():
+            return why
+        if ignore_eos:
+            return "ignore_eos would generate past the end of the structured output: it ends on a stop token"
+        if not self.end_tokens:
+            return "structured outputs end on the engine's stop tokens, and this engine has none"
+        lltokenizer = self._tokenizer()
+        if isinstance(lltokenizer, str):
+            return lltokenizer
+        try:
+            grammar = structured.llguidance_grammar()
+        except (ValueError, TypeError) as e:
+            return f"structured output: {e}"
+        matcher = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return f"structured output: {matcher.get_error()}"
+        return matcher
+
+    def _tokenizer(self):
+        if self._lltokenizer is None:
+            self._lltokenizer = _lltokenizer(self.tokenizer, self.vocab_size, list(self.end_tokens))
+        return self._lltokenizer
+
+    def allowed(self, rows: list[tuple[object, int, list[int]]], batch: int, positions: int = 1) -> np.ndarray:
+        """A step's masks, [batch, positions * W] int32: rows holds (matcher, row, drafts) per
+        request held to a grammar; its row's position j gets the tokens allowed after drafts[:j]
+        (every token past a draft the grammar refuses: verification never reaches there). Other
+        rows allow every token. The matchers end where they began."""
+        allowed = np.full((batch * positions, self.words), ALL_ALLOWED, np.int32)
+        if rows:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            numpy_api = llguidance.numpy
+            if plain := [(m, row * positions) for m, row, drafts in rows if not drafts]:
+                numpy_api.fill_next_token_bitmask_par(self._executor, plain, allowed)
+            if drafted := [(m, row * positions, list(drafts)) for m, row, drafts in rows if drafts]:
+                numpy_api.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, allowed)
+        return allowed.reshape(batch, positions * self.words)
+
+
+def _lltokenizer(tokenizer: Tokenizer | None, vocab_size: int, end_tokens: list[int]):
+    """llguidance's view of the tokenizer (its bytes per token), or why there is none (a str)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=end_tokens)
+    if isinstance(tokenizer, TiktokenTokenizer):
+        enc = tokenizer.encoding
+        return llguidance.LLTokenizer.from_tiktoken(encoder=enc._mergeable_ranks, special_tokens=enc._special_tokens,
+                                                    pattern=enc._pat_str, eos_token=end_tokens, n_vocab=vocab_size)
+    if isinstance(tokenizer, ByteTokenizer):
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens(vocab_size, end_tokens)),
+                                      n_vocab=vocab_size, eos_token=end_tokens)
+    return "structured outputs need the model's tokenizer, and this model has none"
+
+
+class _ByteTokens:
+    """ByteTokenizer as llguidance.TokenizerWrapper reads a tokenizer: each id's bytes (ids past
+    255 hold none), and an encoder."""
+
+    def __init__(self, vocab_size: int, end_tokens: list[int]):
+        self.tokens = [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
+        self.eos_token_id, self.bos_token_id = end_tokens[0], None
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text):
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+

@@ -1,0 +1,216 @@
+"""Structured outputs (mixserve/grammar.py): the step's mask against a numpy statement of it, the
+masks llguidance computes against the prefixes of a choice worked out here, greedy decoding
+against the cache-free forward restricted to those prefixes (plain, speculative with right and
+wrong drafts, and disaggregated), sampled JSON that parses and fits its schema, and per-request
+errors."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mixserve
+from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import Engine
+from mixserve.grammar import ALL_ALLOWED, Grammars, StructuredOutput
+from mixserve.sampling import Sampling, adjusted_logits
+from mixserve.tokenizer import ByteTokenizer
+from test_speculative import _run_with_oracle
+
+EOS = 257  # the tiny presets' end token; their ids 0-255 are bytes
+CHOICES = ("yes", "yesterday", "no", "not now", "maybe")
+
+
+def byte_model(preset: str, **kw):
+    return dataclasses.replace(mixserve.load(preset, dtype="float32", **kw), tokenizer=ByteTokenizer())
+
+
+def choice_allowed(prefix: bytes, choices=CHOICES) -> set[int]:
+    """The tokens that may follow `prefix` under a choice of strings, worked out from the strings:
+    each longer choice's next byte, and the end token where prefix is a choice."""
+    encoded = [c.encode() for c in choices]
+    return ({c[len(prefix)] for c in encoded if c.startswith(prefix) and len(c) > len(prefix)}
+            | ({EOS} if prefix in encoded else set()))
+
+
+def bits(mask_W: np.ndarray, vocab: int) -> set[int]:
+    return {v for v in range(vocab) if (int(mask_W[v // 32]) >> (v % 32)) & 1}
+
+
+def test_the_mask_leaves_exactly_the_allowed_tokens_and_nothing_else_changes():
+    """Fresh random logits and random bit patterns (a vocabulary not a multiple of 32, a row
+    allowing all, a row allowing one token: bit 31 among the tested bits), against numpy: allowed
+    logits come back bit for bit, the rest are -inf. Without masks (W = 0) the logits are unchanged."""
+    rng = np.random.default_rng()
+    B, V = 5, 77
+    W = -(-V // 32)
+    logits = rng.normal(0, 3, (B, V)).astype(np.float32)
+    allowed = rng.integers(-2**31, 2**31, (B, W), dtype=np.int64).astype(np.int32)
+    allowed[1] = ALL_ALLOWED
+    allowed[2] = 0
+    allowed[2, 0] = np.int32(-2**31)  # token 31 alone
+    want = np.where(np.unpackbits(allowed.view(np.uint8), axis=1, bitorder="little")[:, :V] == 1, logits, -np.inf)
+    s = Sampling.greedy(B, np, words=W)._replace(allowed_BW=allowed)
+    got = np.asarray(adjusted_logits(jnp.asarray(logits), Sampling(*map(jnp.asarray, s))))
+    np.testing.assert_array_equal(got, want)
+    assert bits(allowed[2], V) == {31} and np.isfinite(got[2]).sum() == 1 and np.isfinite(got[1]).all()
+    unmasked = Sampling(*map(jnp.asarray, Sampling.greedy(B, np)))
+    np.testing.assert_array_equal(np.asarray(adjusted_logits(jnp.asarray(logits), unmasked)), logits)
+
+
+def test_llguidance_masks_are_the_choices_next_bytes_per_draft_position():
+    """Grammars.allowed against choice_allowed: a request's mask, and with drafts one per verified
+    position (the state after the drafts before it); past a draft the grammar refuses, all tokens
+    (verification stops at that draft). A row without a matcher allows every token, and the
+    matcher is where it began (its next mask is the same)."""
+    V = 320
+    grammars = Grammars(ByteTokenizer(), V, (EOS,))
+    m = grammars.matcher(StructuredOutput(choice=CHOICES))
+    assert m.consume_tokens(list(b"ye"))
+    drafts = list(b"sX")  # "s" is fine, "X" is refused
+    got = grammars.allowed([(m, 1, drafts)], batch=3, positions=4).reshape(3, 4, -1)
+    assert bits(got[1, 0], V) == choice_allowed(b"ye") == {ord("s")}
+    assert bits(got[1, 1], V) == choice_allowed(b"yes") == {ord("t"), EOS}
+    assert ord("X") not in bits(got[1, 1], V)  # so verification never keeps "X", nor reads the masks after it
+    assert (got[1, 2:] == ALL_ALLOWED).all() and (got[[0, 2]] == ALL_ALLOWED).all()
+    again = grammars.allowed([(m, 0, [])], batch=1)
+    np.testing.assert_array_equal(again[0], got[1, 0])
+
+
+def choice_reference(model, prompt, new):
+    """Greedy decoding with the cache-free forward over the growing sequence, each step's argmax
+    taken among choice_allowed(output so far), ending at the end token."""
+    seq = np.zeros((1, max(24, len(prompt) + new)), np.int32)
+    seq[0, :len(prompt)] = prompt
+    out = []
+    for pos in range(len(prompt), len(prompt) + new):
+        logits = np.asarray(model.logits(seq))[0, pos - 1]
+        allowed = sorted(choice_allowed(bytes(out)))
+        out.append(allowed[int(np.argmax(logits[allowed]))])
+        seq[0, pos] = out[-1]
+        if out[-1] == EOS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4"])
+def test_greedy_choice_equals_the_cache_free_forward_restricted_to_the_choices(preset):
+    """Prefill's first token and every decode step take the mask of the output so far: the tokens
+    of greedy decoding among the choices' next bytes, a choice then the end token (stop_reason).
+    A request beside them without a grammar keeps its own tokens."""
+    model = byte_model(preset)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 14)]
+    engine = Engine(model, num_pages=48, page_size=4, max_batch=4, prefill_chunk=8)
+    plain = engine.generate(prompts[:1], max_new_tokens=6)
+    rids = [engine.submit(p, max_new_tokens=12, structured_output=StructuredOutput(choice=CHOICES)) for p in prompts]
+    rids.append(engine.submit(prompts[0], max_new_tokens=6))
+    got = {}
+    while engine.has_work():
+        got.update({u.rid: u.result for u in engine.step() if u.result is not None})
+    for p, rid in zip(prompts, rids):
+        r = got[rid]
+        assert r.status == "ok" and r.tokens == choice_reference(model, p, 12), r
+        assert bytes(r.tokens[:-1]).decode() in CHOICES and r.stop_reason == EOS
+    assert got[rids[3]].tokens == plain[0].tokens
+
+
+def test_speculative_verification_keeps_only_drafts_the_grammar_allows():
+    """Oracle drafts (the plain structured tokens, right or with one changed, which the grammar
+    may refuse) and the MTP's own: the tokens of plain structured decoding."""
+    model = byte_model("tiny-glm4", mtp=True)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    request = dict(max_new_tokens=12, structured_output=StructuredOutput(choice=CHOICES))
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **kw)
+    plain = engine().generate(prompts, **request)
+    for k, wrong_at in ((3, None), (3, 0), (2, 1)):
+        spec = engine(speculative_tokens=k)
+        got = _run_with_oracle(spec, prompts, plain, k, wrong_at, **request)
+        assert [r.tokens for r in got] == [r.tokens for r in plain], (k, wrong_at)
+        assert (spec.counters.accepted_tokens > 0) == (wrong_at != 0)  # a wrong first draft keeps none
+    assert [r.tokens for r in engine(speculative_tokens=2).generate(prompts, **request)] == [r.tokens for r in plain]
+
+
+def fits(value, schema) -> bool:
+    """Whether a parsed JSON value fits the schema's object, required, properties, enum, integer
+    minimum and maximum, string maxLength and array items and maxItems (what SCHEMA uses)."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema.get("type")
+    if kind == "object":
+        return (isinstance(value, dict) and set(schema.get("required", ())) <= set(value)
+                and (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"]))
+                and all(fits(value[k], s) for k, s in schema["properties"].items() if k in value))
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)
+                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "array":
+        return (isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
+                and all(fits(v, schema["items"]) for v in value))
+    raise ValueError(kind)
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": -9, "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "x-guidance": {"whitespace_flexible": False}}  # compact JSON: no whitespace between JSON tokens
+# The longest compact JSON SCHEMA allows: {"name":" (9), six characters escaped as \uXXXX (36),
+# ","age": (8), -9 (2; 99 is 2 too), ,"tags": (8), ["a","b"] (9), } (1).
+MAX_JSON_BYTES = 9 + 36 + 8 + 2 + 8 + 9 + 1
+
+
+def test_sampled_json_parses_and_fits_the_schema_disaggregated_as_one_engine():
+    """Sampling at temperature 1 from a random model, through a prefill/decode pair (the first
+    token on the prefill side, the rest on the decode side): SCHEMA bounds every value, so every
+    output ends on the end token within MAX_JSON_BYTES, as JSON that fits the schema (the bounds
+    included), and the pair's tokens equal one engine's."""
+    model = byte_model("tiny-glm4")
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 4 + i)] for i in range(6)]
+    request = dict(max_new_tokens=MAX_JSON_BYTES + 1, temperature=1.0, seed=5,
+                   structured_output=StructuredOutput(json_schema=SCHEMA))
+    one = Engine(model, num_pages=96, page_size=8, max_batch=6).generate(prompts, **request)
+    pair = DisaggregatedEngine(Engine(model, num_pages=96, page_size=8, max_batch=6, prefill_only=True),
+                               Engine(model, num_pages=96, page_size=8, max_batch=6))
+    assert [r.tokens for r in pair.generate(prompts, **request)] == [r.tokens for r in one]
+    for r in one:
+        assert r.stop_reason == EOS, r.tokens
+        value = json.loads(bytes(r.tokens[:-1]).decode())
+        assert fits(value, SCHEMA), value
+
+
+@pytest.mark.parametrize("structured, options, message", [
+    (StructuredOutput(regex="a(b"), {}, "unclosed group"),
+    (StructuredOutput(json_schema={"type": "objectx"}), {}, "objectx"),
+    (StructuredOutput(json_schema="{not json"), {}, "structured output"),
+    (StructuredOutput(grammar="start: undefined_rule"), {}, "undefined_rule"),
+    (StructuredOutput(regex="a", choice=("a",)), {}, "exactly one of"),
+    (StructuredOutput(), {}, "exactly one of"),
+    (StructuredOutput(choice=()), {}, "non-empty list of strings"),
+    (StructuredOutput(choice=("a", 1)), {}, "non-empty list of strings"),
+    (StructuredOutput(regex=5), {}, "regex must be a string"),
+    (StructuredOutput(json_object=True), {"ignore_eos": True}, "ignore_eos"),
+    ({"json": {}}, {}, "must be a StructuredOutput"),
+])
+def test_bad_structured_outputs_are_rejected_per_request(structured, options, message):
+    model = byte_model("tiny-kimi")
+    engine = Engine(model, num_pages=16, page_size=4, max_batch=2)
+    bad = engine.submit([1, 2, 3], max_new_tokens=2, structured_output=structured, **options)
+    good = engine.submit([1, 2, 3], max_new_tokens=2, structured_output=StructuredOutput(regex="[0-9]+"))
+    results = {}
+    while engine.has_work():
+        results.update({u.rid: u.result for u in engine.step() if u.result is not None})
+    assert results[bad].status == "rejected" and message in results[bad].reason, results[bad].reason
+    assert results[good].status == "ok" and all(ord("0") <= t <= ord("9") for t in results[good].tokens)
+
+
+def test_an_engine_that_cannot_end_the_output_rejects_it():
+    """No tokenizer (no bytes to match), or no stop token (nothing to end on)."""
+    for model, stop in ((mixserve.load("tiny-kimi", dtype="float32"), None), (byte_model("tiny-kimi"), ())):
+        engine = Engine(model, num_pages=16, page_size=4, max_batch=2, stop_tokens=stop)
+        why = engine.options_reason(max_new_tokens=2, temperature=0.0, top_p=1.0,
+                                    structured_output=StructuredOutput(json_object=True))
+        assert why and ("tokenizer" in why if stop is None else "stop tokens" in why), why
