@@ -24,6 +24,7 @@ from mixserve.chat import ChatTemplateError
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.gptq import abstract_params
+from mixserve.grammar import StructuredOutput
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
@@ -150,6 +151,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                    "time the output holds it (in [-2, 2])")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this once from the logit of a token "
                    "the output holds (in [-2, 2])")
+    p.add_argument("--json-schema", help="hold each output to this JSON schema: inline JSON, or a file holding it "
+                   "(structured outputs; the output ends on an end token once the schema is complete)")
+    p.add_argument("--json-object", action="store_true", help="hold each output to a JSON object")
+    p.add_argument("--regex", help="hold each output to this regular expression (Rust's regex syntax, whole output)")
+    p.add_argument("--choice", action="append", help="hold each output to one of these strings (repeatable)")
+    p.add_argument("--grammar", help="hold each output to this Lark grammar (llguidance's dialect): text, or a file")
     p.add_argument("--seed", type=int, help="sampling seed (default: drawn, and reported, so a run can be repeated)")
     p.add_argument("--logprobs", type=counted(0), help="report each generated token's log-probability and rank, "
                    "and this many likeliest tokens (the model's distribution, before sampling)")
@@ -182,6 +189,10 @@ def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.max_logprobs = max(20, args.logprobs or 0, args.prompt_logprobs or 0)
+    try:
+        args.structured_output = structured_output(args)
+    except (ValueError, OSError) as e:
+        parser.error(f"--json-schema: {e}")
     backend, mesh, setup = start(parser, args, progress=not args.json)
     if args.max_new_tokens >= setup.decoder.max_seq_len:
         parser.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the context limit "
@@ -247,7 +258,24 @@ def request_options(args) -> dict:
                 min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
                 logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                presence_penalty=args.presence_penalty)
+                presence_penalty=args.presence_penalty, structured_output=args.structured_output)
+
+
+def structured_output(args) -> StructuredOutput | None:
+    """What the --json-schema, --json-object, --regex, --choice and --grammar flags hold every output
+    to (None: none given; several: the engine's usage error says so)."""
+    given = dict(json_schema=args.json_schema and file_or_text(args.json_schema, json.loads),
+                 json_object=args.json_object, regex=args.regex, choice=args.choice and tuple(args.choice),
+                 grammar=args.grammar and file_or_text(args.grammar, str))
+    return StructuredOutput(**given) if any(given.values()) else None
+
+
+def file_or_text(arg: str, parse):
+    """An argument that is a file's path (its content, parsed) or the text itself (parsed)."""
+    if os.path.isfile(arg):
+        with open(arg) as f:
+            return parse(f.read())
+    return parse(arg)
 
 
 @dataclasses.dataclass
@@ -321,7 +349,8 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "integrity": args.integrity,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                      "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
-                     "presence_penalty": args.presence_penalty, "seed": results[0].seed},
+                     "presence_penalty": args.presence_penalty, "seed": results[0].seed,
+                     "structured_output": args.structured_output and dataclasses.asdict(args.structured_output)},
         "backend": backend,
         "weight_sets": weight_sets,
         "tensor_parallel": args.tensor_parallel,
@@ -392,7 +421,9 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         print(f"penalties: repetition {s['repetition_penalty']}, frequency {s['frequency_penalty']}, "
               f"presence {s['presence_penalty']}")
     for i, r in enumerate(report["requests"]):
-        shown = r["tokens"] if random_weights else repr(r["content"] if args.chat else r["text"])
+        # random weights say nothing as text, but a structured output's text shows the structure
+        text_shown = not random_weights or args.structured_output is not None
+        shown = repr(r["content"] if args.chat else r["text"]) if text_shown else r["tokens"]
         why = r["reason"] or (r["stop_reason"] is not None and f"stopped by {r['stop_reason']!r}")
         print(f"[{i}] {r['status']}: {r['prompt_tokens']} prompt tokens -> {shown}" + (f" ({why})" if why else ""))
         if args.chat and r["reasoning_content"] and not random_weights:

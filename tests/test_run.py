@@ -50,7 +50,8 @@ def test_sampling_flags_reach_the_engine_and_the_drawn_seed_repeats_a_run(capsys
     capsys.readouterr()
     tokens = lambda report: [r["tokens"] for r in report["requests"]]
     assert again["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 2**40, "min_p": 0.01, "seed": seed,
-                                 "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+                                 "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                 "structured_output": None}
     assert "penalties:" not in out
     assert tokens(again) == tokens(drawn) != tokens(greedy)
     assert all(r["logprobs"] is None and r["prompt_logprobs"] is None for r in drawn["requests"])
@@ -95,6 +96,28 @@ def test_stop_strings_cut_each_request_at_the_first_one(capsys):
         end = next((k for k in range(1, 9) if stop in byte_text(f["tokens"][:k])), 8)
         assert c["tokens"] == f["tokens"][:end] and c["stop_reason"] == (stop if stop in f["text"] else None)
         assert c["text"] == f["text"].split(stop)[0] if stop in f["text"] else c["text"] == f["text"]
+
+
+def test_structured_output_flags_hold_every_output_and_are_reported(capsys, tmp_path):
+    """--choice (repeated) and --json-schema from a file: the tiny presets' text is UTF-8 bytes,
+    so each output is one of the choices, or JSON of the schema, ending on the end token; the
+    report holds the structure, and the printed text shows it though the weights are random."""
+    flags = ["--json", "--max-new-tokens", "12", "--integrity", "off", "--temperature", "1"]
+    choices = ["yes", "no", "maybe"]
+    picked = run.main([*flags, *(f for c in choices for f in ("--choice", c))])
+    assert list(picked["sampling"]["structured_output"]["choice"]) == choices
+    assert all(r["text"] in choices and r["stop_reason"] is not None for r in picked["requests"])
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                                  "required": ["n"], "additionalProperties": False,
+                                  "x-guidance": {"whitespace_flexible": False}}))
+    filled = run.main([*flags, "--json-schema", str(schema)])
+    assert filled["sampling"]["structured_output"]["json_schema"]["required"] == ["n"]
+    for r in filled["requests"]:
+        assert r["stop_reason"] is not None and json.loads(r["text"])["n"] <= 9
+    capsys.readouterr()
+    run.main(flags[1:] + ["--choice", "yes"])
+    assert "prompt tokens -> 'yes' (stopped by" in capsys.readouterr().out
 
 
 def test_json_report_writes_nan_and_infinities_as_null():
@@ -189,6 +212,10 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--expert-parallel",): "--expert-parallel splits over the --tensor-parallel devices",
         ("--prefill-kv-cache-dtype", "fp8_e4m3"): "--prefill-kv-cache-dtype is the prefill engine's pool under --disaggregate",
         ("--draft", "ngram"): "--draft says who guesses the --speculative-tokens",
+        ("--regex", "a(b"): "unclosed group",
+        ("--json-schema", "{not json"): "--json-schema: Expecting property name",
+        ("--regex", "a", "--choice", "a"): "exactly one of",
+        ("--json-object", "--ignore-eos"): "ignore_eos",
     }
     for argv, message in cases.items():
         try:
