@@ -40,6 +40,7 @@ from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
+from mixserve.grammar import StructuredOutput
 from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
@@ -55,7 +56,8 @@ SAMPLING_FIELDS = {
 }
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
-                 "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,)}
+                 "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,),
+                 "response_format": (dict,), "structured_outputs": (dict,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +97,49 @@ class Endpoint:
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
         if isinstance(bias := options["logit_bias"], dict):  # JSON keys are strings: the token ids as text
             options["logit_bias"] = {int(k) if k.isdecimal() else k: v for k, v in bias.items()}
+        options["structured_output"] = structured_output_of(body)
         return options
 
 
-WHY_DEFAULT_ONLY = {"response_format": "mixserve has no constrained decoding",
-                    "add_special_tokens": "prompts are encoded as given, as the completion endpoints encode them"}
+STRUCTURED_OUTPUTS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                      "grammar": "grammar"}  # vLLM's structured_outputs keys -> StructuredOutput's fields
+
+
+def structured_output_of(body: dict) -> StructuredOutput | None:
+    """What the output must match: OpenAI's response_format ({"type": "text"}, {"type":
+    "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or
+    vLLM's structured_outputs ({"json": schema} or "regex", "choice", "grammar" (Lark), "json_object");
+    not both. The engine checks what they hold (a schema that does not compile is that request's 400)."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and vllm is not None:
+        raise BadRequest("give response_format or structured_outputs, not both")
+    if vllm is not None:
+        if unknown := sorted(set(vllm) - set(STRUCTURED_OUTPUTS)):
+            raise BadRequest(f"structured_outputs: unknown fields {', '.join(unknown)} (known: "
+                             f"{', '.join(STRUCTURED_OUTPUTS)})")
+        given = {STRUCTURED_OUTPUTS[k]: tuple(v) if k == "choice" and isinstance(v, list) else v
+                 for k, v in vllm.items() if v is not None and v is not False}
+        return StructuredOutput(**given)
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    schema = fmt.get("json_schema")
+    if kind == "json_schema" and isinstance(schema, dict) and isinstance(schema.get("schema", {}), dict):
+        return StructuredOutput(json_schema=schema.get("schema", {}))  # no schema: any JSON, as OpenAI reads it
+    raise BadRequest('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                     f'"json_schema": {{"name": ..., "schema": {{...}}}}}}, got {fmt!r}')
+
+
+WHY_DEFAULT_ONLY = {"add_special_tokens": "prompts are encoded as given, as the completion endpoints encode them"}
 # POST /v1/completions: max_tokens 16 and logprobs n by default, as OpenAI's; echo (with logprobs:
 # the prompt's too) is how lm-eval scores multiple choice through this endpoint.
 COMPLETIONS = Endpoint({"best_of": 1, "suffix": None},
                        {**COMMON_FIELDS, "prompt": (str, list), "max_tokens": None, "logprobs": None, "echo": (bool,)})
 # POST /v1/chat/completions: OpenAI's fields, and vLLM's template extensions (add_generation_prompt,
 # continue_final_message, chat_template_kwargs).
-CHAT_COMPLETIONS = Endpoint({"response_format": {"type": "text"}},
+CHAT_COMPLETIONS = Endpoint({},
                             {**COMMON_FIELDS, "messages": (list,), "max_tokens": None, "max_completion_tokens": None,
                              "tools": (list,), "tool_choice": None, "parallel_tool_calls": (bool,),
                              "logprobs": (bool,), "top_logprobs": None,

@@ -283,6 +283,36 @@ def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
     assert all(t["bytes"] == list(t["token"].encode()) for t in content)
 
 
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_and_structured_outputs_hold_the_reply(srv, stream):
+    """OpenAI's response_format (json_schema) on a chat reply, vLLM's structured_outputs (choice,
+    regex) on a completion: the text matches and ends on the end token (finish_reason "stop"),
+    streamed or not; {"type": "text"} leaves the reply as it was."""
+    def text(body, path):
+        if not stream:
+            status, whole = post(srv, body, path)
+            assert status == 200, whole
+            (choice,) = whole["choices"]
+            return choice.get("text", (choice.get("message") or {}).get("content")), choice["finish_reason"]
+        *chunks, done = events(srv, body, path)
+        parts = [c["choices"][0] for c in chunks]
+        return "".join(p.get("text", p.get("delta", {}).get("content", "")) for p in parts), parts[-1]["finish_reason"]
+
+    schema = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+    reply, finish = text(chat(max_tokens=24, response_format=schema), CHAT)
+    assert isinstance(json.loads(reply)["ok"], bool) and finish == "stop", reply
+    assert text(chat(response_format={"type": "text"}), CHAT) == text(chat(), CHAT)
+    choices = ["KV", "cache", "pages"]
+    reply, finish = text(greedy(structured_outputs={"choice": choices}), "/v1/completions")
+    assert reply in choices and finish == "stop"
+    reply, finish = text(greedy(max_tokens=8, structured_outputs={"regex": "[0-9]{3}"}), "/v1/completions")
+    assert len(reply) == 3 and reply.isdigit() and finish == "stop"
+
+
 def test_a_streamed_chat_reply_adds_up_to_the_whole_one(srv):
     _, whole = post(srv, chat(), CHAT)
     got = events(srv, chat(stream_options={"include_usage": True}), CHAT)
@@ -527,6 +557,14 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"prompt": "x", "logprobs": 21}, 400, "max_logprobs=20"),
     ({"prompt": "x", "stop": [""]}, 400, "non-empty strings"),
     ({"prompt": ["fine", [1, -1]]}, 400, "prompt 1: token ids outside"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objectx"}}}},
+     400, "objectx"),
+    ({"prompt": "x", "response_format": {"type": "json"}}, 400, 'response_format must be {"type": "text"}'),
+    ({"prompt": "x", "response_format": {"type": "text"}, "structured_outputs": {"regex": "a"}}, 400, "not both"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a("}}, 400, "unclosed group"),
+    ({"prompt": "x", "structured_outputs": {"choices": ["a"]}}, 400, "unknown fields choices"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one of"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a"}, "ignore_eos": True}, 400, "ignore_eos"),
 ])
 def test_bad_input_is_a_clear_error_and_the_server_goes_on(srv, body, status, message):
     got, error = post(srv, body)
