@@ -32,12 +32,15 @@ class StructuredOutput:
     """What a request's output must match: exactly one of a JSON schema (a dict or its text),
     any JSON object (OpenAI's response_format json_object), a regular expression (Rust's `regex`
     syntax, anchored at both ends), one of several strings, or a grammar in Lark syntax
-    (llguidance's dialect)."""
+    (llguidance's dialect). `after`: the token ids after which the grammar starts (a thinking
+    model's end of reasoning, `</think>` encoded, as vLLM's reasoning parser starts it; the output
+    before them and them are free); () from the first token."""
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    after: tuple[int, ...] = ()
 
     def reason(self) -> str | None:
         """Why this is no structured output (None: it is one); a grammar's own errors come from
@@ -56,6 +59,8 @@ class StructuredOutput:
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
             return f"choice must be a non-empty list of strings, got {self.choice!r}"
+        if not (isinstance(self.after, tuple) and all(isinstance(t, int) for t in self.after)):
+            return f"after must be a tuple of token ids, got {self.after!r}"
         return None
 
     def llguidance_grammar(self) -> str:
@@ -109,19 +114,21 @@ class Grammars:
             self._lltokenizer = _lltokenizer(self.tokenizer, self.vocab_size, list(self.end_tokens))
         return self._lltokenizer
 
-    def allowed(self, rows: list[tuple[object, int, list[int]]], batch: int, positions: int = 1) -> np.ndarray:
-        """A step's masks, [batch, positions * W] int32: rows holds (matcher, row, drafts) per
-        request held to a grammar; its row's position j gets the tokens allowed after drafts[:j]
-        (every token past a draft the grammar refuses: verification never reaches there). Other
-        rows allow every token. The matchers end where they began."""
+    def allowed(self, rows: list[tuple[object, int, int, list[int]]], batch: int, positions: int = 1) -> np.ndarray:
+        """A step's masks, [batch, positions * W] int32: rows holds (matcher, row, first, drafts)
+        per request its grammar governs from verified position `first` on (0 but where the drafts
+        before it end the free part, StructuredOutput.after); its row's position first + j gets the
+        tokens allowed after drafts[:j] (every token past a draft the grammar refuses: verification
+        never reaches there). Other positions and rows allow every token. The matchers end where
+        they began."""
         allowed = np.full((batch * positions, self.words), ALL_ALLOWED, np.int32)
         if rows:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             numpy_api = llguidance.numpy
-            if plain := [(m, row * positions) for m, row, drafts in rows if not drafts]:
+            if plain := [(m, row * positions + first) for m, row, first, drafts in rows if not drafts]:
                 numpy_api.fill_next_token_bitmask_par(self._executor, plain, allowed)
-            if drafted := [(m, row * positions, list(drafts)) for m, row, drafts in rows if drafts]:
+            if drafted := [(m, row * positions + first, list(drafts)) for m, row, first, drafts in rows if drafts]:
                 numpy_api.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, allowed)
         return allowed.reshape(batch, positions * self.words)
 

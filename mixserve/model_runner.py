@@ -276,8 +276,9 @@ class ModelRunner:
                 s.repetition_B[row] = min(r.repetition_penalty, largest)
                 s.frequency_B[row], s.presence_B[row] = r.frequency_penalty, r.presence_penalty
                 s.seen_ids_BU[row, :len(seen)], s.output_counts_BU[row, :len(seen)] = seen.ids, seen.counts
-        held = [(r.matcher, row, drafts[i] if drafts else []) for i, (r, row) in enumerate(zip(reqs, rows))
-                if r.matcher is not None]
+        starts = [r.grammar_start(drafts[i] if drafts else []) for i, r in enumerate(reqs)]
+        held = [(r.matcher, row, first, drafts[i][first:] if drafts else [])
+                for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
         if held:
             s = s._replace(allowed_BW=self.grammars.allowed(held, batch, 1 + self.cfg.speculative_tokens if drafts else 1))
         return Sampling(*(jnp.asarray(a) for a in s))

@@ -136,6 +136,12 @@ class ReplyParser:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas)
 
+    def answer_after(self, tokenizer) -> tuple[int, ...]:
+        """The tokens after which the answer starts (StructuredOutput.after, as vLLM holds only the
+        answer of a thinking model to the structure): `</think>` encoded when the prompt leaves
+        <think> open, else none (a reply that would open it is held from its first token)."""
+        return tuple(tokenizer.encode(END_THINK)) if self.in_reasoning else ()
+
     def parse(self, text: str, final: bool) -> Reply:
         """The reply text's fields; before the final text, only what later text cannot change."""
         reasoning, rest = "", text

@@ -96,6 +96,7 @@ class Request:
     _counts: TokenCounts | None = dataclasses.field(default=None, repr=False)  # penalized: token_counts()
     # structured_output's llguidance matcher (the engine makes it at submit): at the end of out
     matcher: object | None = dataclasses.field(default=None, repr=False)
+    structured_from: int | None = None  # the first index of out the grammar governs (None: not yet known)
 
     @property
     def tokens(self) -> list[int]:
@@ -129,6 +130,7 @@ class Request:
         a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
         as in vLLM), or max_new_tokens. A token that its structured output refuses (which the
         step's mask should have made impossible) aborts it with the matcher's reason."""
+        governed = self.structured_from is not None
         self.out.append(token)
         if self.logprobs is not None:
             self.out_logprobs.append(logprobs)
@@ -137,15 +139,31 @@ class Request:
         else:
             self.latencies.append(now - self.t_last)
         self.t_last = now
-        if self.matcher is not None and not self.matcher.consume_token(token):  # the step's mask allowed it
+        if self.matcher is not None and governed and not self.matcher.consume_token(token):  # the mask allowed it
             self.finish("aborted", f"token {token} breaks the structured output: {self.matcher.get_error()}")
             return
+        if self.matcher is not None and not governed and self._ends_free_part(self.out):
+            self.structured_from = len(self.out)
         if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
         elif self.stop:
             self.stop_reason = self._completed_stop_string(tokenizer)
         if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
+
+    def grammar_start(self, drafts: list[int]) -> int | None:
+        """The first position of a step (its token, then one after each draft) that the structured
+        output governs: 0 once it governs the output, else the position after the draft that ends
+        its free part (StructuredOutput.after); None: none of them (and without one)."""
+        if self.matcher is None:
+            return None
+        if self.structured_from is not None:
+            return 0
+        return next((j for j in range(1, len(drafts) + 1) if self._ends_free_part(self.out + list(drafts[:j]))), None)
+
+    def _ends_free_part(self, out: list[int]) -> bool:
+        after = self.structured_output.after
+        return len(out) >= len(after) and tuple(out[len(out) - len(after):]) == after
 
     def _completed_stop_string(self, tokenizer: Tokenizer) -> str | None:
         """The stop string that the text of the newest token(s) completes (the earliest to start, if

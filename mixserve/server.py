@@ -334,6 +334,9 @@ class Completion:
                    "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
         fmt = served.reply_format
         reply = ReplyParser.for_request(fmt, text, tools) if fmt.reasoning or tools else None
+        if reply is not None and options["structured_output"] is not None:  # the reasoning is free
+            options["structured_output"] = dataclasses.replace(options["structured_output"],
+                                                               after=reply.answer_after(served.tokenizer))
         return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True, reply=reply,
                    one_call=body.get("parallel_tool_calls") is False)
 

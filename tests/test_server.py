@@ -23,6 +23,7 @@ import mixserve
 from mixserve import faults, run, server
 from mixserve.engine import Engine
 from mixserve.frontend import Frontend
+from mixserve.grammar import Grammars
 from mixserve.tokenizer import ByteTokenizer
 
 FLAGS = ["--model", "tiny-kimi", "--page-size", "4", "--concurrency", "2"]
@@ -363,6 +364,7 @@ class Scripted(Frontend):
     def __init__(self, reply: str = ""):
         super().__init__()
         self.counters, self.reply, self.live = types.SimpleNamespace(rejections=0), reply, []
+        self.grammars = Grammars(ByteTokenizer(), 320, (self.EOS,))  # a structured reply is checked as it comes
 
     def _reject_reason(self, req):
         return None
@@ -498,6 +500,23 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls_and_thinking_can_be_
         assert message == {"role": "assistant", "content": GLM_REPLY}
         status, error = post(s, {"messages": ASK, "tools": TOOLS}, CHAT)
         assert status == 400 and "--tool-call-parser" in error["error"]["message"]
+
+
+def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_format():
+    """GLM's generation prompt leaves <think> open: the structure holds from after </think> (a
+    reply whose reasoning is not JSON is served), but from the first token once thinking is off.
+    The scripted engine's tokens pass through each request's matcher: one it refuses aborts it."""
+    answer = '{"ok":true}'
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+    with scripted_server(GLM_TEMPLATE, "Look it up.</think>" + answer) as s:
+        status, body = post(s, {"messages": ASK, "response_format": fmt}, CHAT)
+        assert status == 200 and body["choices"][0]["message"] == {
+            "role": "assistant", "reasoning_content": "Look it up.", "content": answer}, body
+        off = {"messages": ASK, "response_format": fmt, "chat_template_kwargs": {"enable_thinking": False}}
+        status, error = post(s, off, CHAT)  # no open <think>: "L" is not JSON
+        assert status == 500 and "breaks the structured output" in error["error"]["message"], error
+    with scripted_server(GLM_TEMPLATE, answer) as s:
+        assert post(s, off, CHAT)[1]["choices"][0]["message"]["content"] == answer
 
 
 @pytest.mark.parametrize("body, message", [

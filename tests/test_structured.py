@@ -133,6 +133,37 @@ def test_speculative_verification_keeps_only_drafts_the_grammar_allows():
     assert [r.tokens for r in engine(speculative_tokens=2).generate(prompts, **request)] == [r.tokens for r in plain]
 
 
+def test_a_grammar_after_a_free_part_starts_at_its_end_plain_and_speculative():
+    """StructuredOutput.after (a thinking model's `</think>`): take the first token after the
+    first that plain greedy decoding emits for the first time as the end of the free part (so it
+    ends there, not before). The output is plain decoding's up to it, then
+    greedy decoding among the choices from there; speculative with oracle drafts that cross the
+    end (the grammar's mask starts at the position after it) and one wrong draft, the same."""
+    model = byte_model("tiny-glm4", mtp=True)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 6 + 5 * i)] for i in range(2)]
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **kw)
+    free = []
+    for f in engine().generate(prompts, max_new_tokens=6):
+        end = next(i for i in range(1, 6) if f.tokens[i] not in f.tokens[:i])
+        assert EOS not in f.tokens[:end + 1], f.tokens
+        free.append(f.tokens[:end + 1])
+    want = [f + choice_reference(model, p + f, 12) for p, f in zip(prompts, free)]
+    requests = [dict(max_new_tokens=len(f) + 12, structured_output=StructuredOutput(choice=CHOICES, after=(f[-1],)))
+                for f in free]
+    plain = engine()
+    rids = [plain.submit(p, **r) for p, r in zip(prompts, requests)]
+    got = {}
+    while plain.has_work():
+        got.update({u.rid: u.result for u in plain.step() if u.result is not None})
+    assert [got[rid].tokens for rid in rids] == want
+    for wrong_at in (None, 1):
+        spec = engine(speculative_tokens=3)
+        for p, r, w in zip(prompts, requests, want):  # one prompt at a time: each has its own `after`
+            (result,) = _run_with_oracle(spec, [p], [dataclasses.replace(got[rids[0]], tokens=w)], 3, wrong_at, **r)
+            assert result.tokens == w, wrong_at
+        assert spec.counters.accepted_tokens > 0
+
+
 def fits(value, schema) -> bool:
     """Whether a parsed JSON value fits the schema's object, required, properties, enum, integer
     minimum and maximum, string maxLength and array items and maxItems (what SCHEMA uses)."""
