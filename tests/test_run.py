@@ -108,13 +108,13 @@ def test_structured_output_flags_hold_every_output_and_are_reported(capsys, tmp_
     assert list(picked["sampling"]["structured_output"]["choice"]) == choices
     assert all(r["text"] in choices and r["stop_reason"] is not None for r in picked["requests"])
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
                                   "required": ["n"], "additionalProperties": False,
                                   "x-guidance": {"whitespace_flexible": False}}))
     filled = run.main([*flags, "--json-schema", str(schema)])
     assert filled["sampling"]["structured_output"]["json_schema"]["required"] == ["n"]
     for r in filled["requests"]:
-        assert r["stop_reason"] is not None and json.loads(r["text"])["n"] <= 9
+        assert r["stop_reason"] is not None and 0 <= json.loads(r["text"])["n"] <= 9  # {"n":D} in 12 tokens
     capsys.readouterr()
     run.main(flags[1:] + ["--choice", "yes"])
     assert "prompt tokens -> 'yes' (stopped by" in capsys.readouterr().out

@@ -70,12 +70,12 @@ def test_llguidance_masks_are_the_choices_next_bytes_per_draft_position():
     m = grammars.matcher(StructuredOutput(choice=CHOICES))
     assert m.consume_tokens(list(b"ye"))
     drafts = list(b"sX")  # "s" is fine, "X" is refused
-    got = grammars.allowed([(m, 1, drafts)], batch=3, positions=4).reshape(3, 4, -1)
+    got = grammars.allowed([(m, 1, 0, drafts)], batch=3, positions=4).reshape(3, 4, -1)
     assert bits(got[1, 0], V) == choice_allowed(b"ye") == {ord("s")}
     assert bits(got[1, 1], V) == choice_allowed(b"yes") == {ord("t"), EOS}
     assert ord("X") not in bits(got[1, 1], V)  # so verification never keeps "X", nor reads the masks after it
     assert (got[1, 2:] == ALL_ALLOWED).all() and (got[[0, 2]] == ALL_ALLOWED).all()
-    again = grammars.allowed([(m, 0, [])], batch=1)
+    again = grammars.allowed([(m, 0, 0, [])], batch=1)
     np.testing.assert_array_equal(again[0], got[1, 0])
 
 
