@@ -14,6 +14,10 @@ write (what SGLang's --reasoning-parser and --tool-call-parser read):
   with newlines between the tags (GLM-4.5) or none (GLM-4.7, GLM-5). V is JSON, unless the tool's
   schema declares the argument a string, or V is not JSON: then it is the text as written.
 
+- forced calls (tool_choice "required" or a named function, as vLLM serves them): the answer is
+  JSON that a structured output held to `forced_calls_schema`, whatever the family's markup: a
+  list of {"name", "parameters"} objects, or the named function's arguments.
+
 A call that does not read (arguments that are not a JSON object, a GLM call with text between its
 tags) or that the reply cuts short stays in the content as the model wrote it: nothing is lost,
 and the client sees what it got. Content and reasoning are stripped of surrounding whitespace.
@@ -121,20 +125,51 @@ class ReplyFormat:
         return cls(reasoning, calls)
 
 
+def forced_calls_schema(tools: list[dict], forced: str, one_call: bool) -> dict:
+    """The JSON schema a forced answer is held to: for "required", a list of at least one call (at
+    most one if one_call) of the offered tools, each {"name": NAME, "parameters": {...its schema}};
+    for a named function, its parameters. Written as json.dumps writes (", " and ": ", no other
+    whitespace): a grammar that allows any whitespace lets a model pad forever."""
+    parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    layout = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    if forced != "required":
+        return {**parameters[forced], **layout}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, schema in parameters.items()]
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": calls}, **layout}
+
+
+def read_forced_calls(text: str, forced: str) -> list[ToolCall]:
+    """A forced answer (forced_calls_schema's JSON) -> its calls (ValueError if it does not read:
+    cut short)."""
+    value = json.loads(text)
+    if forced != "required":
+        if not isinstance(value, dict):
+            raise ValueError(f"the arguments are not a JSON object: {text!r}")
+        return [ToolCall(None, forced, text.strip())]
+    if not (isinstance(value, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in value)):
+        raise ValueError(f"not a list of calls: {text!r}")
+    return [ToolCall(None, c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplyParser:
     """How one request's replies read: in_reasoning, whether its prompt leaves a `<think>` open; calls,
-    the tool-call format when the request offers tools; schemas, each tool's parameters by name."""
+    the tool-call format when the request offers tools; schemas, each tool's parameters by name;
+    forced, tool_choice "required" or the named function (the answer is forced_calls_schema's JSON)."""
     reasoning: bool
     in_reasoning: bool
     calls: ToolCallFormat | None
     schemas: dict[str, dict]
+    forced: str | None = None
 
     @classmethod
-    def for_request(cls, fmt: ReplyFormat, prompt_text: str, tools: list[dict] | None) -> ReplyParser:
+    def for_request(cls, fmt: ReplyFormat, prompt_text: str, tools: list[dict] | None,
+                    forced: str | None = None) -> ReplyParser:
         open_think = fmt.reasoning and prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
-        return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas)
+        return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas, forced)
 
     def answer_after(self, tokenizer) -> tuple[int, ...]:
         """The tokens after which the answer starts (StructuredOutput.after, as vLLM holds only the
@@ -162,6 +197,11 @@ class ReplyParser:
         return Reply(reasoning.strip(), content.strip(), tuple(calls))
 
     def split_calls(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        if self.forced is not None:  # the calls show once the answer is whole; cut short, it is the content
+            try:
+                return ("", read_forced_calls(text, self.forced)) if final else ("", [])
+            except ValueError:
+                return text, []
         f = self.calls
         if f is None:
             return text, []

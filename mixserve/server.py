@@ -41,7 +41,7 @@ from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, 
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
-from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream
+from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream, forced_calls_schema
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -333,12 +333,18 @@ class Completion:
         options = {**Endpoint.sampling(body), "max_new_tokens": limit,
                    "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
         fmt = served.reply_format
-        reply = ReplyParser.for_request(fmt, text, tools) if fmt.reasoning or tools else None
+        one_call = body.get("parallel_tool_calls") is False
+        if (forced := forced_call(body, tools)) is not None:
+            if options["structured_output"] is not None:
+                raise BadRequest(f"tool_choice {body['tool_choice']!r} holds the answer to the tools' calls: "
+                                 "no response_format or structured_outputs beside it")
+            options["structured_output"] = StructuredOutput(json_schema=forced_calls_schema(tools, forced, one_call))
+        reply = ReplyParser.for_request(fmt, text, tools, forced) if fmt.reasoning or tools else None
         if reply is not None and options["structured_output"] is not None:  # the reasoning is free
             options["structured_output"] = dataclasses.replace(options["structured_output"],
                                                                after=reply.answer_after(served.tokenizer))
         return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True, reply=reply,
-                   one_call=body.get("parallel_tool_calls") is False)
+                   one_call=one_call)
 
     def call(self) -> Call:
         """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
@@ -427,13 +433,9 @@ def rendered_chat(body: dict, served: Served) -> tuple[str, list[dict] | None]:
 
 def offered_tools(body: dict, fmt: ReplyFormat) -> list[dict] | None:
     """The request's tools, checked, for the template to render and the reply to be read for; None
-    when it offers none or tool_choice is "none" (the model is not shown them). Forcing a call
-    ("required", a named function) would need constrained decoding: refused by name."""
+    when it offers none or tool_choice is "none" (the model is not shown them)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice == "required" or isinstance(choice, dict):
-        raise BadRequest(f"tool_choice={choice!r} is not supported: only 'auto' or 'none' (forcing a call needs "
-                         "constrained decoding, which mixserve does not have)")
-    if choice not in (None, "auto", "none"):
+    if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
         raise BadRequest(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}")
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -443,10 +445,29 @@ def offered_tools(body: dict, fmt: ReplyFormat) -> list[dict] | None:
                              f'{{...}}}}}}, got {tool!r}')
     if not tools or choice == "none":
         return None
-    if fmt.tool_calls is None:
+    if fmt.tool_calls is None and forced_call(body, tools) is None:  # a forced answer is JSON, in no family's markup
         raise BadRequest("this model's tool calls are not read: its chat template writes none in a format mixserve "
                          f"knows ({', '.join(TOOL_CALL_FORMATS)}); start the server with --tool-call-parser NAME")
     return tools
+
+
+def forced_call(body: dict, tools: list[dict] | None) -> str | None:
+    """tool_choice "required" or the named function's name (the answer is a call, held to
+    forced_calls_schema), or None (the model may call or not); a tool_choice that forces a call of
+    tools not offered is refused."""
+    choice = body.get("tool_choice")
+    if choice == "required":
+        if not tools:
+            raise BadRequest('tool_choice "required" needs tools')
+        return choice
+    if not isinstance(choice, dict):
+        return None
+    name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise BadRequest(f'a named tool_choice is {{"type": "function", "function": {{"name": ...}}}}, got {choice!r}')
+    if name not in {t["function"]["name"] for t in tools or ()}:
+        raise BadRequest(f"tool_choice names {name!r}, which tools does not offer")
+    return name
 
 
 def chat_messages(messages: list) -> list[dict]:
@@ -589,7 +610,9 @@ class Choice:
     def finish_reason(self) -> str:
         if self.result.stop_reason is None:
             return "length"
-        return "tool_calls" if self.reply is not None and self.reply.called else "stop"
+        # OpenAI's: a call of the function tool_choice named finishes as "stop"
+        called = self.reply is not None and self.reply.called and self.reply.parser.forced in (None, "required")
+        return "tool_calls" if called else "stop"
 
     def openai_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> dict:
         if self.chat:  # each token with its text's UTF-8 bytes, and its likeliest alternatives

@@ -451,6 +451,50 @@ def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template
         assert markup in ByteTokenizer().decode(again["choices"][0]["prompt_token_ids"]), again
 
 
+FORCED = [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]', "tool_calls"),
+          ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo", "days": 2}', "stop")]
+
+
+@pytest.mark.parametrize("tool_choice, answer, finish", FORCED, ids=["required", "named"])
+def test_a_forced_tool_call_is_read_from_its_json_streamed_or_not(tool_choice, answer, finish):
+    """tool_choice "required" (a list of {name, parameters}) or a named function (its arguments):
+    after the free reasoning, the answer is held to forced_calls_schema (the scripted engine's
+    tokens pass through the matcher: "Checking." before the JSON would abort it) and read into
+    tool_calls, whatever the family's markup; a named call finishes as "stop", as OpenAI's does."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": tool_choice}
+    with scripted_server(GLM_TEMPLATE, "Look it up.</think>" + answer) as s:
+        status, whole = post(s, body, CHAT)
+        assert status == 200, whole
+        (choice,) = whole["choices"]
+        (call,) = choice["message"].pop("tool_calls")
+        assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": "Look it up."}
+        assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+        assert call["function"]["name"] == "get_weather" and choice["finish_reason"] == finish
+        chunks = events(s, body, CHAT)[:-1]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        (streamed,) = [c for d in deltas for c in d.get("tool_calls", ())]
+        assert streamed["function"] == call["function"] and chunks[-1]["choices"][0]["finish_reason"] == finish
+        assert "".join(d.get("content", "") for d in deltas) == ""
+    with scripted_server(GLM_TEMPLATE, "Look it up.</think>Checking." + answer) as s:
+        status, error = post(s, body, CHAT)
+        assert status == 500 and "breaks the structured output" in error["error"]["message"], error
+
+
+def test_forced_calls_on_a_model_ends_on_a_call_of_the_offered_tools(srv):
+    """The tiny model, greedy, with tools whose parameters the schema bounds: "required" and
+    parallel_tool_calls false gives exactly one call of an offered tool, with arguments of its
+    schema; the named function's call is that function's. The schema bounds the answer (at most
+    [{"name": "right", "parameters": {"x": "b"}}], 45 bytes), so it ends within max_tokens."""
+    pick = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": n, "parameters": pick}} for n in ("left", "right")]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "right"}}):
+        status, body = post(srv, chat(tools=tools, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=64), CHAT)
+        assert status == 200, body
+        (call,) = body["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] in (("left", "right") if tool_choice == "required" else ("right",))
+        assert json.loads(call["function"]["arguments"])["x"] in ("a", "b")
+
+
 def test_an_api_key_guards_all_but_health_and_metrics(monkeypatch):
     def ask(s, method, path, key=None, body=None):
         with contextlib.closing(connect(s)) as c:
@@ -530,9 +574,15 @@ def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_f
     ({"messages": [{"role": "user", "content": 7}]}, "a string or a list of text parts"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "no role tool"),  # the template's raise_exception
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "start the server with --tool-call-parser"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), "needs constrained"),
+    (chat(tool_choice="required"), 'tool_choice "required" needs tools'),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {}}),
+     "a named tool_choice is"),
     (chat(tools=[{"type": "function", "function": {"name": "f"}}],
-          tool_choice={"type": "function", "function": {"name": "f"}}), "needs constrained decoding"),
+          tool_choice={"type": "function", "function": {"name": "g"}}), "names 'g', which tools does not offer"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+          response_format={"type": "json_object"}), "no response_format or structured_outputs beside it"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+          tool_choice="required"), "objectx"),
     (chat(tool_choice="any"), "tool_choice must be 'auto', 'none', 'required' or a named function, got 'any'"),
     (chat(tools=[{"type": "function", "function": {"name": ""}}]), 'tools[0] must be {"type": "function"'),
     (chat(tools=[{"name": "f"}]), "tools[0] must be"),
