@@ -81,6 +81,15 @@ for preset, tp in CASES:
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
     assert_no_weight_gathered(split, preset)
+# A structured output's mask (replicated, [rows, W] words) over the vocabulary-split logits: the same sample.
+from mixserve.grammar import StructuredOutput
+from mixserve.tokenizer import ByteTokenizer
+byte_glm = dataclasses.replace(mixserve.load("tiny-glm4", dtype="float32"), tokenizer=ByteTokenizer())
+held = dict(max_new_tokens=8, temperature=1.0, seed=3, structured_output=StructuredOutput(regex="[a-z]{2,5}"))
+want = [r.tokens for r in Engine(byte_glm, **{**kw, "stop_tokens": (257,)}).generate(prompts, **held)]
+assert all(bytes(w[:-1]).isalpha() and w[-1] == 257 for w in want), want
+got = Engine(byte_glm, mesh=mesh_for(2), **{**kw, "stop_tokens": (257,)}).generate(prompts, **held)
+assert [r.tokens for r in got] == want
 # Quantized weights whose TP4 shares would cut their scale blocks (tiny-kimi: 16 of a 128-block's rows
 # at FP8, 8 of down_proj's 2 INT4 g16 groups): the scales are re-blocked (FP8 8-row blocks for
 # down_proj's 32 rows, INT4 g8) and split with the values, and no weight moves in prefill or decode.
@@ -324,7 +333,7 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
     (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
-    per-device bytes."""
+    per-device bytes. A structured output samples the same at TP2."""
     run_on_8_devices(XLA_PATH)
 
 
