@@ -150,7 +150,7 @@ class DisaggregatedEngine(Frontend):
             jax.block_until_ready(d.runner.pools)  # the next decode step waits for it anyway: time it here
         for req, shared, src_slot in moved:
             if not req.drafts:
-                d._ngram_drafts(req)  # n-gram drafts for its first decode step (MTP drafts came with it)
+                d._host_drafts(req)  # forced or n-gram drafts for its first decode step (MTP drafts came with it)
             p.page_manager.release_slot(src_slot)  # the prefill engine's copy is no longer needed
             d.page_manager.register_prefix(req)  # its prompt pages hold their KV now: later requests share them
             self.counters.pages_shared += shared

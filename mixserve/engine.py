@@ -235,7 +235,7 @@ class Engine(Frontend):
                     req.drafts = out.drafts[row[id(req)]] if out.drafts else []
                     self.page_manager.register_prefix(req)  # later admissions can share its full prompt pages
                     req.accept(token, now, self.stop_tokens, logprobs, self.tokenizer)
-                    self._ngram_drafts(req)
+                    self._host_drafts(req)
             self.counters.prefill_tokens += sum(r.cached - c for r, c, ok in zip(batch, cached, out.ok) if ok)
             for error in out.errors:  # strict: raised once the failing requests are aborted
                 error.throw()
@@ -275,12 +275,18 @@ class Engine(Frontend):
                 self.counters.verified_rows += 1
                 self.counters.accepted_tokens += min(len(r.out) - before, len(tokens) - 1)
                 r.drafts = out.drafts[i] if out.drafts is not None else []
-                self._ngram_drafts(r)
+                self._host_drafts(r)
         for error in out.errors:  # strict: raised once the failing requests are aborted
             error.throw()
 
-    def _ngram_drafts(self, req: Request) -> None:
-        if self.draft == "ngram" and self.speculative_tokens and req.result is None:
+    def _host_drafts(self, req: Request) -> None:
+        """The drafts the host finds: the tokens a structured output forces next (SGLang's
+        jump-forward, verified as any draft: kept where the masked sample agrees), else n-grams."""
+        if not self.speculative_tokens or req.result is not None:
+            return
+        if forced := req.forced_tokens():
+            req.drafts = forced[:self.speculative_tokens]
+        elif self.draft == "ngram":
             req.drafts = speculative.ngram_drafts(req.tokens, self.speculative_tokens)
 
     def _passed(self, reqs: list[Request], out) -> list[tuple[Request, int | None, TokenLogprobs | None]]:

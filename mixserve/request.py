@@ -161,6 +161,11 @@ class Request:
             return 0
         return next((j for j in range(1, len(drafts) + 1) if self._ends_free_part(self.out + list(drafts[:j]))), None)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the structured output forces next, as llguidance tokenizes the bytes it
+        forces (a JSON schema's keys and punctuation); [] without one or before it governs."""
+        return self.matcher.compute_ff_tokens() if self.matcher is not None and self.structured_from is not None else []
+
     def _ends_free_part(self, out: list[int]) -> bool:
         after = self.structured_output.after
         return len(out) >= len(after) and tuple(out[len(out) - len(after):]) == after

@@ -51,6 +51,16 @@ def test_disaggregated_script_runs(tmp_path):
     assert (tmp_path / "d.md").read_text() in out
 
 
+def test_structured_outputs_script_runs(tmp_path):
+    out = run("structured_outputs.py", "--repeats", "1", "--vocab", "2000", "--new-tokens", "4",
+              "--out", str(tmp_path / "g.md"))
+    for heading in ("## One-time costs", "## Host masks per step", "## The mask in the decode step"):
+        assert heading in out
+    assert "| synthetic byte-level BPE | 2,000 |" in out and "| ByteTokenizer | 8 | 4 |" in out
+    assert "| greedy |" in out and "| temperature 1 |" in out
+    assert (tmp_path / "g.md").read_text() in out
+
+
 def test_fixed_memory_script_runs(tmp_path):
     """A budget of 2 BF16 requests of 24 + 8 tokens (2 pages each): at concurrency 4 the BF16
     engine can run only 2 requests per decode step, the FP8 one all 4."""

@@ -6,6 +6,7 @@ errors."""
 
 import dataclasses
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +163,29 @@ def test_a_grammar_after_a_free_part_starts_at_its_end_plain_and_speculative():
             (result,) = _run_with_oracle(spec, [p], [dataclasses.replace(got[rids[0]], tokens=w)], 3, wrong_at, **r)
             assert result.tokens == w, wrong_at
         assert spec.counters.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_tokens_are_drafted_and_all_kept(temperature):
+    """With speculative decoding (n-gram drafts, which a random model's output never repeats) the
+    bytes a regex forces are drafted (llguidance's fast-forward tokens). After "a" or "b" the F
+    bytes of "lpha-constant-suffix-" (21) or "eta-constant-suffix-" (20) are forced: each step
+    keeps its K = 3 forced drafts and samples the next forced byte as its bonus token (the mask
+    leaves one), so F - F // 4 drafts are kept and the span takes ceil(F / 4) steps, not F.
+    Greedy, the tokens are plain decoding's; sampled, the output still matches."""
+    model = byte_model("tiny-glm4")
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    regex = "(alpha|beta)-constant-suffix-[0-9]"
+    request = dict(max_new_tokens=40, temperature=temperature, seed=1, structured_output=StructuredOutput(regex=regex))
+    spec = Engine(model, num_pages=64, page_size=8, max_batch=4, speculative_tokens=3, draft="ngram")
+    got = spec.generate(prompts, **request)
+    spans = [21 if r.tokens[0] == ord("a") else 20 for r in got]
+    assert spec.counters.accepted_tokens == sum(f - f // 4 for f in spans)
+    for r in got:
+        assert re.fullmatch(regex, bytes(r.tokens[:-1]).decode()) and r.stop_reason == EOS, r.tokens
+    if temperature == 0:
+        plain = Engine(model, num_pages=64, page_size=8, max_batch=4)
+        assert [r.tokens for r in plain.generate(prompts, **request)] == [r.tokens for r in got]
 
 
 def fits(value, schema) -> bool:
