@@ -56,7 +56,9 @@ def test_structured_outputs_script_runs(tmp_path):
               "--out", str(tmp_path / "g.md"))
     for heading in ("## One-time costs", "## Host masks per step", "## The mask in the decode step"):
         assert heading in out
-    assert "| synthetic byte-level BPE | 2,000 |" in out and "| ByteTokenizer | 8 | 4 |" in out
+    assert "| synthetic byte-level BPE | 2,000 |" in out  # the one-time costs' row of the small BPE
+    # Section 3's regex allows 26 letters and the space; a JSON string every byte but '"', '\' and the controls.
+    assert "| ByteTokenizer | regex [a-z ]{40} | 27 | 8 | 4 |" in out and "| ByteTokenizer | JSON schema | " in out
     assert "| greedy |" in out and "| temperature 1 |" in out
     assert (tmp_path / "g.md").read_text() in out
 
