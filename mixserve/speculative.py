@@ -62,9 +62,12 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         (jnp.arange(K)[None, None, :] < n_drafts_R[:, None, None])
     drafted_XK = jnp.where(before_RJK, drafts_RK[:, None, :], NO_TOKEN).reshape(R * J, K)
 
-    def sampled(_):  # or greedy with a logit bias, penalties or a grammar
+    def adjusted(_):  # a logit bias, penalties or a grammar; all greedy: no draw
         biased_XV = adjusted_logits(logits_XV, s_X, drafted_XK)
         greedy_X = greedy_tokens(biased_XV)
+        return jax.lax.cond(jnp.any(sampled_X), sampled, lambda _b, g_X: (g_X == draft_X, g_X), biased_XV, greedy_X)
+
+    def sampled(biased_XV, greedy_X):
         draw_XV = sampling_logits(biased_XV, s_X)
         p_draft_X = jnp.take_along_axis(jax.nn.softmax(draw_XV, axis=-1), draft_X[:, None], axis=-1)[:, 0]
         keys = sampling_keys(s_X)
@@ -80,7 +83,7 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         greedy_X = greedy_tokens(logits_XV)
         return greedy_X == draft_X, greedy_X
 
-    kept_X, replacement_X = jax.lax.cond(slow_path(s_X), sampled, greedy, None)
+    kept_X, replacement_X = jax.lax.cond(slow_path(s_X), adjusted, greedy, None)
     kept_RJ = (kept_X & has_draft_X).reshape(R, J)
     accepted_R = jnp.sum(jnp.cumprod(kept_RJ, axis=1), axis=1).astype(jnp.int32)
     position_J = jnp.arange(J)[None, :]
