@@ -36,9 +36,9 @@ it by hand.
    the runner's decode call: building the step's inputs (so the host masks, Grammars.allowed),
    moving them to the device, the step (the mask unpacked to [B, V] bits and applied) and reading
    the tokens back; the matchers consuming the new tokens (Request.accept) come after it and are
-   not in it. Greedy, the structured step also takes the sampling branch (any masked row does),
-   which the plain greedy step skips; at temperature 1 both sides sample, so the ratio is the
-   mask's alone.
+   not in it. Greedy, the structured step also takes the adjusted branch (the logit bias and
+   penalty scatters, the mask, the argmax; no draw), which the plain greedy step skips; at
+   temperature 1 both sides sample, so the ratio is the mask's alone.
 """
 
 from __future__ import annotations
