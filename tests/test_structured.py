@@ -238,6 +238,19 @@ def test_sampled_json_parses_and_fits_the_schema_disaggregated_as_one_engine():
         assert fits(value, SCHEMA), value
 
 
+def test_a_preempted_structured_request_samples_what_it_would_have():
+    """A pool too small for four JSON outputs preempts one; recomputed, its matcher is where its
+    output ends, and every output is the roomy engine's."""
+    model = byte_model("tiny-glm4")
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 6 + i)] for i in range(4)]
+    request = dict(max_new_tokens=MAX_JSON_BYTES + 1, temperature=1.0, seed=5,
+                   structured_output=StructuredOutput(json_schema=SCHEMA))
+    want = Engine(model, num_pages=96, page_size=4, max_batch=4).generate(prompts, **request)
+    small = Engine(model, num_pages=40, page_size=4, max_batch=4)
+    assert [r.tokens for r in small.generate(prompts, **request)] == [r.tokens for r in want]
+    assert small.counters.preemptions > 0
+
+
 @pytest.mark.parametrize("structured, options, message", [
     (StructuredOutput(regex="a(b"), {}, "unclosed group"),
     (StructuredOutput(json_schema={"type": "objectx"}), {}, "objectx"),
