@@ -109,6 +109,12 @@ class Grammars:
             return f"structured output: {matcher.get_error()}"
         return matcher
 
+    def prepare(self) -> str | None:
+        """Read the tokenizer now (a server, at start: else the first structured request waits
+        for it, and every running request's next step with it); why there is none, if not."""
+        tokenizer = self._tokenizer()
+        return tokenizer if isinstance(tokenizer, str) else None
+
     def _tokenizer(self):
         if self._lltokenizer is None:
             self._lltokenizer = _lltokenizer(self.tokenizer, self.vocab_size, list(self.end_tokens))

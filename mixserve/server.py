@@ -982,6 +982,7 @@ def make_server(argv=None) -> Server:
     template = setup.model.chat_template
     if args.chat_template is not None:
         template = ChatTemplate.from_file(args.chat_template, args.model if os.path.isdir(args.model) else None)
+    setup.engine.grammars.prepare()  # a model without a tokenizer: its structured requests say why
     d = setup.decoder
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
                     min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
