@@ -280,7 +280,8 @@ class ModelRunner:
         held = [(r.matcher, row, first, drafts[i][first:] if drafts else [])
                 for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
         if held:
-            s = s._replace(allowed_BW=self.grammars.allowed(held, batch, 1 + self.cfg.speculative_tokens if drafts else 1))
+            positions = 1 + self.cfg.speculative_tokens if drafts else 1
+            s = s._replace(allowed_BW=self.grammars.allowed(held, batch, positions))
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:

@@ -1,6 +1,7 @@
-"""Per-row sampling inside the jitted steps: a logit bias and the repetition, frequency and
-presence penalties, a structured output's mask (mixserve/grammar.py), then greedy, or temperature, min-p, top-k, top-p (vLLM's order), with each
-row's key derived in the step from (seed, request index, token index)."""
+"""Per-row sampling inside the jitted steps: a logit bias, the repetition, frequency and presence
+penalties and a structured output's mask (mixserve/grammar.py), then greedy, or temperature,
+min-p, top-k, top-p (vLLM's order), with each row's key derived in the step from (seed, request
+index, token index)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def slow_path(s: Sampling):
 
 def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
-    what is left (vLLM's order), per row, after the logit bias, penalties and grammar mask. The key is folded here, in the
-    step, so the decode loop makes no per-request host calls."""
+    what is left (vLLM's order), per row, after the logit bias, penalties and grammar mask. The
+    key is folded here, in the step, so the decode loop makes no per-request host calls."""
     return jax.lax.cond(slow_path(s), _sampled, lambda l_BV, _s: greedy_tokens(l_BV), logits_BV, s)
 
 
