@@ -70,6 +70,7 @@ class DisaggregatedEngine(Frontend):
         super().__init__()
         self.prefill, self.decode = prefill, decode
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
+        decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()
         p_cfg, d_cfg = prefill.runner.cfg, decode.runner.cfg
         self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import llguidance
 import llguidance.numpy
@@ -86,7 +87,9 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.end_tokens = tokenizer, vocab_size, end_tokens
         self.words = -(-vocab_size // 32)  # W
         self._lltokenizer = None
+        self._reads_from: Grammars | None = None  # share_tokenizer: whose tokenizer this one uses
         self._executor = None
+        self.mask_s = 0.0  # host seconds in allowed() computing masks (inside the steps' decode_s and prefill_s)
 
     def matcher(self, structured: StructuredOutput, ignore_eos: bool = False):
         """A new matcher for `structured`, or the reason there is none (a str): bad input, a
@@ -97,7 +100,7 @@ class Grammars:
             return "ignore_eos would generate past the end of the structured output: it ends on a stop token"
         if not self.end_tokens:
             return "structured outputs end on the engine's stop tokens, and this engine has none"
-        lltokenizer = self._tokenizer()
+        lltokenizer = self.lltokenizer()
         if isinstance(lltokenizer, str):
             return lltokenizer
         try:
@@ -112,10 +115,17 @@ class Grammars:
     def prepare(self) -> str | None:
         """Read the tokenizer now (a server, at start: else the first structured request waits
         for it, and every running request's next step with it); why there is none, if not."""
-        tokenizer = self._tokenizer()
+        tokenizer = self.lltokenizer()
         return tokenizer if isinstance(tokenizer, str) else None
 
-    def _tokenizer(self):
+    def share_tokenizer(self, other: Grammars) -> None:
+        """Use other's tokenizer (a prefill/decode pair of one model: read once, held once)."""
+        self._reads_from = other
+
+    def lltokenizer(self):
+        """llguidance's tokenizer, read at the first call, or why there is none (a str)."""
+        if self._reads_from is not None:
+            return self._reads_from.lltokenizer()
         if self._lltokenizer is None:
             self._lltokenizer = _lltokenizer(self.tokenizer, self.vocab_size, list(self.end_tokens))
         return self._lltokenizer
@@ -129,6 +139,7 @@ class Grammars:
         they began."""
         allowed = np.full((batch * positions, self.words), ALL_ALLOWED, np.int32)
         if rows:
+            t0 = time.perf_counter()
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             numpy_api = llguidance.numpy
@@ -136,6 +147,7 @@ class Grammars:
                 numpy_api.fill_next_token_bitmask_par(self._executor, plain, allowed)
             if drafted := [(m, row * positions + first, list(drafts)) for m, row, first, drafts in rows if drafts]:
                 numpy_api.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, allowed)
+            self.mask_s += time.perf_counter() - t0
         return allowed.reshape(batch, positions * self.words)
 
 

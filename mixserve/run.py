@@ -370,6 +370,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "decode_tok_per_s": c.decode_tokens / c.decode_s if c.decode_s else None,
         "wall_s": wall,
         "counters": vars(c),
+        "grammar_mask_s": decoder.grammars.mask_s + (prefiller.grammars.mask_s if args.disaggregate else 0.0),
         "requests": [
             {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,

@@ -882,6 +882,8 @@ ENGINE_METRICS = (
      lambda e: e.counters.preemptions),
     ("integrity_aborts_total", "counter", "requests aborted by a failed KV integrity check (or a pool leaked after one)",
      lambda e: e.counters.aborts),
+    ("grammar_mask_seconds_total", "counter", "host seconds computing structured outputs' token masks before steps",
+     lambda e: e.grammars.mask_s),
 )
 
 

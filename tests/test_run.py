@@ -105,7 +105,7 @@ def test_structured_output_flags_hold_every_output_and_are_reported(capsys, tmp_
     flags = ["--json", "--max-new-tokens", "12", "--integrity", "off", "--temperature", "1"]
     choices = ["yes", "no", "maybe"]
     picked = run.main([*flags, *(f for c in choices for f in ("--choice", c))])
-    assert list(picked["sampling"]["structured_output"]["choice"]) == choices
+    assert list(picked["sampling"]["structured_output"]["choice"]) == choices and picked["grammar_mask_s"] > 0
     assert all(r["text"] in choices and r["stop_reason"] is not None for r in picked["requests"])
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -749,6 +749,14 @@ def test_metrics_count_what_the_engine_did(srv):
     assert after["kv_pages_total"] == srv.loop.engine.num_pages and after["integrity_aborts_total"] == 0
 
 
+def test_grammar_mask_seconds_count_only_structured_requests(srv):
+    before = metrics(srv)["grammar_mask_seconds_total"]
+    assert post(srv, greedy(max_tokens=3))[0] == 200
+    assert metrics(srv)["grammar_mask_seconds_total"] == before
+    assert post(srv, greedy(max_tokens=3, structured_outputs={"regex": "[a-z]+"}))[0] == 200
+    assert metrics(srv)["grammar_mask_seconds_total"] > before
+
+
 def wait_until(condition, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not condition():

@@ -232,6 +232,8 @@ def test_sampled_json_parses_and_fits_the_schema_disaggregated_as_one_engine():
     pair = DisaggregatedEngine(Engine(model, num_pages=96, page_size=8, max_batch=6, prefill_only=True),
                                Engine(model, num_pages=96, page_size=8, max_batch=6))
     assert [r.tokens for r in pair.generate(prompts, **request)] == [r.tokens for r in one]
+    assert pair.decode.grammars.lltokenizer() is pair.prefill.grammars.lltokenizer()  # read once for the pair
+    assert pair.decode.grammars.mask_s > 0 and pair.prefill.grammars.mask_s > 0  # the first token's, the rest's
     for r in one:
         assert r.stop_reason == EOS, r.tokens
         value = json.loads(bytes(r.tokens[:-1]).decode())
