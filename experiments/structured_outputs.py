@@ -38,7 +38,12 @@ it by hand.
    the tokens back; the matchers consuming the new tokens (Request.accept) come after it and are
    not in it. Greedy, the structured step also takes the adjusted branch (the logit bias and
    penalty scatters, the mask, the argmax; no draw), which the plain greedy step skips; at
-   temperature 1 both sides sample, so the ratio is the mask's alone.
+   temperature 1 both sides sample, so the ratio is the mask's alone. Both sides build the step's
+   sampling inputs, masks included, while the forward runs (ModelRunner.overlap_inputs).
+4. That overlap: the plain and the structured workload at temperature 1 on two engines, one building the
+   sampling inputs (masks included) while the forward runs (the default), one before dispatching
+   it (overlap_inputs = False), runs interleaved as in 3; decode seconds per decoded token and the
+   host mask seconds of a run (Grammars.mask_s), the paired median ratio.
 """
 
 from __future__ import annotations
@@ -184,6 +189,25 @@ def step_runs(engine: Engine, temperature: float, new_tokens: int, repeats: int)
     return runs
 
 
+def overlap_runs(model, structured: bool, new_tokens: int, repeats: int) -> dict:
+    """Decode (temperature 1, structured or plain) seconds per decoded token and host mask seconds
+    per run, by side: the sampling inputs built while the forward runs (True, the default) or
+    before it is dispatched (False: ModelRunner.overlap_inputs); two engines, runs interleaved as
+    in step_runs."""
+    sides = {}
+    for overlap in (True, False):
+        sides[overlap] = Engine(model, num_pages=8 * (-(-(16 + new_tokens) // 8) + 1), page_size=8, max_batch=8)
+        sides[overlap].runner.overlap_inputs = overlap
+        decode_seconds_per_token(sides[overlap], structured, 1.0, new_tokens, 99)
+    runs = {overlap: ([], []) for overlap in sides}
+    for r in range(repeats):
+        for overlap in ((True, False) if r % 2 == 0 else (False, True)):
+            mask0 = sides[overlap].grammars.mask_s
+            runs[overlap][0].append(decode_seconds_per_token(sides[overlap], structured, 1.0, new_tokens, r))
+            runs[overlap][1].append(sides[overlap].grammars.mask_s - mask0)
+    return runs
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the markdown report here")
@@ -222,6 +246,17 @@ def main(argv=None) -> None:
         ratio = statistics.median(s / p for s, p in zip(r["structured"], r["plain"]))
         lines.append(f"| {name} | {1e3 * statistics.median(r['plain']):.3f} | "
                      f"{1e3 * statistics.median(r['structured']):.3f} | {ratio:.3f}x |")
+    lines += ["", f"## Sampling inputs built while the forward runs (temperature 1, {args.repeats} interleaved runs a "
+              "side)", "", "| workload | decode ms/token, built before (median) | built while it runs | while / before "
+              "(paired median) | host mask ms per run, before | while |", "|---|---:|---:|---:|---:|---:|"]
+    for structured in (False, True):
+        (while_s, while_mask), (before_s, before_mask) = overlap_runs(model, structured, args.new_tokens,
+                                                                      args.repeats).values()
+        ratio = statistics.median(a / b for a, b in zip(while_s, before_s))
+        lines.append(f"| {'structured' if structured else 'plain'} | {1e3 * statistics.median(before_s):.3f} | "
+                     f"{1e3 * statistics.median(while_s):.3f} | {ratio:.3f}x | "
+                     f"{1e3 * statistics.median(before_mask):.2f} | {1e3 * statistics.median(while_mask):.2f} |")
+    lines += ["", "On these 2 cores the masks take longer while the forward runs: they share the cores with it."]
     step = 8 * statistics.median(runs["greedy"]["plain"])
     first, second = mask_s["ByteTokenizer", "regex [a-z ]{40}", 8, 1]
     lines += ["", f"A plain greedy decode step of 8 rows takes {1e3 * step:.2f} ms here (8 x its ms/token); the host "
