@@ -180,7 +180,9 @@ class ModelRunner:
                     room[row] = r.num_pages * c.page_size
             sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
                 errors, self.prefill_step, self.model.params, table, jnp.asarray(slots), jnp.asarray(start),
-                jnp.asarray(count), jnp.asarray(chunk), self._sampling([r for _, r in todo], range(len(todo)), R),
+                jnp.asarray(count), jnp.asarray(chunk),
+                self._sampling([r for _, r in todo], range(len(todo)), R,
+                               kept=[r.cached + k == len(r.tokens) for (_, r), k in zip(todo, n)]),
                 None if targets is None else jnp.asarray(targets), None if after_R is None else jnp.asarray(after_R),
                 None if room is None else jnp.asarray(room),
                 width=self._width(table, np.maximum(start + count, 0 if room is None else room)))
@@ -260,7 +262,8 @@ class ModelRunner:
         self.pools, *rest = out
         return rest
 
-    def _sampling(self, reqs: list[Request], rows, batch: int, drafts: list[list[int]] | None = None) -> Sampling:
+    def _sampling(self, reqs: list[Request], rows, batch: int, drafts: list[list[int]] | None = None,
+                  kept: list[bool] | None = None) -> Sampling:
         """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
         in the step (seed, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
@@ -268,8 +271,9 @@ class ModelRunner:
         whether it wants logprobs, its logit bias and its penalties, with the token counts they read
         (as many columns as the most distinct tokens a penalized request holds, a power of two:
         `penalty_width`), and the tokens its structured output allows (speculative: drafts[i] are
-        reqs[i]'s drafts, and its row gets a mask per verified position). reqs[i] goes to row
-        rows[i] of `batch` rows; other rows are greedy."""
+        reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the call
+        samples reqs[i] a token that is not kept, a prefill chunk short of the prompt's end, and
+        its mask is not computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
         # numpy: a device array read back here would wait for the last call
         s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))
@@ -288,7 +292,8 @@ class ModelRunner:
                 s.repetition_B[row] = min(r.repetition_penalty, largest)
                 s.frequency_B[row], s.presence_B[row] = r.frequency_penalty, r.presence_penalty
                 s.seen_ids_BU[row, :len(seen)], s.output_counts_BU[row, :len(seen)] = seen.ids, seen.counts
-        starts = [r.grammar_start(drafts[i] if drafts else []) for i, r in enumerate(reqs)]
+        starts = [r.grammar_start(drafts[i] if drafts else []) if kept is None or kept[i] else None
+                  for i, r in enumerate(reqs)]
         held = [(r.matcher, row, first, drafts[i][first:] if drafts else [])
                 for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
         if held:

@@ -134,10 +134,19 @@ def forced_calls_schema(tools: list[dict], forced: str, one_call: bool) -> dict:
     layout = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
     if forced != "required":
         return {**parameters[forced], **layout}
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for name, schema in parameters.items()]
-    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": calls}, **layout}
+    # each tool's definitions, moved to the root that its "#/$defs/..." references name (as vLLM does)
+    defs = {"$defs": {}, "definitions": {}}
+    calls = []
+    for name, schema in parameters.items():
+        for where, held in defs.items():
+            for key, value in (schema.get(where) or {}).items():
+                if held.setdefault(key, value) != value:
+                    raise ValueError(f"tools define {where}/{key} differently: give the definitions distinct names")
+        schema = {k: v for k, v in schema.items() if k not in defs}
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    return {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}), "items": {"anyOf": calls},
+            **{where: held for where, held in defs.items() if held}, **layout}
 
 
 def read_forced_calls(text: str, forced: str) -> list[ToolCall]:

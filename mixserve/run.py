@@ -191,8 +191,10 @@ def main(argv=None) -> dict:
     args.max_logprobs = max(20, args.logprobs or 0, args.prompt_logprobs or 0)
     try:
         args.structured_output = structured_output(args)
-    except (ValueError, OSError) as e:
+    except json.JSONDecodeError as e:
         parser.error(f"--json-schema: {e}")
+    except OSError as e:
+        parser.error(str(e))
     backend, mesh, setup = start(parser, args, progress=not args.json)
     if args.max_new_tokens >= setup.decoder.max_seq_len:
         parser.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt within the context limit "
@@ -268,10 +270,12 @@ def request_options(args) -> dict:
 def structured_output(args) -> StructuredOutput | None:
     """What the --json-schema, --json-object, --regex, --choice and --grammar flags hold every output
     to (None: none given; several: the engine's usage error says so)."""
-    given = dict(json_schema=args.json_schema and file_or_text(args.json_schema, json.loads),
-                 json_object=args.json_object, regex=args.regex, choice=args.choice and tuple(args.choice),
-                 grammar=args.grammar and file_or_text(args.grammar, str))
-    return StructuredOutput(**given) if any(given.values()) else None
+    given = dict(json_schema=None if args.json_schema is None else file_or_text(args.json_schema, json.loads),
+                 regex=args.regex, choice=None if args.choice is None else tuple(args.choice),
+                 grammar=None if args.grammar is None else file_or_text(args.grammar, str))
+    if args.json_object or any(v is not None for v in given.values()):  # '{}' and '' are structures too
+        return StructuredOutput(json_object=args.json_object, **given)
+    return None
 
 
 def file_or_text(arg: str, parse):

@@ -338,7 +338,10 @@ class Completion:
             if options["structured_output"] is not None:
                 raise BadRequest(f"tool_choice {body['tool_choice']!r} holds the answer to the tools' calls: "
                                  "no response_format or structured_outputs beside it")
-            options["structured_output"] = StructuredOutput(json_schema=forced_calls_schema(tools, forced, one_call))
+            try:
+                options["structured_output"] = StructuredOutput(json_schema=forced_calls_schema(tools, forced, one_call))
+            except ValueError as e:
+                raise BadRequest(str(e))
         reply = ReplyParser.for_request(fmt, text, tools, forced) if fmt.reasoning or tools else None
         if reply is not None and options["structured_output"] is not None:  # the reasoning is free
             options["structured_output"] = dataclasses.replace(options["structured_output"],

@@ -216,6 +216,7 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--json-schema", "{not json"): "--json-schema: Expecting property name",
         ("--regex", "a", "--choice", "a"): "exactly one of",
         ("--json-object", "--ignore-eos"): "ignore_eos",
+        ("--json-schema", "false"): "Unsatisfiable schema",  # a schema nothing fits, not "no schema"
     }
     for argv, message in cases.items():
         try:

@@ -478,6 +478,13 @@ def test_a_forced_tool_call_is_read_from_its_json_streamed_or_not(tool_choice, a
     with scripted_server(GLM_TEMPLATE, "Look it up.</think>Checking." + answer) as s:
         status, error = post(s, body, CHAT)
         assert status == 500 and "breaks the structured output" in error["error"]["message"], error
+    # Parameters that reference their own $defs (as pydantic writes them) still compile once nested.
+    city = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}, "days": {"type": "integer"}},
+            "$defs": {"City": {"type": "string"}}}
+    with_defs = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    with scripted_server(GLM_TEMPLATE, "Look it up.</think>" + answer) as s:
+        status, whole = post(s, {**body, "tools": with_defs}, CHAT)
+        assert status == 200 and whole["choices"][0]["message"]["tool_calls"], whole
 
 
 def test_forced_calls_on_a_model_ends_on_a_call_of_the_offered_tools(srv):
@@ -583,6 +590,9 @@ def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_f
           response_format={"type": "json_object"}), "no response_format or structured_outputs beside it"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
           tool_choice="required"), "objectx"),
+    (chat(tools=[{"type": "function", "function": {"name": n, "parameters": {"$defs": {"P": {"type": t}}}}}
+                 for n, t in (("f", "string"), ("g", "integer"))], tool_choice="required"),
+     "tools define $defs/P differently"),
     (chat(tool_choice="any"), "tool_choice must be 'auto', 'none', 'required' or a named function, got 'any'"),
     (chat(tools=[{"type": "function", "function": {"name": ""}}]), 'tools[0] must be {"type": "function"'),
     (chat(tools=[{"name": "f"}]), "tools[0] must be"),

@@ -17,7 +17,7 @@ from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.grammar import ALL_ALLOWED, Grammars, StructuredOutput
 from mixserve.sampling import Sampling, adjusted_logits
-from mixserve.tokenizer import ByteTokenizer
+from mixserve.tokenizer import ByteTokenizer, HFTokenizer
 from test_speculative import _run_with_oracle
 
 EOS = 257  # the tiny presets' end token; their ids 0-255 are bytes
@@ -276,6 +276,19 @@ def test_bad_structured_outputs_are_rejected_per_request(structured, options, me
         results.update({u.rid: u.result for u in engine.step() if u.result is not None})
     assert results[bad].status == "rejected" and message in results[bad].reason, results[bad].reason
     assert results[good].status == "ok" and all(ord("0") <= t <= ord("9") for t in results[good].tokens)
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_reason_not_a_raise(tmp_path):
+    """A Metaspace decoder (SentencePiece-style), or more tokens than the model's vocabulary: every
+    structured request is refused with llguidance's reason, and prepare() (a server's start) says
+    it rather than raising."""
+    from test_tokenizer import byte_level_bpe_json, metaspace_bpe
+    path = tmp_path / "tokenizer.json"
+    path.write_text(byte_level_bpe_json())  # 400 tokens
+    for tokenizer, vocab, message in ((metaspace_bpe(), 320, "Metaspace"), (HFTokenizer(str(path)), 300, "too small")):
+        grammars = Grammars(tokenizer, vocab, (0,))
+        assert message in grammars.prepare() and "cannot read this model's tokenizer" in grammars.prepare()
+        assert grammars.matcher(StructuredOutput(regex="a")) == grammars.prepare()
 
 
 def test_an_engine_that_cannot_end_the_output_rejects_it():
