@@ -291,6 +291,24 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_reason_not_a_raise(tmp_path):
         assert grammars.matcher(StructuredOutput(regex="a")) == grammars.prepare()
 
 
+def test_kimis_tiktoken_tokenizer_is_read_with_its_merges(tmp_path):
+    """The tiktoken path (Kimi K2's tokenizer): "hello 42" encoded with the merged token "hello"
+    fits a regex, and after "hello" the mask allows the space and the rest of a word, no digit."""
+    from test_tokenizer import tiktoken_files
+    from mixserve.tokenizer import TiktokenTokenizer
+    for name, text in tiktoken_files().items():
+        (tmp_path / name.replace("__", ".")).write_text(text)
+    tok = TiktokenTokenizer(str(tmp_path / "tiktoken.model"), str(tmp_path / "tokenizer_config.json"))
+    vocab = len(tok.encoding._mergeable_ranks) + len(tok.encoding._special_tokens)
+    grammars = Grammars(tok, vocab, (300,))  # <|im_end|> (test_tokenizer.SPECIALS)
+    m = grammars.matcher(StructuredOutput(regex="[a-z]+ [0-9]{2}"))
+    ids = tok.encode("hello 42")
+    assert tok.decode(ids[:1]) == "hello" and m.consume_tokens(ids[:1])
+    allowed = bits(grammars.allowed([(m, 0, 0, [])], batch=1)[0], vocab)
+    assert {ord(" "), ord("a")} <= allowed and not allowed & set(range(ord("0"), ord("9") + 1))
+    assert m.consume_tokens(ids[1:]) and m.is_accepting()
+
+
 def test_an_engine_that_cannot_end_the_output_rejects_it():
     """No tokenizer (no bytes to match), or no stop token (nothing to end on)."""
     for model, stop in ((mixserve.load("tiny-kimi", dtype="float32"), None), (byte_model("tiny-kimi"), ())):
