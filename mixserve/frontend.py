@@ -146,7 +146,7 @@ class Frontend:
         matcher = self.grammars.matcher(req.structured_output, req.ignore_eos)
         if isinstance(matcher, str):
             return matcher
-        req.matcher, req.structured_from = matcher, None if req.structured_output.after else 0
+        req.matcher, req.governed = matcher, not req.structured_output.after
         return None
 
     def _seed(self, seed):

@@ -96,7 +96,7 @@ class Request:
     _counts: TokenCounts | None = dataclasses.field(default=None, repr=False)  # penalized: token_counts()
     # structured_output's llguidance matcher (the engine makes it at submit): at the end of out
     matcher: object | None = dataclasses.field(default=None, repr=False)
-    structured_from: int | None = None  # the first index of out the grammar governs (None: not yet known)
+    governed: bool = False  # the matcher takes the next token (StructuredOutput.after passed, or none)
 
     @property
     def tokens(self) -> list[int]:
@@ -130,7 +130,7 @@ class Request:
         a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
         as in vLLM), or max_new_tokens. A token that its structured output refuses (which the
         step's mask should have made impossible) aborts it with the matcher's reason."""
-        governed = self.structured_from is not None
+        governed = self.governed
         self.out.append(token)
         if self.logprobs is not None:
             self.out_logprobs.append(logprobs)
@@ -142,8 +142,8 @@ class Request:
         if self.matcher is not None and governed and not self.matcher.consume_token(token):  # the mask allowed it
             self.finish("aborted", f"token {token} breaks the structured output: {self.matcher.get_error()}")
             return
-        if self.matcher is not None and not governed and self._ends_free_part(self.out):
-            self.structured_from = len(self.out)
+        if self.matcher is not None and not governed:
+            self.governed = self._ends_free_part(self.out)
         if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
         elif self.stop:
@@ -157,14 +157,17 @@ class Request:
         its free part (StructuredOutput.after); None: none of them (and without one)."""
         if self.matcher is None:
             return None
-        if self.structured_from is not None:
+        if self.governed:
             return 0
-        return next((j for j in range(1, len(drafts) + 1) if self._ends_free_part(self.out + list(drafts[:j]))), None)
+        after = self.structured_output.after  # only the output's last len(after) tokens can end the free part
+        tail = self.out[max(0, len(self.out) - len(after)):] + list(drafts)
+        kept = len(tail) - len(drafts)
+        return next((j for j in range(1, len(drafts) + 1) if self._ends_free_part(tail[:kept + j])), None)
 
     def forced_tokens(self) -> list[int]:
         """The tokens the structured output forces next, as llguidance tokenizes the bytes it
         forces (a JSON schema's keys and punctuation); [] without one or before it governs."""
-        return self.matcher.compute_ff_tokens() if self.matcher is not None and self.structured_from is not None else []
+        return self.matcher.compute_ff_tokens() if self.governed else []
 
     def _ends_free_part(self, out: list[int]) -> bool:
         after = self.structured_output.after
