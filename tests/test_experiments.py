@@ -54,7 +54,8 @@ def test_disaggregated_script_runs(tmp_path):
 def test_structured_outputs_script_runs(tmp_path):
     out = run("structured_outputs.py", "--repeats", "1", "--vocab", "2000", "--new-tokens", "4",
               "--out", str(tmp_path / "g.md"))
-    for heading in ("## One-time costs", "## Host masks per step", "## The mask in the decode step"):
+    for heading in ("## One-time costs", "## Host masks per step", "## The mask in the decode step",
+                    "## Sampling inputs built while the forward runs"):
         assert heading in out
     assert "| synthetic byte-level BPE | 2,000 |" in out  # the one-time costs' row of the small BPE
     # Section 3's regex allows 26 letters and the space; a JSON string every byte but '"', '\' and the controls.
