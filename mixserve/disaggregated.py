@@ -82,6 +82,10 @@ class DisaggregatedEngine(Frontend):
         # Committed there from the start, as a step's output is: else the first import compiles twice.
         decode.runner.pools = jax.device_put(decode.runner.pools, self._dst_shardings)
 
+    def reset_prefix_cache(self) -> int:
+        """Evict both pools' cached pages that no request maps; returns how many pages that freed."""
+        return self.prefill.reset_prefix_cache() + self.decode.reset_prefix_cache()
+
     def _reject_reason(self, req: Request) -> str | None:
         for name, engine in (("prefill", self.prefill), ("decode", self.decode)):
             reason = engine._reject_reason(req)

@@ -53,7 +53,7 @@ class Engine(Frontend):
                  kv_memory_bytes: int | None = None, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 64, integrity: str = "off", k_scale=None, v_scale=None,
                  stop_tokens: tuple[int, ...] | None = None, attention_backend: str = "xla",
-                 prefix_sharing: bool = True, decode_model: Model | None = None, fault_hook=None,
+                 prefix_caching: bool = True, decode_model: Model | None = None, fault_hook=None,
                  min_attended_tokens: int = 256, min_decode_rows: int = 1, min_prefill_tokens: int = 16,
                  min_prefill_rows: int = 1, max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
@@ -140,7 +140,9 @@ class Engine(Frontend):
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook
         self.counters = Counters()
-        self.page_manager = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_sharing,
+        # Prefix caching (mixserve/scheduler.py): full pages outlive their requests until evicted,
+        # and an identical prefix shares them; False computes every prompt whole (the ablation).
+        self.page_manager = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_caching,
                                  self.counters, lookahead=int(mtp))
         self.scheduler = Scheduler(self.page_manager, max_batch, self.counters)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
@@ -160,11 +162,23 @@ class Engine(Frontend):
 
     @property
     def free_pages(self) -> int:
-        return self.page_manager.free_pages
+        """Pages a request can get: free, or held only by the prefix cache (evicted on demand)."""
+        return self.page_manager.available
 
     @property
     def pages_in_use(self) -> int:
+        """Pages running requests hold (a shared one once)."""
         return self.num_pages - self.free_pages
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages only the prefix cache holds: counted free, kept until an allocation evicts them."""
+        return self.page_manager.evictable
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no running request maps (vLLM's reset_prefix_cache, e.g.
+        between benchmark runs); returns how many pages that freed."""
+        return self.page_manager.reset_prefix_cache()
 
     @property
     def table(self) -> pt.PageTable:

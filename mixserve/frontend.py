@@ -44,7 +44,7 @@ class Frontend:
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
                prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-               structured_output: StructuredOutput | None = None) -> int:
+               structured_output: StructuredOutput | None = None, cache_salt: str | None = None) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -66,13 +66,16 @@ class Frontend:
         structured_output: a JSON schema, regex, choice or grammar the output must match (vLLM's
         structured outputs, mixserve/grammar.py): tokens that cannot continue a match are never
         picked, and the output ends on a stop token once the match is complete (one that does not
-        compile is rejected with llguidance's reason)."""
+        compile is rejected with llguidance's reason). cache_salt: prefix-cache pages are shared only
+        between requests of the same salt (vLLM's: one per tenant, so that no tenant can time
+        another's cached prompts); its Result's cached_tokens counts the prompt tokens the cache gave."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, structured_output=structured_output).rid
+                            presence_penalty=presence_penalty, structured_output=structured_output,
+                            cache_salt=cache_salt).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -113,7 +116,7 @@ class Frontend:
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 structured_output: StructuredOutput | None = None) -> list[Result]:
+                 structured_output: StructuredOutput | None = None, cache_salt: str | None = None) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -124,7 +127,7 @@ class Frontend:
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
                        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                       presence_penalty=presence_penalty, structured_output=structured_output)
+                       presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

@@ -6,6 +6,11 @@ step (a prefill chunk or a decode) reads the cache, `verify` checks, for all slo
 range, still live and still carries the recorded tag. A failing slot must be aborted, never
 answered from someone else's (or no one's) KV.
 
+The prefix cache (mixserve/scheduler.py) keeps pages past the requests that wrote them: it holds a
+reference of its own on each (`cache`, `uncache`), records the page's tag as a slot does, and
+hands a cached page to a later request only through `share` with that tag, so a hit on a page
+that was freed or reallocated behind the cache's back is refused like a stale slot mapping.
+
 Everything here is a pure function of a fixed-shape pytree, so it runs under `jax.jit` without
 recompiling. Axis suffixes: P = physical pages in the pool, B = batch slots, N = logical pages per
 slot.
@@ -28,7 +33,9 @@ class PageTable:
 
     free_stack_P:    int32 [P]    free page ids; entries [0, num_free) are free, the top is last.
     num_free:        int32 []
-    ref_count_P:     int32 [P]    number of slot mappings per page (> 1 when a prefix is shared).
+    ref_count_P:     int32 [P]    slot mappings per page (> 1 when a prefix is shared), plus one
+                                  while the prefix cache holds it.
+    cached_P:        bool [P]     the prefix cache holds one of the page's references.
     tag_P:           uint32 [P]   tag of the page's current allocation (0 = never allocated).
     next_tag:        uint32 []    global counter, so a tag names one (page, allocation) pair.
                                   It wraps after 2^32 page allocations (days of allocating
@@ -42,6 +49,7 @@ class PageTable:
     free_stack_P: jax.Array
     num_free: jax.Array
     ref_count_P: jax.Array
+    cached_P: jax.Array
     tag_P: jax.Array
     next_tag: jax.Array
     pages_BN: jax.Array
@@ -94,6 +102,7 @@ def init_page_table(num_pages: int, max_batch: int, max_pages_per_seq: int) -> P
         free_stack_P=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
         num_free=jnp.int32(num_pages),
         ref_count_P=jnp.zeros(num_pages, jnp.int32),
+        cached_P=jnp.zeros(num_pages, bool),
         tag_P=jnp.zeros(num_pages, jnp.uint32),
         # Tags start at 1, so no recorded tag ever matches a never-allocated page.
         next_tag=jnp.uint32(1),
@@ -110,8 +119,13 @@ def num_free(table: PageTable) -> jax.Array:
 
 
 def pages_in_use(table: PageTable) -> jax.Array:
-    """int32 []: distinct live pages (a shared page counts once)."""
+    """int32 []: distinct live pages (a shared page counts once, a cached one too)."""
     return table.num_pool_pages - table.num_free
+
+
+def evictable(table: PageTable) -> jax.Array:
+    """int32 []: pages only the prefix cache holds (`uncache` would free them)."""
+    return jnp.sum(table.cached_P & (table.ref_count_P == 1), dtype=jnp.int32)
 
 
 def _clamp_pages(table: PageTable, page_X: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -155,24 +169,31 @@ def allocate(table: PageTable, slot, n) -> tuple[PageTable, jax.Array]:
     table = table.replace(
         num_free=table.num_free - n_taken,
         ref_count_P=table.ref_count_P.at[page_idx_N].set(1, mode="drop"),
+        # A page on the free stack has no holder; one pushed there by a bug loses the cache's hold.
+        cached_P=table.cached_P.at[page_idx_N].set(False, mode="drop"),
         tag_P=table.tag_P.at[page_idx_N].set(tag_N, mode="drop"),
         next_tag=table.next_tag + n_taken.astype(jnp.uint32),
     )
     return _append(table, slot, take_N, page_N, tag_N), ok
 
 
-def share(table: PageTable, slot, page_ids_K: jax.Array, n) -> tuple[PageTable, jax.Array]:
-    """Append the first `n` of page_ids_K (live pages, e.g. a common full-page prompt prefix held
-    by another slot) to `slot`, adding a reference to each and recording its current tag.
+def share(table: PageTable, slot, page_ids_K: jax.Array, n, tag_K: jax.Array | None = None
+          ) -> tuple[PageTable, jax.Array]:
+    """Append the first `n` of page_ids_K (live pages: a common full-page prompt prefix that the
+    prefix cache holds, or that another slot holds) to `slot`, adding a reference to each and
+    recording its current tag.
 
     The tag stays: it changes only when a page changes hands through release + allocate.
-    All or nothing: ok=False (table unchanged) if a page is out of range or not live, or the slot
-    would exceed N pages. page_ids_K: int32 [K], typically `table.pages_BN[source_slot]`.
+    All or nothing: ok=False (table unchanged) if a page is out of range or not live, its tag is
+    not tag_K's (when given: the tags the prefix cache recorded, so a page reallocated since is
+    refused), or the slot would exceed N pages. page_ids_K: int32 [K]; tag_K: uint32 [K].
     """
     n = jnp.asarray(n, jnp.int32)
     want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
     in_range_K, safe_K = _clamp_pages(table, page_ids_K)
     live_K = in_range_K & (table.ref_count_P[safe_K] > 0)
+    if tag_K is not None:
+        live_K &= table.tag_P[safe_K] == tag_K
     ok = (
         (n >= 0)
         & (n <= page_ids_K.shape[0])
@@ -184,6 +205,57 @@ def share(table: PageTable, slot, page_ids_K: jax.Array, n) -> tuple[PageTable, 
     # add (not set) so that a page listed twice gets two references.
     table = table.replace(ref_count_P=table.ref_count_P.at[page_idx_K].add(1, mode="drop"))
     return _append(table, slot, take_K, page_ids_K, table.tag_P[safe_K]), ok
+
+
+def cache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> tuple[PageTable, jax.Array]:
+    """The prefix cache takes a reference to each of the first `n` of page_ids_K, pages a slot
+    holds now with the tags tag_K (what the slot recorded), so that they outlive the slot.
+
+    All or nothing: ok=False (table unchanged) if a page is out of range, not live, carries
+    another tag, is cached already, or is listed twice.
+    """
+    n = jnp.asarray(n, jnp.int32)
+    want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
+    in_range_K, safe_K = _clamp_pages(table, page_ids_K)
+    P = table.num_pool_pages
+    listed_P = jnp.zeros(P, jnp.int32).at[jnp.where(want_K, page_ids_K, P)].add(1, mode="drop")
+    fit_K = (in_range_K & (table.ref_count_P[safe_K] > 0) & (table.tag_P[safe_K] == tag_K)
+             & ~table.cached_P[safe_K] & (listed_P[safe_K] == 1))
+    ok = (n >= 0) & (n <= page_ids_K.shape[0]) & jnp.all(fit_K | ~want_K)
+    page_idx_K = jnp.where(ok & want_K, page_ids_K, P)
+    return table.replace(
+        ref_count_P=table.ref_count_P.at[page_idx_K].add(1, mode="drop"),
+        cached_P=table.cached_P.at[page_idx_K].set(True, mode="drop"),
+    ), ok
+
+
+def uncache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> PageTable:
+    """The prefix cache drops its reference to each of the first `n` of page_ids_K (evicted);
+    a page left with none goes back on the free stack. As in `truncate`, only a hold that still
+    owns its page (cached, tag tag_K) gives a reference back: a page reallocated behind the
+    cache's back stays its new owner's."""
+    want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
+    in_range_K, safe_K = _clamp_pages(table, page_ids_K)
+    owned_K = want_K & in_range_K & table.cached_P[safe_K] & (table.tag_P[safe_K] == tag_K)
+    P = table.num_pool_pages
+    page_idx_K = jnp.where(owned_K, page_ids_K, P)
+    drops_P = jnp.zeros(P, jnp.int32).at[page_idx_K].set(1, mode="drop")
+    table = table.replace(cached_P=table.cached_P.at[page_idx_K].set(False, mode="drop"))
+    return _drop_references(table, drops_P)
+
+
+def _drop_references(table: PageTable, drops_P: jax.Array) -> PageTable:
+    """Take drops_P[p] references off each page p, pushing the pages left with none on the free stack."""
+    P = table.num_pool_pages
+    ref_count_P = jnp.maximum(table.ref_count_P - drops_P, 0)
+    # Push only pages whose count drops to 0 now: a page already free is never pushed twice.
+    freed_P = (table.ref_count_P > 0) & (ref_count_P == 0)
+    push_at_P = table.num_free + jnp.cumsum(freed_P, dtype=jnp.int32) - 1
+    free_stack_P = table.free_stack_P.at[jnp.where(freed_P, push_at_P, P)].set(
+        jnp.arange(P, dtype=jnp.int32), mode="drop"
+    )
+    return table.replace(free_stack_P=free_stack_P, num_free=table.num_free + freed_P.sum(dtype=jnp.int32),
+                         ref_count_P=ref_count_P)
 
 
 def truncate(table: PageTable, slot, n) -> PageTable:
@@ -202,19 +274,9 @@ def truncate(table: PageTable, slot, n) -> PageTable:
     dropped_N = (i_N >= n) & (i_N < table.num_pages_B[slot])
     owned_N = dropped_N & in_range_N & (table.tag_P[safe_N] == table.expected_tag_BN[slot])
     P = table.num_pool_pages
-    drops_P = jnp.zeros(P, jnp.int32).at[jnp.where(owned_N, pages_N, P)].add(1, mode="drop")
-    ref_count_P = jnp.maximum(table.ref_count_P - drops_P, 0)
-    # Push only pages whose count drops to 0 now: a page already free is never pushed twice.
-    freed_P = (table.ref_count_P > 0) & (ref_count_P == 0)
-    push_at_P = table.num_free + jnp.cumsum(freed_P, dtype=jnp.int32) - 1
-    free_stack_P = table.free_stack_P.at[jnp.where(freed_P, push_at_P, P)].set(
-        jnp.arange(P, dtype=jnp.int32), mode="drop"
-    )
+    table = _drop_references(table, jnp.zeros(P, jnp.int32).at[jnp.where(owned_N, pages_N, P)].add(1, mode="drop"))
     kept_N = i_N < n
     return table.replace(
-        free_stack_P=free_stack_P,
-        num_free=table.num_free + freed_P.sum(dtype=jnp.int32),
-        ref_count_P=ref_count_P,
         pages_BN=table.pages_BN.at[slot].set(jnp.where(kept_N, pages_N, 0)),
         expected_tag_BN=table.expected_tag_BN.at[slot].set(jnp.where(kept_N, table.expected_tag_BN[slot], 0)),
         num_pages_B=table.num_pages_B.at[slot].set(n),
@@ -311,9 +373,9 @@ def assert_consistent(table: PageTable) -> None:
     mapped_BN = np.arange(N)[None, :] < t.num_pages_B[:, None]
     pages = t.pages_BN[mapped_BN]
     assert np.all((pages >= 0) & (pages < P)), f"mapped pages out of range {pages}"
-    mappings_P = np.bincount(pages, minlength=P)
-    assert np.array_equal(t.ref_count_P, mappings_P), (
-        f"ref counts {t.ref_count_P} != mappings per page {mappings_P}"
+    holders_P = np.bincount(pages, minlength=P) + t.cached_P
+    assert np.array_equal(t.ref_count_P, holders_P), (
+        f"ref counts {t.ref_count_P} != mappings plus cache holds per page {holders_P}"
     )
     assert np.all(t.ref_count_P[free] == 0), "a free page has references"
     assert num_free + np.count_nonzero(t.ref_count_P) == P, "free + live pages != P"

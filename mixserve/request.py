@@ -42,6 +42,7 @@ class Result:
     # prompt_logprobs=n: one per prompt token, None for the first (nothing precedes it), as vLLM
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: the length)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at its admission (not prefilled)
 
 
 @dataclasses.dataclass
@@ -76,6 +77,7 @@ class Request:
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted from a token's logit for each time it is in the output
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of a token in the output
     structured_output: StructuredOutput | None = None  # what the output must match (mixserve/grammar.py)
+    cache_salt: str | None = None  # prefix-cache pages are shared only between requests of one salt (vLLM's)
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
@@ -97,6 +99,10 @@ class Request:
     # structured_output's llguidance matcher (the engine makes it at submit): at the end of out
     matcher: object | None = dataclasses.field(default=None, repr=False)
     governed: bool = False  # the matcher takes the next token (StructuredOutput.after passed, or none)
+    # prefix cache (mixserve/scheduler.py): its full pages' keys per (page size, lookahead), grown
+    # with its tokens; and the tokens its first admission found cached (None: not admitted yet)
+    page_keys: dict = dataclasses.field(default_factory=dict, repr=False)
+    cache_hit_tokens: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -190,7 +196,8 @@ class Request:
         self.result = Result(list(self.out), status, reason=reason, ttft_s=self.ttft,
                              token_latencies_s=list(self.latencies), latency_s=time.perf_counter() - self.t_submit,
                              seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
-                             prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason)
+                             prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason,
+                             cached_tokens=self.cache_hit_tokens or 0)
 
 
 class TokenCounts:
@@ -297,6 +304,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     if req.temperature < 0 or not 0 < req.top_p <= 1 or not 0 <= req.min_p <= 1:
         return (f"need temperature >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1, got {req.temperature}, {req.top_p}, "
                 f"{req.min_p}")
+    if req.cache_salt is not None and not (isinstance(req.cache_salt, str) and req.cache_salt):
+        return f"cache_salt must be None or a non-empty string, got {req.cache_salt!r}"
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
         return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else int(req.max_new_tokens))  # numpy ints would wrap

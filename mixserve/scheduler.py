@@ -2,7 +2,10 @@
 
 `PageManager` drives the functional page table (mixserve/page_table.py) from the host: it
 allocates, shares and releases pages through jitted table updates, mirrors the free count, and
-indexes full prompt pages by a chained hash so that an identical prefix reuses them (ref counts).
+keeps the prefix cache: full pages keyed by a chained hash of the tokens up to their end, held
+past the requests that wrote them (prompt pages after prefill, output pages when a request
+leaves) and evicted least recently used first when an allocation needs them, so that an identical
+prefix, now or later (a shared system prompt, the next turn of a chat), reuses their KV.
 `Scheduler` admits waiting requests while a batch slot and their pages are free, to prefill beside
 those still prefilling (a request that would share a prefix page still being prefilled waits
 until that prefill is done), and before each decode step makes room for every running request's
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +30,9 @@ from mixserve.request import Request
 _allocate_jit = jax.jit(pt.allocate)
 _share_jit = jax.jit(pt.share)
 _truncate_jit = jax.jit(pt.truncate)
+_cache_jit = jax.jit(pt.cache)
+_uncache_jit = jax.jit(pt.uncache)
+_evictable_jit = jax.jit(pt.evictable)
 
 
 @dataclasses.dataclass
@@ -40,7 +47,11 @@ class Counters:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     peak_pages_in_use: int = 0
-    shared_pages: int = 0  # pages a request got from another's identical prompt prefix
+    shared_pages: int = 0  # pages a request got from the prefix cache (another's identical prefix)
+    prefix_cache_queries: int = 0  # tokens of admitted requests' prompts, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the cache held (their prefill skipped)
+    evicted_pages: int = 0  # cached pages freed for allocations
+    stale_cache_entries: int = 0  # cached pages a hit found freed or reallocated: refused, recomputed
     drafted_tokens: int = 0  # speculative: draft tokens verified
     accepted_tokens: int = 0  # speculative: of those, kept (each request's step emits these plus one)
     verified_rows: int = 0  # speculative: requests' decode steps (tokens per step = 1 + accepted / this)
@@ -49,60 +60,90 @@ class Counters:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
-                 prefix_sharing: bool, counters: Counters, lookahead: int = 0):
+                 prefix_caching: bool, counters: Counters, lookahead: int = 0):
         self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, page_size, max_pages_per_seq
         # Tokens past a page its KV depends on: 1 when the MTP layer's cache is in the pages (its
         # entry at position p holds token p + 1), so a page is shared only where that token agrees.
         self.lookahead = lookahead
         self.table = pt.init_page_table(num_pages, max_batch, max_pages_per_seq)
-        self.free_pages = num_pages
-        self.prefix_sharing = prefix_sharing
+        self.free_pages = num_pages  # host mirror of the free stack
+        self.evictable = 0  # host mirror: cached pages no request maps (`pt.evictable`)
+        self.prefix_caching = prefix_caching
         self.counters = counters
-        self._prefix_pages: dict[int, int] = {}  # chained page hash -> live physical page
+        # The prefix cache: page key -> (physical page, the tag it had when cached), least
+        # recently used first. The cache holds a reference to each page (pt.cache), so the pages
+        # outlive the requests that wrote them until an allocation evicts them.
+        self._cache: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()
+
+    @property
+    def available(self) -> int:
+        """Pages an allocation can get: free ones, and cached ones it would evict."""
+        return self.free_pages + self.evictable
+
+    @property
+    def cached(self) -> int:
+        """Pages in the prefix cache (mapped by requests or not)."""
+        return len(self._cache)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
     def allocate(self, req: Request, n: int) -> bool:
-        """Append n fresh pages to req's slot. False, with nothing allocated, when the page table
-        refuses: the host mirror disagreed with it (after a bookkeeping fault, e.g. a page handed to
-        req behind its back), and is resynced from the table, the authority."""
+        """Append n fresh pages to req's slot, evicting cached pages first if too few are free.
+        False, with nothing allocated, when the page table refuses: the host mirror disagreed
+        with it (after a bookkeeping fault, e.g. a page handed to req behind its back), and is
+        resynced from the table, the authority."""
+        if n > self.free_pages:
+            self._evict(n - self.free_pages)
         self.table, ok = _allocate_jit(self.table, jnp.int32(req.slot), jnp.int32(n))
         if not bool(ok):
-            self.free_pages = int(pt.num_free(self.table))
+            self._sync()
             req.num_pages = int(self.table.num_pages_B[req.slot])
             return False
         req.num_pages += n
         self.free_pages -= n
-        self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.free_pages)
+        self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.available)
         return True
 
-    def take(self, req: Request, slot: int, shared: list[int], n: int) -> bool:
-        """Give req the free `slot`, mapping the live pages `shared` (an identical prefix) as its
-        first pages, then n fresh ones. All or nothing: False, with req as it was and the slot
-        emptied, when the table refuses (a fault freed a page the prefix index still names, or the
-        host mirror is off: both are resynced), so the caller can try again later."""
+    def take(self, req: Request, slot: int, shared: list[tuple[int, int]], n: int) -> bool:
+        """Give req the free `slot`, mapping the cached pages `shared` ((page, tag) pairs: an
+        identical prefix) as its first pages, then n fresh ones. All or nothing: False, with req as
+        it was and the slot emptied, when the table refuses (a cached page was freed or
+        reallocated behind the cache's back: such entries leave the cache, and the request computes
+        that prefix; or the host mirror is off: it is resynced), so the caller can try again later."""
         before, shared_ok = (req.slot, req.num_pages, req.cached), True
         req.slot, req.num_pages = slot, 0
         if shared:
-            ids = np.zeros(self.max_pages_per_seq, np.int32)
-            ids[: len(shared)] = shared
-            self.table, ok = _share_jit(self.table, jnp.int32(slot), jnp.asarray(ids), jnp.int32(len(shared)))
+            ids, tags = self._padded([p for p, _ in shared]), self._padded([t for _, t in shared], np.uint32)
+            self.table, ok = _share_jit(self.table, jnp.int32(slot), ids, jnp.int32(len(shared)), tags)
             shared_ok = bool(ok)
             req.num_pages, req.cached = len(shared), len(shared) * self.page_size
+            if shared_ok:
+                self._sync()  # the shared pages are no longer evictable
+            else:
+                self._forget_stale(shared)
         if not shared_ok or not self.allocate(req, n):
-            self.release_slot(slot)  # also prunes the prefix index of pages no longer live
+            self.release_slot(slot)
             req.slot, req.num_pages, req.cached = before
             return False
         self.counters.shared_pages += len(shared)
+        if req.cache_hit_tokens is None:  # its first admission: what it asked the cache and got
+            req.cache_hit_tokens = len(shared) * self.page_size
+            self.counters.prefix_cache_queries += len(req.tokens) if self.prefix_caching else 0
+            self.counters.prefix_cache_hits += req.cache_hit_tokens
         return True
 
     def release(self, req: Request) -> None:
+        """Return req's pages. Those whose KV it wrote in full stay in the prefix cache, unless it
+        was aborted (its pages failed the integrity check, or are not trusted)."""
+        if req.result is None or req.result.status == "ok":  # finished, or preempted (recomputed later)
+            self.register_prefix(req)
+            self._touch(req)
         self.release_slot(req.slot)
         req.slot, req.num_pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
 
     def release_slot(self, slot: int) -> None:
-        """Return a slot's pages (a page another request shares stays theirs)."""
+        """Return a slot's pages (a page another request shares, or the cache holds, stays theirs)."""
         self._truncate_slot(slot, 0)
 
     def trim(self, req: Request) -> None:
@@ -115,39 +156,107 @@ class PageManager:
 
     def _truncate_slot(self, slot: int, keep: int) -> None:
         self.table = _truncate_jit(self.table, jnp.int32(slot), jnp.int32(keep))
-        self.free_pages = int(pt.num_free(self.table))  # the table is the authority (a fault may leak pages)
-        refs = np.asarray(self.table.ref_count_P)
-        self._prefix_pages = {h: p for h, p in self._prefix_pages.items() if refs[p] > 0}
+        self._sync()
 
-    # ---- prefix sharing: full pages of identical token prefixes, as nano-vllm's BlockManager ----
-    def _page_hashes(self, tokens: list[int]) -> list[int]:
-        """One hash per full page of tokens[:-1] (the last token is fed by decode), chained so a
-        page's hash covers the whole prefix before it (and the lookahead tokens after it)."""
-        S, hashes, h = self.page_size, [], 0
-        for i in range((len(tokens) - 1) // S):  # token (i + 1) * S, the lookahead's, is at most the last
-            h = hash((h, tuple(tokens[i * S : (i + 1) * S + self.lookahead])))
-            hashes.append(h)
-        return hashes
+    def _sync(self) -> None:
+        """Read the free and evictable counts from the table, the authority (a fault may leak pages)."""
+        free, evictable = jax.device_get((pt.num_free(self.table), _evictable_jit(self.table)))
+        self.free_pages, self.evictable = int(free), int(evictable)
 
-    def unindexed_prefix(self, req: Request) -> set[int]:
-        """Hashes of req's full prompt pages that no live page holds yet (what its prefill will index)."""
-        return {h for h in self._page_hashes(req.tokens) if h not in self._prefix_pages} if self.prefix_sharing else set()
+    def _padded(self, values: list[int], dtype=np.int32) -> jax.Array:
+        """values as one array of the table's width N (one compiled shape for every call)."""
+        out = np.zeros(self.max_pages_per_seq, dtype)
+        out[: len(values)] = values
+        return jnp.asarray(out)
 
-    def shared_prefix(self, req: Request) -> list[int]:
+    # ---- the prefix cache: full pages of token prefixes, kept past their requests (vLLM's
+    # automatic prefix caching, at page granularity) and shared by identical prefixes ----
+    def page_keys(self, req: Request) -> list[bytes]:
+        """One key per full page of req.tokens[:-1] (the last token is fed by decode): a SHA-256
+        chained over the request's cache salt and every token before the page's end (and the
+        lookahead tokens after it), so equal keys mean equal prefixes. A strong hash, as vLLM's,
+        because a collision would hand one request another's KV. Kept on the request and extended
+        as its tokens grow."""
+        S, tokens = self.page_size, req.tokens
+        keys = req.page_keys.setdefault((S, self.lookahead), [])
+        h = keys[-1] if keys else hashlib.sha256(b"salt:" + (req.cache_salt or "").encode()).digest()
+        for i in range(len(keys), (len(tokens) - 1) // S):  # token (i + 1) * S, the lookahead's, is at most the last
+            h = hashlib.sha256(h + np.asarray(tokens[i * S : (i + 1) * S + self.lookahead], np.int64).tobytes()).digest()
+            keys.append(h)
+        return keys
+
+    def unindexed_prefix(self, req: Request) -> set[bytes]:
+        """Keys of req's full prompt pages that the cache does not hold yet (what its prefill will add)."""
+        return {h for h in self.page_keys(req) if h not in self._cache} if self.prefix_caching else set()
+
+    def shared_prefix(self, req: Request) -> list[tuple[int, int]]:
+        """The cached (page, tag) pairs of req's longest cached prefix."""
         pages = []
-        for h in self._page_hashes(req.tokens) if self.prefix_sharing else []:
-            if h not in self._prefix_pages:
+        for h in self.page_keys(req) if self.prefix_caching else []:
+            if h not in self._cache:
                 break
-            pages.append(self._prefix_pages[h])
+            pages.append(self._cache[h])
         return pages
 
     def register_prefix(self, req: Request) -> None:
-        """After prefill: index req's full prompt pages for later requests to share."""
-        if not self.prefix_sharing:
+        """Cache req's full pages whose KV it has written (its prompt's after prefill; its output's
+        too when it leaves) for later requests to share."""
+        if not self.prefix_caching or req.slot is None:
             return
-        row = np.asarray(self.table.pages_BN[req.slot])
-        for i, h in enumerate(self._page_hashes(req.tokens)):
-            self._prefix_pages.setdefault(h, int(row[i]))
+        keys = self.page_keys(req)[: req.cached // self.page_size]
+        if all(h in self._cache for h in keys):
+            return
+        row, tags = jax.device_get((self.table.pages_BN[req.slot], self.table.expected_tag_BN[req.slot]))
+        new = [(h, int(row[i]), int(tags[i])) for i, h in enumerate(keys) if h not in self._cache]
+        self.table, ok = _cache_jit(self.table, self._padded([p for _, p, _ in new]),
+                                    self._padded([t for _, _, t in new], np.uint32), jnp.int32(len(new)))
+        if bool(ok):  # else a fault broke req's mappings: nothing of it is cached
+            self._cache.update((h, (page, tag)) for h, page, tag in new)
+
+    def _touch(self, req: Request) -> None:
+        """Mark req's cached pages used now, its first page last: eviction takes a prefix's tail first."""
+        for h in reversed(self.page_keys(req)):
+            if h in self._cache:
+                self._cache.move_to_end(h)
+
+    def _evict(self, n: int) -> None:
+        """Free up to n pages that only the cache holds, least recently used first."""
+        refs, cached, tags = (np.asarray(a) for a in jax.device_get(
+            (self.table.ref_count_P, self.table.cached_P, self.table.tag_P)))
+        victims = [h for h, (page, tag) in self._cache.items()
+                   if refs[page] == 1 and cached[page] and tags[page] == tag][:n]
+        for i in range(0, len(victims), self.max_pages_per_seq):
+            part = [self._cache.pop(h) for h in victims[i : i + self.max_pages_per_seq]]
+            self.table = _uncache_jit(self.table, self._padded([p for p, _ in part]),
+                                      self._padded([t for _, t in part], np.uint32), jnp.int32(len(part)))
+        self.counters.evicted_pages += len(victims)
+        self._sync()
+
+    def idle(self, shared: list[tuple[int, int]]) -> int:
+        """How many of the cached pages `shared` only the cache holds: sharing them makes that many
+        fewer pages evictable."""
+        if not shared:
+            return 0
+        return int(jnp.sum(self.table.ref_count_P[jnp.asarray([p for p, _ in shared])] == 1))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no request maps (vLLM's reset_prefix_cache); returns how many."""
+        before = self.free_pages
+        self._evict(len(self._cache))
+        return self.free_pages - before
+
+    def _forget_stale(self, shared: list[tuple[int, int]]) -> None:
+        """Drop the cache entries among `shared` whose page no longer holds what was cached (freed,
+        or reallocated with a new tag), as a failed `share` found them: never served, they are
+        computed again. Their hold is released where it still owns the page (else it leaks)."""
+        refs, tags = (np.asarray(a) for a in jax.device_get((self.table.ref_count_P, self.table.tag_P)))
+        stale = {(page, tag) for page, tag in shared if not 0 <= page < self.num_pages or refs[page] == 0
+                 or tags[page] != tag}
+        gone = [self._cache.pop(h) for h in [h for h, entry in self._cache.items() if entry in stale]]
+        self.table = _uncache_jit(self.table, self._padded([p for p, _ in gone]),
+                                  self._padded([t for _, t in gone], np.uint32), jnp.int32(len(gone)))
+        self.counters.stale_cache_entries += len(gone)
+        self._sync()
 
 
 class Scheduler:
@@ -176,7 +285,7 @@ class Scheduler:
                 break
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
             need = self.page_manager.pages_for(len(req.tokens)) - len(shared)
-            if self._short_of(need):
+            if self._short_of(need + self.page_manager.idle(shared)):
                 if why := self._never_fits(need):
                     self.waiting.popleft().finish("aborted", why)
                     self.counters.aborts += 1
@@ -199,7 +308,7 @@ class Scheduler:
         if self.waiting or not free_slots:
             return None
         cached, (shared, need) = req.cached, self._adoption(req)
-        if self._short_of(need):
+        if self._short_of(need + self.page_manager.idle(shared)):
             return None
         if not self.page_manager.take(req, free_slots[0], shared, need):
             return None
@@ -218,11 +327,11 @@ class Scheduler:
         return shared, self.page_manager.pages_for(req.cached) - len(shared)
 
     def _never_fits(self, need: int) -> str | None:
-        """An abort reason when `need` pages exceed the free ones and no running request will free
-        any: only pages leaked after a detected bookkeeping fault can cause that."""
-        if need <= self.page_manager.free_pages or self.running:
+        """An abort reason when `need` pages exceed the free (or evictable) ones and no running
+        request will free any: only pages leaked after a detected bookkeeping fault can cause that."""
+        if need <= self.page_manager.available or self.running:
             return None
-        return (f"KV pool exhausted: {self.page_manager.free_pages} free pages, {need} needed (pages leaked after a "
+        return (f"KV pool exhausted: {self.page_manager.available} free pages, {need} needed (pages leaked after a "
                 "detected bookkeeping fault)")
 
     def _free_slots(self) -> list[int]:
@@ -246,19 +355,19 @@ class Scheduler:
                     break
 
     def _short_of(self, need: int) -> bool:
-        """Whether fewer than `need` pages are free, once the pages running requests hold past
-        their tokens (drafts' pages, kept after a rejection) are taken back: nobody waits or is
-        preempted for pages that only hold rejected drafts."""
-        if need > self.page_manager.free_pages:
+        """Whether fewer than `need` pages are free or evictable, once the pages running requests
+        hold past their tokens (drafts' pages, kept after a rejection) are taken back: nobody waits
+        or is preempted for pages that only hold rejected drafts (or a cached prefix)."""
+        if need > self.page_manager.available:
             for r in self.running:
                 if r.result is None:
                     self.page_manager.trim(r)
-        return need > self.page_manager.free_pages
+        return need > self.page_manager.available
 
     def room_for_drafts(self, req: Request, drafts: int) -> int:
-        """Pages for up to `drafts` tokens past req's next one, from free pages only (a draft never
-        preempts anyone): how many of them fit."""
-        while self.page_manager.pages_for(len(req.tokens) + drafts) > req.num_pages and self.page_manager.free_pages > 0:
+        """Pages for up to `drafts` tokens past req's next one, from free or evictable pages only (a
+        draft never preempts anyone): how many of them fit."""
+        while self.page_manager.pages_for(len(req.tokens) + drafts) > req.num_pages and self.page_manager.available > 0:
             if not self.page_manager.allocate(req, 1):
                 break
         return max(0, min(drafts, req.num_pages * self.page_manager.page_size - len(req.tokens)))

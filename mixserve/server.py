@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
@@ -53,6 +54,7 @@ SAMPLING_FIELDS = {
     "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
     "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
     "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
+    "cache_salt": ("cache_salt", None),
 }
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
@@ -180,6 +182,14 @@ class Cancel:
     call: Call
 
 
+@dataclasses.dataclass(frozen=True)
+class Between:
+    """An inbox item: run fn(engine) between two steps, on the engine's thread; its result (or
+    the exception it raised) goes to `done`."""
+    fn: Callable
+    done: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+
+
 class EngineLoop:
     """Runs an engine (Engine or DisaggregatedEngine) on a thread of its own: it submits what
     handlers hand it, steps while there is work, and routes each Update to its Call. An engine
@@ -199,7 +209,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
-    def submit(self, call: Call) -> Call:
+    def submit(self, call: Call | Between) -> Call | Between:
         self._inbox.put(call)
         if self.error is not None:  # set before the loop's last look at the inbox: that look may have missed it
             self._fail_inbox()
@@ -207,6 +217,18 @@ class EngineLoop:
 
     def cancel(self, call: Call) -> None:
         self._inbox.put(Cancel(call))
+
+    def between_steps(self, fn: Callable, timeout_s: float = 60.0):
+        """fn(engine), run on the engine's thread between two steps (the engine is not thread-safe)."""
+        item = Between(fn)
+        self.submit(item)
+        try:
+            result = item.done.get(timeout=timeout_s)
+        except queue.Empty:
+            raise BadRequest(f"the engine did not get to it within {timeout_s:.0f} s", 503, "server_error")
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def close(self) -> None:
         self._inbox.put(None)
@@ -239,9 +261,15 @@ class EngineLoop:
         except queue.Empty:
             return False
 
-    def _take(self, item: Call | Cancel) -> None:
+    def _take(self, item: Call | Cancel | Between) -> None:
         if isinstance(item, Cancel):
             self.cancelled += sum(self.engine.cancel(rid) for rid in item.call.rids)
+            return
+        if isinstance(item, Between):
+            try:
+                item.done.put(item.fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - its caller's failure, not the loop's
+                item.done.put(e)
             return
         try:
             for i, (prompt, options) in enumerate(item.requests):
@@ -266,6 +294,8 @@ class EngineLoop:
         while (item := self._next_item()) is not False:
             if isinstance(item, Call):
                 item.updates.put(self.stopped())
+            elif isinstance(item, Between):
+                item.done.put(self.stopped())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -729,12 +759,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info or /metrics", 404)
 
     def post(self) -> None:
-        if self.path in TOKENIZER_POSTS:
+        if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
+            self.send_json(200, {"freed_pages": self.server.loop.between_steps(lambda e: e.reset_prefix_cache())})
+        elif self.path in TOKENIZER_POSTS:
             self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
         elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         else:
-            raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join([*PARSERS, *TOKENIZER_POSTS])}",
+            raise BadRequest(f"no POST {self.path}: this server serves POST "
+                             f"{', '.join([*PARSERS, *TOKENIZER_POSTS, '/reset_prefix_cache'])}",
                              404)
 
     def send_response(self, code, message=None):
@@ -876,6 +909,11 @@ ENGINE_METRICS = (
     ("num_requests_waiting", "gauge", "requests waiting for a slot and pages, new or preempted",
      lambda e: len(e.scheduler.waiting)),
     ("kv_pages_used", "gauge", "KV pool pages held by requests", lambda e: e.pages_in_use),
+    ("kv_pages_cached", "gauge", "KV pool pages only the prefix cache holds (free to evict)", lambda e: e.cached_pages),
+    ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache at admission",
+     lambda e: e.counters.prefix_cache_queries),
+    ("prefix_cache_hits_total", "counter", "of those, tokens the prefix cache held (not prefilled)",
+     lambda e: e.counters.prefix_cache_hits),
     ("kv_pages_total", "gauge", "KV pool pages", lambda e: e.num_pages),
     ("prompt_tokens_total", "counter", "prompt tokens prefilled (recomputed after a preemption included)",
      lambda e: e.counters.prefill_tokens),
@@ -915,9 +953,12 @@ def prometheus(loop: EngineLoop) -> str:
 
 
 def usage(choices: list[Choice], n: int) -> dict:
-    """Each prompt's tokens once, however many choices it has (as vLLM counts them)."""
+    """Each prompt's tokens once, however many choices it has (as vLLM counts them), and of those
+    the tokens the prefix cache held (OpenAI's prompt_tokens_details.cached_tokens)."""
     prompt, completion = sum(len(c.prompt) for c in choices[::n]), sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(c.result.cached_tokens for c in choices[::n] if c.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def error_body(e: BadRequest) -> dict:

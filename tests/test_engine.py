@@ -395,7 +395,7 @@ def test_a_fault_during_chunked_prefill_is_caught_before_the_prompt_writes_on(in
 
     def serve(fault):
         hook = _inject_at(0, faults.FaultKind.USE_AFTER_FREE, dict(slot=1, index=1)) if fault else None
-        e = engine(model, num_pages=32, page_size=8, prefill_chunk=4, min_prefill_tokens=4, prefix_sharing=False,
+        e = engine(model, num_pages=32, page_size=8, prefill_chunk=4, min_prefill_tokens=4, prefix_caching=False,
                    integrity=integrity, fault_hook=hook)
         rids, results = [e.submit(L, max_new_tokens=NEW), e.submit(X, max_new_tokens=NEW)], {}
         for _ in range(2):  # two prefill calls of 4 tokens; L decodes its first step (the fault) in the second
@@ -543,7 +543,7 @@ def test_prefix_sharing_shares_full_pages_and_changes_nothing():
     rng = np.random.default_rng(4)
     system = [int(t) for t in rng.integers(0, 256, 9)]  # two full pages of 4, then one token
     ps = [system + [int(t) for t in rng.integers(0, 256, n)] for n in (3, 6, 2)]
-    alone = engine(model, prefix_sharing=False).generate(ps, max_new_tokens=NEW)
+    alone = engine(model, prefix_caching=False).generate(ps, max_new_tokens=NEW)
     e = engine(model, integrity="check")
     shared = e.generate(ps, max_new_tokens=NEW)
     assert [r.tokens for r in shared] == [r.tokens for r in alone]

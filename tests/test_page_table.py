@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental import checkify
 
+from mixserve import faults
 from mixserve import page_table as pt
 
 # One small shape for the whole module, so every jitted op compiles exactly once.
@@ -18,9 +19,9 @@ P, B, N = 10, 4, 6
 TRACES = collections.Counter()
 
 
-def _jit_counted(fn):
+def _jit_counted(fn, name=None):
     def traced(*args):
-        TRACES[fn.__name__] += 1  # runs only while tracing
+        TRACES[name or fn.__name__] += 1  # runs only while tracing
         return fn(*args)
 
     return jax.jit(traced)
@@ -28,9 +29,13 @@ def _jit_counted(fn):
 
 allocate = _jit_counted(pt.allocate)
 share = _jit_counted(pt.share)
+share_tagged = _jit_counted(pt.share, "share with tags")  # the prefix cache's hits
 release = _jit_counted(pt.release)
 truncate = _jit_counted(pt.truncate)
 verify = _jit_counted(pt.verify)
+cache = _jit_counted(pt.cache)
+uncache = _jit_counted(pt.uncache)
+evictable = _jit_counted(pt.evictable)
 ALL_ACTIVE_B = np.ones(B, bool)
 
 
@@ -60,14 +65,16 @@ def corrupt(table, slot, index, **fields):
 
 
 class Model:
-    """Reference model: which pages each slot holds, and which live pages were shared."""
+    """Reference model: which pages each slot holds, which the prefix cache holds (with the tag
+    it recorded), and which live pages were shared."""
 
     def __init__(self):
         self.pages = [[] for _ in range(B)]
+        self.cached = {}  # page -> tag, in the order cached
         self.shared = set()  # pages shared during their current allocation
 
     def live(self):
-        return {p for ps in self.pages for p in ps}
+        return {p for ps in self.pages for p in ps} | set(self.cached)
 
     def truncate(self, slot, n):
         self.pages[slot] = self.pages[slot][: max(n, 0)]
@@ -79,8 +86,17 @@ allocate_op = st.tuples(st.just("allocate"), slots, st.integers(-1, N + 1))
 share_op = st.tuples(st.just("share"), slots, slots, st.integers(0, N))
 release_op = st.tuples(st.just("release"), slots)
 truncate_op = st.tuples(st.just("truncate"), slots, st.integers(-1, N + 1))
+cache_op = st.tuples(st.just("cache"), slots, st.integers(0, N))  # the first k of the slot's pages
+uncache_op = st.tuples(st.just("uncache"), st.integers(0, P), st.integers(0, N))  # k cached, from the i-th
+hit_op = st.tuples(st.just("hit"), slots, st.integers(0, N))  # share the first k cached pages, tag-checked
 # allocate listed twice: drawn more often, so sequences also run the pool dry.
-op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op, truncate_op)
+op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op, truncate_op, cache_op, uncache_op, hit_op)
+
+
+def padded(values, dtype=np.int32):
+    out = np.zeros(N, dtype)
+    out[: len(values)] = values
+    return out
 
 
 def apply_and_check(table, model, op):
@@ -119,6 +135,39 @@ def apply_and_check(table, model, op):
         held = len(model.pages[slot])
         got_tags = host(table).expected_tag_BN[slot, held - k : held]
         np.testing.assert_array_equal(got_tags, before.tag_P[shared])
+    elif kind == "cache":
+        (k,) = args
+        pages = model.pages[slot][:k]
+        tags = before.expected_tag_BN[slot, : len(pages)]
+        table, ok = cache(table, padded(pages), padded(tags, np.uint32), np.int32(len(pages)))
+        assert bool(ok) == (len(set(pages)) == len(pages) and not set(pages) & set(model.cached))
+        if not ok:
+            assert_same(table, before)
+            return table
+        model.cached.update(zip(pages, tags.tolist()))
+        np.testing.assert_array_equal(host(table).ref_count_P[pages], before.ref_count_P[pages] + 1)
+    elif kind == "uncache":
+        i, k = slot, args[0]
+        entries = list(model.cached.items())
+        entries = (entries[i % len(entries):] + entries[: i % len(entries)])[:k] if entries else []
+        table = uncache(table, padded([p for p, _ in entries]), padded([t for _, t in entries], np.uint32),
+                        np.int32(len(entries)))
+        for page, _ in entries:
+            del model.cached[page]
+        freed = {p for p, _ in entries} - model.live()
+        t = host(table)
+        assert set(t.free_stack_P[: t.num_free].tolist()) == set(before.free_stack_P[: before.num_free].tolist()) | freed
+    elif kind == "hit":
+        (k,) = args
+        entries = list(model.cached.items())[:k]
+        table, ok = share_tagged(table, np.int32(slot), padded([p for p, _ in entries]), np.int32(len(entries)),
+                          padded([t for _, t in entries], np.uint32))
+        assert bool(ok) == (len(model.pages[slot]) + len(entries) <= N)
+        if not ok:
+            assert_same(table, before)
+            return table
+        model.pages[slot] += [p for p, _ in entries]
+        model.shared |= {p for p, _ in entries}
     else:
         n = args[0] if kind == "truncate" else 0
         table = truncate(table, np.int32(slot), np.int32(n)) if kind == "truncate" else release(table, np.int32(slot))
@@ -145,6 +194,10 @@ def test_random_op_sequences_keep_invariants(ops):
         assert np.all(t.tag_P >= before.tag_P) and t.next_tag >= before.next_tag
         assert bool(jnp.all(verify(table, ALL_ACTIVE_B).ok_B))
         assert jax.tree.map(lambda x: x.dtype, t) == jax.tree.map(lambda x: x.dtype, before)
+        assert set(np.flatnonzero(t.cached_P)) == set(model.cached)
+        assert all(t.tag_P[p] == tag for p, tag in model.cached.items())  # a cached page keeps its tag
+        mapped = {p for ps in model.pages for p in ps}
+        assert int(evictable(table)) == len(set(model.cached) - mapped)
     # Slots and sizes are traced, so no example triggered a recompile.
     assert all(count <= 1 for count in TRACES.values()), TRACES
 
@@ -288,3 +341,45 @@ def test_truncate_frees_only_the_tail_it_owns():
     table = truncate(table, np.int32(2), np.int32(1))
     assert slot_pages(table, 0) == [0, 1] and host(table).ref_count_P[0] == 1
     assert bool(jnp.all(verify(table, ALL_ACTIVE_B).ok_B))
+
+
+def test_cached_pages_outlive_their_slot_and_a_hit_is_checked_against_the_cached_tag():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    pages, tags = slot_pages(table, 0), host(table).expected_tag_BN[0, :2]
+    table, ok = cache(table, padded(pages), padded(tags, np.uint32), np.int32(2))
+    assert ok and int(evictable(table)) == 0  # slot 0 still maps them
+    table = release(table, np.int32(0))
+    assert int(pt.num_free(table)) == P - 2 and int(evictable(table)) == 2  # the cache's hold keeps them
+    hit, ok = share_tagged(table, np.int32(1), padded(pages), np.int32(2), padded(tags, np.uint32))
+    assert ok and slot_pages(hit, 1) == pages and int(evictable(hit)) == 0
+    pt.assert_consistent(hit)
+    # The same hit after page 1 was pushed free by a bug and reallocated (a new tag): refused whole.
+    stolen = faults.use_after_free(hit, 1, 1)
+    stolen = release(stolen, np.int32(1))
+    stolen, ok = allocate(stolen, np.int32(2), np.int32(1))
+    assert ok and slot_pages(stolen, 2) == [pages[1]] and not host(stolen).cached_P[pages[1]]  # the hold went with it
+    before = host(stolen)
+    refused, ok = share_tagged(stolen, np.int32(3), padded(pages), np.int32(2), padded(tags, np.uint32))
+    assert not ok
+    assert_same(refused, before)
+    # Evicting the stale entry leaves the new owner's page alone; the good entry's page goes free.
+    evicted = uncache(refused, padded(pages), padded(tags, np.uint32), np.int32(2))
+    t = host(evicted)
+    assert t.ref_count_P[pages[1]] == 1 and slot_pages(evicted, 2) == [pages[1]]
+    assert t.ref_count_P[pages[0]] == 0 and pages[0] in t.free_stack_P[: t.num_free]
+    assert not t.cached_P.any()
+
+
+def test_cache_refuses_dead_listed_twice_or_already_cached_pages():
+    table, _ = allocate(fresh(), np.int32(0), np.int32(2))
+    pages, tags = slot_pages(table, 0), host(table).expected_tag_BN[0, :2]
+    for ids, tag_list in (([pages[0], pages[0]], [tags[0], tags[0]]),  # listed twice
+                          ([pages[0], 7], [tags[0], 0]),  # page 7 was never allocated
+                          ([pages[0]], [tags[0] + 1])):  # another tag
+        after, ok = cache(table, padded(ids), padded(tag_list, np.uint32), np.int32(len(ids)))
+        assert not ok
+        assert_same(after, table)
+    table, ok = cache(table, padded(pages[:1]), padded(tags[:1], np.uint32), np.int32(1))
+    assert ok
+    again, ok = cache(table, padded(pages[:1]), padded(tags[:1], np.uint32), np.int32(1))
+    assert not ok and host(again).ref_count_P[pages[0]] == 2

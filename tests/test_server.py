@@ -15,6 +15,7 @@ import time
 import types
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -111,7 +112,8 @@ def test_a_completion_is_what_mixserve_run_serves(srv, reference):
     assert lp["token_logprobs"] == pytest.approx([t["logprob"] for t in reference["logprobs"]], abs=1e-6)
     assert [len(top) for top in lp["top_logprobs"]] <= [2] * NEW  # keyed by text: two tokens may share one
     assert len(lp["tokens"]) == len(lp["text_offset"]) == NEW and lp["text_offset"][0] == 0
-    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": NEW, "total_tokens": len(PROMPT) + NEW}
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": NEW, "total_tokens": len(PROMPT) + NEW,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # the module's first request
     assert body["object"] == "text_completion" and body["model"] == "tiny-kimi"
     _, named = post(srv, greedy(return_tokens_as_token_ids=True, logprobs=1))
     assert named["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference["tokens"]]
@@ -757,6 +759,25 @@ def test_metrics_count_what_the_engine_did(srv):
     assert grew["decode_steps_total"] == 4 and grew["rejections_total"] == 1
     assert after["kv_pages_used"] == after["num_requests_running"] == after["num_requests_waiting"] == 0
     assert after["kv_pages_total"] == srv.loop.engine.num_pages and after["integrity_aborts_total"] == 0
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_per_cache_salt_until_a_reset(srv):
+    prompt = [int(t) for t in np.random.default_rng(12).integers(0, 256, 13)]  # no other test's pages
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    cached = []
+    for extra in ({}, {}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}):
+        status, reply = post(srv, {**body, **extra})
+        assert status == 200, reply
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 12, 0, 12]  # 3 full pages of 4 (the last prompt token is always computed)
+    status, error = post(srv, {**body, "cache_salt": 3})
+    assert status == 400 and "cache_salt" in error["error"]["message"]
+    before = metrics(srv)
+    assert before["kv_pages_cached"] >= 6 and before["prefix_cache_hits_total"] >= 24
+    status, reset = post(srv, {}, path="/reset_prefix_cache")
+    assert status == 200 and reset == {"freed_pages": before["kv_pages_cached"]}
+    assert metrics(srv)["kv_pages_cached"] == 0
+    assert post(srv, body)[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_grammar_mask_seconds_count_only_structured_requests(srv):

@@ -21,6 +21,7 @@ from conftest import host_devices_env
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.model_runner import steps_for
+from mixserve.request import Request
 from mixserve.sampling import Sampling, sampling_logits
 from mixserve.scheduler import Counters, PageManager
 from mixserve import speculative
@@ -281,9 +282,13 @@ def test_prefix_pages_are_shared_only_where_the_mtp_lookahead_agrees():
     b[S] = 99  # the first token after page 0: the MTP's entry at position 3 holds it
     plain = PageManager(8, S, 2, 4, True, Counters())
     mtp = PageManager(8, S, 2, 4, True, Counters(), lookahead=1)
-    assert plain._page_hashes(a)[0] == plain._page_hashes(b)[0]
-    assert mtp._page_hashes(a)[0] != mtp._page_hashes(b)[0]
-    assert len(mtp._page_hashes(a)) == len(plain._page_hashes(a)) == 2
+
+    def keys(manager, tokens):
+        return manager.page_keys(Request(0, tokens, 1, 0.0, 1.0, 0))
+
+    assert keys(plain, a)[0] == keys(plain, b)[0]
+    assert keys(mtp, a)[0] != keys(mtp, b)[0]
+    assert len(keys(mtp, a)) == len(keys(plain, a)) == 2
 
 
 def test_speculative_decoding_needs_an_mtp_layer():

@@ -1,0 +1,150 @@
+"""The prefix cache (mixserve/scheduler.py): full pages kept past their requests, evicted least
+recently used first, shared by a later identical prefix only under the tag they were cached with,
+and only between requests of one cache salt."""
+
+import numpy as np
+import pytest
+
+import mixserve
+from mixserve import page_table as pt
+from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import Engine
+
+from test_engine import greedy_reference
+
+S = 4  # page size
+
+
+@pytest.fixture(scope="module", params=["tiny-kimi", "tiny-glm4", "tiny-glm5"])
+def model(request):
+    return mixserve.load(request.param, dtype="float32")
+
+
+def engine(model, **kw):
+    return Engine(model, **{**dict(num_pages=48, page_size=S, max_batch=4, prefill_chunk=8, stop_tokens=(),
+                                   integrity="check"), **kw})
+
+
+def tokens(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def written_pages(tokens_of_finished: list[int]) -> int:
+    """Full pages a finished request leaves in the cache: its last token was never fed, so the KV
+    covers tokens[:-1]."""
+    return (len(tokens_of_finished) - 1) // S
+
+
+def test_the_next_turn_reuses_the_pages_of_the_last_prompt_and_reply(model):
+    """Turn 2's prompt is turn 1's prompt, reply and a new message: its prefill computes only what
+    the cache lacks, and the tokens stay the cache-free forward's."""
+    first, new = tokens(1, 10), 6
+    e = engine(model)
+    [r1] = e.generate([first], max_new_tokens=new)
+    assert r1.cached_tokens == 0 and e.cached_pages == written_pages(first + r1.tokens)  # 15 tokens: 3 pages
+    second = first + r1.tokens + tokens(2, 5)
+    prefilled = e.counters.prefill_tokens
+    [r2] = e.generate([second], max_new_tokens=new)
+    hit = written_pages(first + r1.tokens) * S
+    assert r2.status == "ok" and r2.cached_tokens == hit == 12
+    assert e.counters.prefill_tokens - prefilled == len(second) - hit
+    assert r2.tokens == greedy_reference(model, second, new)
+    assert (e.counters.prefix_cache_queries, e.counters.prefix_cache_hits) == (len(first) + len(second), hit)
+    assert e.free_pages == e.num_pages  # cached pages count as free: nothing leaked
+    pt.assert_consistent(e.table)
+    off = engine(model, prefix_caching=False)
+    off.generate([first], max_new_tokens=new)
+    [cold] = off.generate([second], max_new_tokens=new)
+    assert cold.cached_tokens == 0 and cold.tokens == r2.tokens and off.cached_pages == 0
+
+
+def test_eviction_takes_the_least_recently_used_pages_and_a_prefix_tail_first():
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model, num_pages=8, max_batch=1)
+    a, b = tokens(3, 13), tokens(4, 9)  # a leaves 3 full pages (13 + 1 tokens), b 2
+    e.generate([a], max_new_tokens=1)
+    e.generate([b], max_new_tokens=1)
+    assert e.cached_pages == 5 and e.page_manager.free_pages == 3
+    # 4 fresh pages for an unrelated prompt: one more than are free, so the least recently used
+    # page goes, and of a prefix's pages its last: a's third.
+    e.generate([tokens(5, 14)], max_new_tokens=1)
+    assert e.counters.evicted_pages == 1
+    [again] = e.generate([a], max_new_tokens=1)
+    assert again.cached_tokens == 2 * S  # a's first two pages were kept
+    # a shares 2 and needs 2 fresh with 1 free: the next in line goes, b's tail (a's own are in use).
+    assert e.counters.evicted_pages == 2
+    [b_again] = e.generate([b], max_new_tokens=1)
+    assert b_again.cached_tokens == S
+    cached = e.cached_pages
+    assert e.reset_prefix_cache() == cached
+    assert e.cached_pages == 0 and e.page_manager.free_pages == e.num_pages
+    pt.assert_consistent(e.table)
+
+
+def test_a_cached_page_reallocated_behind_the_cache_is_never_served():
+    """A bookkeeping bug re-stamps a cached page (as if it had been handed to someone else): the
+    next request with that prefix is refused the stale page at its hit, drops the entry, and
+    computes the prefix; its tokens are the cache-free forward's and nothing aborts."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model)
+    prompt, new = tokens(6, 13), 4
+    e.generate([prompt], max_new_tokens=new)
+    page, tag = list(e.page_manager._cache.values())[-1]  # the prompt's first page: used last (tails go first)
+    t = e.page_manager.table
+    e.page_manager.table = t.replace(tag_P=t.tag_P.at[page].set(t.next_tag), next_tag=t.next_tag + 1)
+    [r] = e.generate([prompt], max_new_tokens=new)
+    assert r.status == "ok" and r.cached_tokens == 0
+    assert r.tokens == greedy_reference(model, prompt, new)
+    assert e.counters.stale_cache_entries == 1 and e.counters.aborts == 0
+
+
+def test_a_freed_cached_page_is_never_served():
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model)
+    prompt, new = tokens(7, 13), 4
+    e.generate([prompt], max_new_tokens=new)
+    page, _ = list(e.page_manager._cache.values())[-1]
+    t = e.page_manager.table
+    e.page_manager.table = t.replace(ref_count_P=t.ref_count_P.at[page].set(0))  # freed behind the cache
+    [r] = e.generate([prompt], max_new_tokens=new)
+    assert r.status == "ok" and r.cached_tokens == 0 and r.tokens == greedy_reference(model, prompt, new)
+    assert e.counters.stale_cache_entries == 1
+
+
+def test_requests_share_cached_pages_only_under_one_cache_salt():
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    e = engine(model)
+    prompt = tokens(8, 11)
+    results = {}
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a", None):
+        [results[salt, len(results)]] = e.generate([prompt], max_new_tokens=2, cache_salt=salt)
+    assert [r.cached_tokens for r in results.values()] == [0, 0, 0, 8, 8]
+    assert len({tuple(r.tokens) for r in results.values()}) == 1
+    [bad] = e.generate([prompt], max_new_tokens=2, cache_salt="")
+    assert bad.status == "rejected" and "cache_salt" in bad.reason
+
+
+def test_a_preempted_request_recomputes_from_its_cached_pages():
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps, new = [tokens(9, 9), tokens(10, 9)], 16
+    # 11 pages: both fit after prefill (3 pages each) but not once each feeds its 24th token (6 each).
+    e = engine(model, num_pages=11)
+    results = e.generate(ps, max_new_tokens=new)
+    assert e.counters.preemptions >= 1 and e.counters.shared_pages >= 1
+    assert [r.tokens for r in results] == [greedy_reference(model, p, new) for p in ps]
+    pt.assert_consistent(e.table)
+
+
+def test_a_disaggregated_pair_caches_on_both_sides():
+    """The prefill server skips a cached prefix; the decode server shares the pages it cached
+    itself instead of receiving them again."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    pair = DisaggregatedEngine(engine(model, prefill_only=True), engine(model))
+    prompt, new = tokens(11, 13), 4
+    [r1] = pair.generate([prompt], max_new_tokens=new)
+    sent = pair.counters.pages_sent
+    [r2] = pair.generate([prompt], max_new_tokens=new)
+    assert r1.tokens == r2.tokens == greedy_reference(model, prompt, new)
+    assert r2.cached_tokens == 3 * S and pair.prefill.counters.prefill_tokens == len(prompt) + 1
+    assert pair.counters.pages_sent - sent == 1  # the last, partial page; the decode pool had the rest
+    assert pair.reset_prefix_cache() > 0 and pair.prefill.cached_pages == pair.decode.cached_pages == 0
