@@ -148,3 +148,47 @@ def test_a_disaggregated_pair_caches_on_both_sides():
     assert r2.cached_tokens == 3 * S and pair.prefill.counters.prefill_tokens == len(prompt) + 1
     assert pair.counters.pages_sent - sent == 1  # the last, partial page; the decode pool had the rest
     assert pair.reset_prefix_cache() > 0 and pair.prefill.cached_pages == pair.decode.cached_pages == 0
+
+
+def test_cached_pages_carry_the_mtp_layers_entries_to_the_next_turn():
+    """With MTP drafts the pages also hold the MTP layer's cache (its entry at position p holds
+    token p + 1, so a page's key covers the token after it). Turn 2 drafts from cached entries
+    written while turn 1 decoded: every step's drafts are those it makes with every page
+    recomputed, and the tokens stay the plain greedy ones."""
+    model = mixserve.load("tiny-glm4", dtype="float32", mtp=True)
+    first, new = tokens(13, 10), 8
+    runs = {}
+    for caching in (True, False):
+        e = engine(model, speculative_tokens=2, prefix_caching=caching)
+        [r1] = e.generate([first], max_new_tokens=new)
+        second = first + r1.tokens + tokens(14, 3)
+        e.submit(second, max_new_tokens=new)
+        drafts, results = [], []
+        while e.has_work():
+            results += [u.result for u in e.step() if u.result is not None]
+            drafts += [(len(r.tokens), list(r.drafts)) for r in e.scheduler.running if r.prefilled]
+        runs[caching] = (results[0], drafts)
+    (hot, hot_drafts), (cold, cold_drafts) = runs[True], runs[False]
+    assert hot.cached_tokens == written_pages(second[: len(first) + new]) * S == 16 and cold.cached_tokens == 0
+    assert hot.tokens == cold.tokens == greedy_reference(model, second, new)
+    assert hot_drafts == cold_drafts and any(hot_drafts)
+
+
+def test_a_request_preempted_mid_prefill_caches_only_the_pages_its_chunks_wrote():
+    """B is preempted after one prefill chunk of 7 tokens: page 0 is whole, page 1 holds 3 of its
+    4 positions. Only page 0 is cached; B comes back, shares it, and computes the rest."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    a, b = tokens(15, 4), tokens(16, 30)
+    # 9 pages: a's 1 and b's 8 at admission; a's second token needs a second page, so b (the
+    # youngest) is preempted in the first step, right after its first chunk.
+    e = engine(model, num_pages=9, max_batch=2, prefill_chunk=7, min_prefill_tokens=7)
+    ra = e.submit(a, max_new_tokens=20)
+    rb = e.submit(b, max_new_tokens=2)
+    results = {}
+    e.step()
+    assert e.counters.preemptions == 1 and e.cached_pages == 1
+    while e.has_work():
+        results |= {u.rid: u.result for u in e.step() if u.result is not None}
+    assert results[ra].tokens == greedy_reference(model, a, 20)
+    assert results[rb].tokens == greedy_reference(model, b, 2)
+    assert e.counters.shared_pages == 1 and e.counters.prefill_tokens == 4 + 7 + 30 - S
