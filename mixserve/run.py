@@ -93,6 +93,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "(SGLang's --context-length, vLLM's --max-model-len); default and maximum: the model's "
                    "max_position_embeddings. Longer requests are rejected, each with its reason")
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt whole: no KV pages kept past their requests or shared by equal prefixes")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
     p.add_argument("--prefill-calls-per-step", type=counted(0), default=1,
                    help="prefill calls per engine step before its decode step (chunked prefill: running requests "
@@ -312,7 +314,7 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                   expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
-                  speculative_tokens=args.speculative_tokens, draft=args.draft)
+                  speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
@@ -376,7 +378,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "counters": vars(c),
         "grammar_mask_s": decoder.grammars.mask_s + (prefiller.grammars.mask_s if args.disaggregate else 0.0),
         "requests": [
-            {"prompt_tokens": len(p), "status": r.status, "reason": r.reason, "tokens": r.tokens,
+            {"prompt_tokens": len(p), "cached_tokens": r.cached_tokens, "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
              "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
              "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs]}
@@ -453,6 +455,9 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
           f"{budget} bytes{' per device' if tp > 1 else ''}")
     tiled = f"; {TILED}: {capacity[TILED]} tokens{times(capacity[TILED], bf16)}" if TILED in capacity else ""
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
+    if not args.no_prefix_caching:
+        print(f"prefix cache: {pc.prefix_cache_hits} of {pc.prefix_cache_queries} prompt tokens were cached, "
+              f"{pc.evicted_pages} pages evicted")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
 

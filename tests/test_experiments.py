@@ -64,6 +64,17 @@ def test_structured_outputs_script_runs(tmp_path):
     assert (tmp_path / "g.md").read_text() in out
 
 
+def test_prefix_cache_script_runs(tmp_path):
+    """Two conversations of two turns (16 user tokens, 4-token replies, pages of 4): turn 2's
+    prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation."""
+    out = run("prefix_cache.py", "--repeats", "1", "--turns", "2", "--conversations", "2", "--user-len", "16",
+              "--reply-len", "4", "--page-size", "4", "--pressure-conversations", "1", "2", "--fit", "1",
+              "--out", str(tmp_path / "p.md"))
+    assert "| off | 104 | 0 |" in out and "| on | 72 | 32 |" in out
+    assert "## BF16 and FP8 KV at the same memory" in out and "| 1 | 30.8% |" in out  # 16 of 16 + 36 prompt tokens
+    assert (tmp_path / "p.md").read_text() in out
+
+
 def test_fixed_memory_script_runs(tmp_path):
     """A budget of 2 BF16 requests of 24 + 8 tokens (2 pages each): at concurrency 4 the BF16
     engine can run only 2 requests per decode step, the FP8 one all 4."""

@@ -1,0 +1,145 @@
+"""The prefix cache on multi-turn conversations: what it saves, and what FP8 KV adds to it.
+
+    python experiments/prefix_cache.py [--out experiments/results/prefix_cache.md] [--repeats 5]
+
+Each conversation is a closed loop of turns: turn t's prompt is turn t-1's prompt, its reply and a
+new user message of random bytes (an agent's or a chat's growing history), sent when the reply has
+finished. Every engine has no stop tokens, so every reply has its full length.
+
+1. The prefix cache on and off (`Engine(prefix_caching=...)`), same pool: prompt tokens prefilled,
+   time to first token of the later turns, and the run's wall time, runs interleaved, medians
+   and the median of the paired ratios.
+2. At one KV memory budget, BF16 against FP8 pools, as the conversations outgrow the pool: FP8's
+   pages hold twice the tokens, so more of the histories are still cached when their next turns
+   come. Counts, not times: the cache hit rate, prompt tokens prefilled and pages evicted.
+
+CPU, XLA path, tiny-kimi: times compare only within a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import numpy as np
+
+from experiments.report import publish
+import mixserve
+from mixserve.engine import Engine
+from mixserve.kv_cache import bytes_per_token, kv_format
+
+
+def converse(engine: Engine, conversations: int, turns: int, user_len: int, reply_len: int, seed: int) -> dict:
+    """Run the conversations to their last turn, at most engine.max_batch at a time, from a cold
+    cache. Returns the later turns' times to first token, the run's wall time and the engine's
+    counter deltas."""
+    engine.reset_prefix_cache()
+    rng = np.random.default_rng(seed)
+    c0 = dict(vars(engine.counters))
+    history = {i: [] for i in range(conversations)}
+    done_turns = dict.fromkeys(history, 0)
+    waiting, owner, later_ttft = list(history), {}, []
+    t0 = time.perf_counter()
+    while waiting or owner:
+        while waiting and len(owner) < engine.max_batch:
+            i = waiting.pop(0)
+            history[i] += [int(t) for t in rng.integers(0, 256, user_len)]
+            owner[engine.submit(history[i], max_new_tokens=reply_len)] = i
+        for update in engine.step():
+            if update.result is None:
+                continue
+            i = owner.pop(update.rid)
+            assert update.result.status == "ok", update.result.reason
+            history[i] += update.result.tokens
+            if done_turns[i] > 0:
+                later_ttft.append(update.result.ttft_s)
+            done_turns[i] += 1
+            if done_turns[i] < turns:
+                waiting.append(i)
+    wall = time.perf_counter() - t0
+    c = vars(engine.counters)
+    return {"ttft": later_ttft, "wall": wall, **{k: c[k] - c0[k] for k in
+            ("prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "evicted_pages", "preemptions")}}
+
+
+def on_off_table(model, conversations: int, turns: int, user_len: int, reply_len: int, repeats: int,
+                 page_size: int) -> list[str]:
+    tokens = conversations * turns * (user_len + reply_len)
+    engines = {on: Engine(model, num_pages=2 * -(-tokens // page_size), page_size=page_size, max_batch=conversations,
+                          stop_tokens=(), prefix_caching=on) for on in (True, False)}
+    for e in engines.values():  # warm-up: compile the shapes the runs use
+        converse(e, conversations, turns, user_len, reply_len, 99)
+    runs = {on: [] for on in engines}
+    for r in range(repeats):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            runs[on].append(converse(engines[on], conversations, turns, user_len, reply_len, r))
+    rows = ["| prefix cache | prompt tokens prefilled | cache hits (tokens) | later turns' TTFT, median (ms) | "
+            "wall (s), median |", "|---|---|---|---|---|"]
+    for on, name in ((False, "off"), (True, "on")):
+        x = runs[on]
+        rows.append(f"| {name} | {x[0]['prefill_tokens']:,} | {x[0]['prefix_cache_hits']:,} | "
+                    f"{1e3 * statistics.median(t for run in x for t in run['ttft']):.1f} | "
+                    f"{statistics.median(run['wall'] for run in x):.2f} |")
+    ttft = statistics.median(statistics.median(a["ttft"]) / statistics.median(b["ttft"])
+                             for a, b in zip(runs[True], runs[False]))
+    wall = statistics.median(a["wall"] / b["wall"] for a, b in zip(runs[True], runs[False]))
+    prompt_tokens = runs[True][0]["prefix_cache_queries"]
+    return [f"{conversations} conversations of {turns} turns, each turn {user_len} new user tokens and a reply of "
+            f"{reply_len}; {prompt_tokens:,} prompt tokens in all; pages of {page_size}; a pool that holds them all; "
+            f"{repeats} runs per engine, interleaved, each from a cold cache.", "", *rows, "",
+            f"On / off, median of the paired runs' ratios: later turns' median TTFT {ttft:.2f}x, wall time {wall:.2f}x."]
+
+
+def fp8_table(model, conversation_counts: list[int], concurrency: int, turns: int, user_len: int, reply_len: int,
+              fit: int, page_size: int) -> list[str]:
+    """Same bytes for both pools: BF16 holds `fit` conversations' full histories, FP8 twice that."""
+    history = turns * (user_len + reply_len)
+    budget = fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("bfloat16", None))
+    engines = {kv: Engine(model, kv_dtype=kv, kv_memory_bytes=budget, page_size=page_size, max_batch=concurrency,
+                          stop_tokens=()) for kv in ("bfloat16", "fp8_e4m3")}
+    rows = ["| conversations | BF16: cache hit rate | prompt tokens prefilled | pages evicted | "
+            "FP8: cache hit rate | prompt tokens prefilled | pages evicted |", "|---|---|---|---|---|---|---|"]
+    for n in conversation_counts:
+        cells = []
+        for e in engines.values():
+            x = converse(e, n, turns, user_len, reply_len, 0)
+            assert x["preemptions"] == 0  # the budget holds every running turn: only the cache is short
+            cells += [f"{x['prefix_cache_hits'] / x['prefix_cache_queries']:.1%}", f"{x['prefill_tokens']:,}",
+                      f"{x['evicted_pages']:,}"]
+        rows.append(f"| {n} | {' | '.join(cells)} |")
+    pools = ", ".join(f"{kv} {e.capacity_tokens:,}" for kv, e in engines.items())
+    return [f"KV budget {budget:,} bytes ({pools} tokens): {fit} full histories of {history} tokens in BF16 pages. "
+            f"Conversations of {turns} turns ({user_len} user tokens, {reply_len}-token replies), {concurrency} at a "
+            "time, each conversation's next turn queued behind the others' (round robin: the order least kind to "
+            "LRU, which keeps nothing once the histories outgrow the pool).", "", *rows]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out")
+    p.add_argument("--model", default="tiny-kimi")
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--user-len", type=int, default=64)
+    p.add_argument("--reply-len", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pressure-conversations", type=int, nargs="+", default=[4, 8, 12, 16],
+                   help="section 2's conversation counts")
+    p.add_argument("--fit", type=int, default=4, help="section 2: full histories the budget holds in BF16")
+    args = p.parse_args(argv)
+    model = mixserve.load(args.model, dtype="bfloat16")
+    publish([f"# The prefix cache on multi-turn conversations ({args.model}, BF16 weights, {datetime.date.today()}, CPU)",
+             "", "## Prefix cache on and off", "",
+             *on_off_table(model, args.conversations, args.turns, args.user_len, args.reply_len, args.repeats,
+                           args.page_size),
+             "", "## BF16 and FP8 KV at the same memory, as the conversations outgrow it", "",
+             *fp8_table(model, args.pressure_conversations, args.conversations, args.turns, args.user_len,
+                        args.reply_len, args.fit, args.page_size), "",
+             "CPU times on a shared 2-core machine: compare within a table; absolute times are not GPU times."], args.out)
+
+
+if __name__ == "__main__":
+    main()
