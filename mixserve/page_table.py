@@ -230,17 +230,18 @@ def cache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> tuple
 
 
 def uncache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> PageTable:
-    """The prefix cache drops its reference to each of the first `n` of page_ids_K (evicted);
-    a page left with none goes back on the free stack. As in `truncate`, only a hold that still
-    owns its page (cached, tag tag_K) gives a reference back: a page reallocated behind the
-    cache's back stays its new owner's."""
+    """The prefix cache drops its hold on each of the first `n` of page_ids_K (evicted); a page
+    left with no reference goes back on the free stack. As in `truncate`, only a hold that still
+    owns its page (cached, tag tag_K) gives a reference back: a page re-stamped behind the cache's
+    back is no longer the cache's (its flag is cleared) but keeps the reference, and leaks, which
+    costs capacity but never hands its KV to anyone."""
     want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
     in_range_K, safe_K = _clamp_pages(table, page_ids_K)
-    owned_K = want_K & in_range_K & table.cached_P[safe_K] & (table.tag_P[safe_K] == tag_K)
+    held_K = want_K & in_range_K & table.cached_P[safe_K]
     P = table.num_pool_pages
-    page_idx_K = jnp.where(owned_K, page_ids_K, P)
-    drops_P = jnp.zeros(P, jnp.int32).at[page_idx_K].set(1, mode="drop")
-    table = table.replace(cached_P=table.cached_P.at[page_idx_K].set(False, mode="drop"))
+    owned_idx_K = jnp.where(held_K & (table.tag_P[safe_K] == tag_K), page_ids_K, P)
+    drops_P = jnp.zeros(P, jnp.int32).at[owned_idx_K].set(1, mode="drop")
+    table = table.replace(cached_P=table.cached_P.at[jnp.where(held_K, page_ids_K, P)].set(False, mode="drop"))
     return _drop_references(table, drops_P)
 
 

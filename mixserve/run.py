@@ -456,8 +456,9 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
     tiled = f"; {TILED}: {capacity[TILED]} tokens{times(capacity[TILED], bf16)}" if TILED in capacity else ""
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
     if not args.no_prefix_caching:
+        evicted = pc.evicted_pages + (c.evicted_pages if args.disaggregate else 0)  # both pools of a pair
         print(f"prefix cache: {pc.prefix_cache_hits} of {pc.prefix_cache_queries} prompt tokens were cached, "
-              f"{pc.evicted_pages} pages evicted")
+              f"{evicted} pages evicted")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
 

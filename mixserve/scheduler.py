@@ -127,9 +127,11 @@ class PageManager:
             req.slot, req.num_pages, req.cached = before
             return False
         self.counters.shared_pages += len(shared)
+        self._touch(req)  # a hit is a use
         if req.cache_hit_tokens is None:  # its first admission: what it asked the cache and got
             req.cache_hit_tokens = len(shared) * self.page_size
-            self.counters.prefix_cache_queries += len(req.tokens) if self.prefix_caching else 0
+            looked_up = self.prefix_caching and not req.wants_prompt_logprobs
+            self.counters.prefix_cache_queries += len(req.tokens) if looked_up else 0
             self.counters.prefix_cache_hits += req.cache_hit_tokens
         return True
 
@@ -138,7 +140,6 @@ class PageManager:
         was aborted (its pages failed the integrity check, or are not trusted)."""
         if req.result is None or req.result.status == "ok":  # finished, or preempted (recomputed later)
             self.register_prefix(req)
-            self._touch(req)
         self.release_slot(req.slot)
         req.slot, req.num_pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
 
@@ -200,22 +201,23 @@ class PageManager:
 
     def register_prefix(self, req: Request) -> None:
         """Cache req's full pages whose KV it has written (its prompt's after prefill; its output's
-        too when it leaves) for later requests to share."""
+        too when it leaves) for later requests to share, and mark them used now."""
         if not self.prefix_caching or req.slot is None:
             return
         keys = self.page_keys(req)[: req.cached // self.page_size]
-        if all(h in self._cache for h in keys):
-            return
-        row, tags = jax.device_get((self.table.pages_BN[req.slot], self.table.expected_tag_BN[req.slot]))
-        new = [(h, int(row[i]), int(tags[i])) for i, h in enumerate(keys) if h not in self._cache]
-        self.table, ok = _cache_jit(self.table, self._padded([p for _, p, _ in new]),
-                                    self._padded([t for _, _, t in new], np.uint32), jnp.int32(len(new)))
-        if bool(ok):  # else a fault broke req's mappings: nothing of it is cached
-            self._cache.update((h, (page, tag)) for h, page, tag in new)
+        if any(h not in self._cache for h in keys):
+            row, tags = jax.device_get((self.table.pages_BN[req.slot], self.table.expected_tag_BN[req.slot]))
+            new = [(h, int(row[i]), int(tags[i])) for i, h in enumerate(keys) if h not in self._cache]
+            self.table, ok = _cache_jit(self.table, self._padded([p for _, p, _ in new]),
+                                        self._padded([t for _, _, t in new], np.uint32), jnp.int32(len(new)))
+            if bool(ok):  # else a fault broke req's mappings: nothing of it is cached
+                self._cache.update((h, (page, tag)) for h, page, tag in new)
+        self._touch(req)
 
     def _touch(self, req: Request) -> None:
-        """Mark req's cached pages used now, its first page last: eviction takes a prefix's tail first."""
-        for h in reversed(self.page_keys(req)):
+        """Mark req's cached pages used now, its first page last: eviction takes a prefix's tail
+        first, so what stays is still a prefix."""
+        for h in reversed(self.page_keys(req) if self.prefix_caching else []):
             if h in self._cache:
                 self._cache.move_to_end(h)
 
@@ -284,14 +286,15 @@ class Scheduler:
             if new_pages & indexing and not computes_all:
                 break
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
-            need = self.page_manager.pages_for(len(req.tokens)) - len(shared)
-            if self._short_of(need + self.page_manager.idle(shared)):
+            fresh = self.page_manager.pages_for(len(req.tokens)) - len(shared)
+            need = fresh + self.page_manager.idle(shared)  # shared pages only the cache holds stop being evictable
+            if self._short_of(need):
                 if why := self._never_fits(need):
                     self.waiting.popleft().finish("aborted", why)
                     self.counters.aborts += 1
                     continue
                 break
-            if not self.page_manager.take(req, free_slots.pop(0), shared, need):
+            if not self.page_manager.take(req, free_slots.pop(0), shared, fresh):
                 break  # the bookkeeping was resynced: the next step tries again
             self.waiting.popleft()
             self.running.append(req)
@@ -308,9 +311,9 @@ class Scheduler:
         if self.waiting or not free_slots:
             return None
         cached, (shared, need) = req.cached, self._adoption(req)
-        if self._short_of(need + self.page_manager.idle(shared)):
+        if self._short_of(need):
             return None
-        if not self.page_manager.take(req, free_slots[0], shared, need):
+        if not self.page_manager.take(req, free_slots[0], shared, self.page_manager.pages_for(cached) - len(shared)):
             return None
         req.cached, req.prefilled = cached, True
         self.running.append(req)
@@ -321,10 +324,12 @@ class Scheduler:
         nothing will free the pages it lacks."""
         return None if self.waiting else self._never_fits(self._adoption(req)[1])
 
-    def _adoption(self, req: Request) -> tuple[list[int], int]:
-        """The pages adopting req would share (its indexed prompt prefix) and how many more it needs."""
+    def _adoption(self, req: Request) -> tuple[list[tuple[int, int]], int]:
+        """The cached pages adopting req would share (its prompt's cached prefix) and how many
+        pages it needs beside them: fresh ones, plus those shared pages only the cache holds now
+        (sharing them makes them unevictable)."""
         shared = self.page_manager.shared_prefix(req)
-        return shared, self.page_manager.pages_for(req.cached) - len(shared)
+        return shared, self.page_manager.pages_for(req.cached) - len(shared) + self.page_manager.idle(shared)
 
     def _never_fits(self, need: int) -> str | None:
         """An abort reason when `need` pages exceed the free (or evictable) ones and no running

@@ -220,6 +220,8 @@ class EngineLoop:
 
     def between_steps(self, fn: Callable, timeout_s: float = 60.0):
         """fn(engine), run on the engine's thread between two steps (the engine is not thread-safe)."""
+        if not self._thread.is_alive():
+            raise self.stopped()
         item = Between(fn)
         self.submit(item)
         try:
@@ -760,6 +762,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def post(self) -> None:
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
+            self.read_body()  # whatever it holds: left unread, it would be read as the next request
             self.send_json(200, {"freed_pages": self.server.loop.between_steps(lambda e: e.reset_prefix_cache())})
         elif self.path in TOKENIZER_POSTS:
             self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
@@ -774,12 +777,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.responded = True
         super().send_response(code, message)
 
-    def read_json(self) -> dict:
+    def read_body(self) -> bytes:
         length = self.headers.get("Content-Length", "0")
         if not length.isdigit():  # read(-1) would wait for a kept-alive connection to close
             raise BadRequest(f"Content-Length must be a byte count, got {length!r}")
+        return self.rfile.read(int(length))
+
+    def read_json(self) -> dict:
+        body = self.read_body()
         try:
-            body = json.loads(self.rfile.read(int(length)))
+            body = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not JSON: {e}")
         if not isinstance(body, dict):

@@ -96,6 +96,11 @@ def test_a_cached_page_reallocated_behind_the_cache_is_never_served():
     assert r.status == "ok" and r.cached_tokens == 0
     assert r.tokens == greedy_reference(model, prompt, new)
     assert e.counters.stale_cache_entries == 1 and e.counters.aborts == 0
+    # The re-stamped page is no longer the cache's: it leaks (one page of capacity), and every
+    # page the table counts evictable is one the cache can evict.
+    assert e.free_pages == e.num_pages - 1 and e.cached_pages == e.page_manager.cached
+    cached = e.cached_pages
+    assert e.reset_prefix_cache() == cached and e.cached_pages == 0 and e.free_pages == e.num_pages - 1
 
 
 def test_a_freed_cached_page_is_never_served():
@@ -192,3 +197,35 @@ def test_a_request_preempted_mid_prefill_caches_only_the_pages_its_chunks_wrote(
     assert results[ra].tokens == greedy_reference(model, a, 20)
     assert results[rb].tokens == greedy_reference(model, b, 2)
     assert e.counters.shared_pages == 1 and e.counters.prefill_tokens == 4 + 7 + 30 - S
+
+
+def test_a_cached_prefix_that_no_longer_fits_a_leaked_pool_is_aborted_not_left_waiting():
+    """Pages leaked after a fault, nothing running: a request whose cached prefix it would share
+    plus its fresh pages exceed what is left is aborted with the reason, not queued forever."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model, num_pages=8)
+    prompt = tokens(17, 13)
+    e.generate([prompt], max_new_tokens=1)  # 3 cached pages, 5 free
+    table, ok = pt.allocate(e.page_manager.table, 3, 3)  # a bug hands 3 pages to a slot no request holds
+    assert ok
+    e.page_manager.table = table
+    rid = e.submit(prompt + tokens(18, 8), max_new_tokens=1)  # 6 pages: its 3 cached, 3 fresh; 5 left in all
+    results = {}
+    for _ in range(4):
+        results |= {u.rid: u.result for u in e.step() if u.result is not None}
+    assert results[rid].status == "aborted" and "KV pool exhausted" in results[rid].reason
+    assert not e.has_work()
+
+
+def test_a_disaggregated_prefill_server_keeps_its_hot_prefix_cached():
+    """The prefill engine never releases a request (its pages are handed over), so a hit must
+    count as a use there: a prompt hit again outlives an older, colder one."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    pair = DisaggregatedEngine(engine(model, prefill_only=True, num_pages=8), engine(model))
+    hot, cold = tokens(19, 13), tokens(20, 9)
+    for prompt in (hot, cold, hot):
+        pair.generate([prompt], max_new_tokens=1)
+    pair.generate([tokens(21, 14)], max_new_tokens=1)  # 4 fresh pages, 3 free: one cached page goes
+    assert pair.prefill.counters.evicted_pages == 1
+    [again] = pair.generate([hot], max_new_tokens=1)
+    assert again.cached_tokens == 3 * S

@@ -265,7 +265,9 @@ def test_n_samples_are_the_requests_seeded_one_apart(srv):
         deltas = [c["choices"][0]["delta"] for c in chunks[:-1] if c["choices"][0]["index"] == j]
         assert deltas[0]["role"] == "assistant"
         assert "".join(d["content"] for d in deltas) == whole["choices"][j]["message"]["content"]
+    details = [u.pop("prompt_tokens_details") for u in (chunks[-1]["usage"], whole["usage"])]
     assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["prompt_tokens"] == len(RENDERED)
+    assert details[1] == {"cached_tokens": (len(RENDERED) - 1) // 4 * 4}  # the streamed request's pages (of 4)
 
 
 def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
@@ -852,3 +854,14 @@ def test_a_strict_engine_that_raises_stops_the_server():
         s.stop_with_the_loop()  # what main runs beside serve_forever: returns once the loop has stopped
     finally:
         s.server_close()
+
+
+def test_reset_prefix_cache_reads_its_body_on_a_kept_alive_connection(srv):
+    with contextlib.closing(connect(srv)) as c:
+        c.request("POST", "/reset_prefix_cache", json.dumps({}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200 and "freed_pages" in json.loads(r.read())
+        c.request("POST", "/v1/completions", json.dumps(greedy(max_tokens=2)), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200, r.read()
+        r.read()
