@@ -12,6 +12,11 @@ finished. Every engine has no stop tokens, so every reply has its full length.
 2. At one KV memory budget, BF16 against FP8 pools, as the conversations outgrow the pool: FP8's
    pages hold twice the tokens, so more of the histories are still cached when their next turns
    come. Counts, not times: the cache hit rate, prompt tokens prefilled and pages evicted.
+3. Admission order: a burst of requests over a few long system prompts, interleaved, through a
+   pool that holds one of them besides the running requests, first come first served against
+   SGLang's longest-prefix-match order (`Engine(schedule_policy="lpm")`). Counts.
+4. What it costs when nothing repeats: unique prompts through a full pool, where every admission
+   evicts, on against off (wall time, paired runs).
 
 CPU, XLA path, tiny-kimi: times compare only within a row.
 """
@@ -116,6 +121,54 @@ def fp8_table(model, conversation_counts: list[int], concurrency: int, turns: in
             "LRU, which keeps nothing once the histories outgrow the pool).", "", *rows]
 
 
+def order_table(model, groups: int, per_group: int, system_len: int, user_len: int, reply_len: int,
+                concurrency: int, fit: int, page_size: int) -> list[str]:
+    """A burst of requests over a few long system prompts, interleaved (A B C D A B C D ...), all
+    waiting at once, through a pool that holds `fit` system prompts besides the running requests:
+    first come, first served against the longest cached prefix first (`schedule_policy="lpm"`)."""
+    rng = np.random.default_rng(0)
+    systems = [[int(t) for t in rng.integers(0, 256, system_len)] for _ in range(groups)]
+    prompts = [systems[i % groups] + [int(t) for t in rng.integers(0, 256, user_len)]
+               for i in range(groups * per_group)]
+    running = concurrency * -(-(system_len + user_len + reply_len) // page_size)
+    pages = running + fit * (system_len // page_size)
+    rows = ["| admission order | cache hit rate | prompt tokens prefilled | pages evicted |", "|---|---|---|---|"]
+    for policy in ("fcfs", "lpm"):
+        e = Engine(model, num_pages=pages, page_size=page_size, max_batch=concurrency, stop_tokens=(),
+                   schedule_policy=policy)
+        results = e.generate(prompts, max_new_tokens=reply_len)
+        assert all(r.status == "ok" for r in results)
+        c = e.counters
+        rows.append(f"| {policy} | {c.prefix_cache_hits / c.prefix_cache_queries:.1%} | {c.prefill_tokens:,} | "
+                    f"{c.evicted_pages:,} |")
+    return [f"{groups * per_group} requests arriving together: {groups} system prompts of {system_len} tokens, "
+            f"interleaved, each with {user_len} tokens of its own and a {reply_len}-token reply; {concurrency} at a "
+            f"time; a pool of {pages} pages of {page_size} (the running requests' and {fit} system prompts').", "",
+            *rows]
+
+
+def miss_table(model, requests: int, concurrency: int, prompt_len: int, reply_len: int, repeats: int,
+               page_size: int) -> list[str]:
+    """What the cache costs when nothing repeats: unique prompts through a pool that holds
+    2 x concurrency requests, so once it is full every admission evicts."""
+    pages = 2 * concurrency * -(-(prompt_len + reply_len) // page_size)
+    engines = {on: Engine(model, num_pages=pages, page_size=page_size, max_batch=concurrency, stop_tokens=(),
+                          prefix_caching=on) for on in (True, False)}
+    for e in engines.values():
+        converse(e, requests, 1, prompt_len, reply_len, 99)
+    runs = {on: [] for on in engines}
+    for r in range(repeats):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            runs[on].append(converse(engines[on], requests, 1, prompt_len, reply_len, r))
+    hot = runs[True][0]
+    ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(runs[True], runs[False]))
+    return [f"{requests} requests of {prompt_len} unique prompt tokens and {reply_len} generated, {concurrency} at a "
+            f"time, a pool of {pages} pages of {page_size} (2 x {concurrency} requests): {hot['prefix_cache_hits']} "
+            f"tokens hit, {hot['evicted_pages']:,} pages evicted per run. Wall time, cache on / off, median of "
+            f"{repeats} paired interleaved runs: {ratio:.2f}x (on {statistics.median(x['wall'] for x in runs[True]):.2f} s, "
+            f"off {statistics.median(x['wall'] for x in runs[False]):.2f} s)."]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
@@ -129,6 +182,11 @@ def main(argv=None) -> None:
     p.add_argument("--pressure-conversations", type=int, nargs="+", default=[4, 8, 12, 16],
                    help="section 2's conversation counts")
     p.add_argument("--fit", type=int, default=4, help="section 2: full histories the budget holds in BF16")
+    p.add_argument("--miss-requests", type=int, default=32, help="section 4: unique prompts served")
+    p.add_argument("--groups", type=int, default=4, help="section 3: system prompts")
+    p.add_argument("--per-group", type=int, default=8, help="section 3: requests per system prompt")
+    p.add_argument("--system-len", type=int, default=256, help="section 3: tokens of a system prompt")
+    p.add_argument("--order-concurrency", type=int, default=2, help="section 3: requests run at a time")
     args = p.parse_args(argv)
     model = mixserve.load(args.model, dtype="bfloat16")
     publish([f"# The prefix cache on multi-turn conversations ({args.model}, BF16 weights, {datetime.date.today()}, CPU)",
@@ -138,6 +196,12 @@ def main(argv=None) -> None:
              "", "## BF16 and FP8 KV at the same memory, as the conversations outgrow it", "",
              *fp8_table(model, args.pressure_conversations, args.conversations, args.turns, args.user_len,
                         args.reply_len, args.fit, args.page_size), "",
+             "## Admission order: first come, first served or longest cached prefix first", "",
+             *order_table(model, args.groups, args.per_group, args.system_len, args.user_len, args.reply_len,
+                          args.order_concurrency, 1, args.page_size), "",
+             "## When nothing repeats", "",
+             *miss_table(model, args.miss_requests, args.conversations, args.user_len, args.reply_len, args.repeats,
+                         args.page_size), "",
              "CPU times on a shared 2-core machine: compare within a table; absolute times are not GPU times."], args.out)
 
 

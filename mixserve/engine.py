@@ -58,7 +58,7 @@ class Engine(Frontend):
                  min_prefill_rows: int = 1, max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
                  prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
-                 draft: str = "mtp"):
+                 draft: str = "mtp", schedule_policy: str = "fcfs"):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -144,7 +144,7 @@ class Engine(Frontend):
         # and an identical prefix shares them; False computes every prompt whole (the ablation).
         self.page_manager = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_caching,
                                  self.counters, lookahead=int(mtp))
-        self.scheduler = Scheduler(self.page_manager, max_batch, self.counters)
+        self.scheduler = Scheduler(self.page_manager, max_batch, self.counters, schedule_policy)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
         # two weight sets.

@@ -245,6 +245,21 @@ def uncache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> Pag
     return _drop_references(table, drops_P)
 
 
+def evict(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n, want) -> tuple[PageTable, jax.Array]:
+    """`uncache` the first `want` of the first `n` of page_ids_K (candidates in the cache's
+    eviction order) that only the cache holds, under the tags it recorded (tag_K), freeing them.
+    Returns the table and which candidates were evicted (bool [K])."""
+    want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
+    in_range_K, safe_K = _clamp_pages(table, page_ids_K)
+    idle_K = (want_K & in_range_K & table.cached_P[safe_K] & (table.ref_count_P[safe_K] == 1)
+              & (table.tag_P[safe_K] == tag_K))
+    evicted_K = idle_K & (jnp.cumsum(idle_K, dtype=jnp.int32) <= want)
+    P = table.num_pool_pages
+    page_idx_K = jnp.where(evicted_K, page_ids_K, P)
+    table = table.replace(cached_P=table.cached_P.at[page_idx_K].set(False, mode="drop"))
+    return _drop_references(table, jnp.zeros(P, jnp.int32).at[page_idx_K].set(1, mode="drop")), evicted_K
+
+
 def _drop_references(table: PageTable, drops_P: jax.Array) -> PageTable:
     """Take drops_P[p] references off each page p, pushing the pages left with none on the free stack."""
     P = table.num_pool_pages

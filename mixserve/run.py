@@ -28,6 +28,7 @@ from mixserve.grammar import StructuredOutput
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
+from mixserve.scheduler import SCHEDULE_POLICIES
 from mixserve.replies import ReplyFormat, ReplyParser
 from mixserve.tokenizer import ByteTokenizer
 from models.presets import TINY_PRESETS
@@ -95,6 +96,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt whole: no KV pages kept past their requests or shared by equal prefixes")
+    p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
+                   help="admission order of waiting requests: first come, first served, or the longest cached "
+                        "prefix first (SGLang's lpm; first come, first served past 128 waiting)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
     p.add_argument("--prefill-calls-per-step", type=counted(0), default=1,
                    help="prefill calls per engine step before its decode step (chunked prefill: running requests "
@@ -314,7 +318,8 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                   expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
-                  speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching)
+                  speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching,
+                  schedule_policy=args.schedule_policy)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,27 @@ from mixserve.request import Request
 _allocate_jit = jax.jit(pt.allocate)
 _share_jit = jax.jit(pt.share)
 _truncate_jit = jax.jit(pt.truncate)
-_cache_jit = jax.jit(pt.cache)
 _uncache_jit = jax.jit(pt.uncache)
-_evictable_jit = jax.jit(pt.evictable)
+# Host reads, one dispatch and one transfer each (eager indexing dispatches an op per index).
+_counts_jit = jax.jit(lambda table: (pt.num_free(table), pt.evictable(table)))
+_idle_jit = jax.jit(lambda table, ids_K, n: jnp.sum((table.ref_count_P[ids_K] == 1) & (jnp.arange(ids_K.shape[0]) < n)))
+
+
+@jax.jit
+def _evict_jit(table: pt.PageTable, page_ids_K, tag_K, n, want):
+    """pt.evict, and the free and evictable counts after it (one transfer for the host's mirrors)."""
+    table, evicted_K = pt.evict(table, page_ids_K, tag_K, n, want)
+    return table, evicted_K, pt.num_free(table), pt.evictable(table)
+
+
+@jax.jit
+def _cache_slot_jit(table: pt.PageTable, slot, want_N):
+    """pt.cache of the slot's logical pages where want_N, under the tags the slot recorded; also
+    returns the slot's pages and tags, so the host reads all it records in one transfer."""
+    pages_N, tags_N = table.pages_BN[slot], table.expected_tag_BN[slot]
+    first_N = jnp.argsort(~want_N, stable=True)  # the wanted ones first, in order
+    table, ok = pt.cache(table, pages_N[first_N], tags_N[first_N], want_N.sum(dtype=jnp.int32))
+    return table, ok, pages_N, tags_N
 
 
 @dataclasses.dataclass
@@ -161,14 +180,14 @@ class PageManager:
 
     def _sync(self) -> None:
         """Read the free and evictable counts from the table, the authority (a fault may leak pages)."""
-        free, evictable = jax.device_get((pt.num_free(self.table), _evictable_jit(self.table)))
+        free, evictable = jax.device_get(_counts_jit(self.table))
         self.free_pages, self.evictable = int(free), int(evictable)
 
-    def _padded(self, values: list[int], dtype=np.int32) -> jax.Array:
+    def _padded(self, values: list[int], dtype=np.int32) -> np.ndarray:
         """values as one array of the table's width N (one compiled shape for every call)."""
         out = np.zeros(self.max_pages_per_seq, dtype)
         out[: len(values)] = values
-        return jnp.asarray(out)
+        return out
 
     # ---- the prefix cache: full pages of token prefixes, kept past their requests (vLLM's
     # automatic prefix caching, at page granularity) and shared by identical prefixes ----
@@ -205,13 +224,13 @@ class PageManager:
         if not self.prefix_caching or req.slot is None:
             return
         keys = self.page_keys(req)[: req.cached // self.page_size]
-        if any(h not in self._cache for h in keys):
-            row, tags = jax.device_get((self.table.pages_BN[req.slot], self.table.expected_tag_BN[req.slot]))
-            new = [(h, int(row[i]), int(tags[i])) for i, h in enumerate(keys) if h not in self._cache]
-            self.table, ok = _cache_jit(self.table, self._padded([p for _, p, _ in new]),
-                                        self._padded([t for _, _, t in new], np.uint32), jnp.int32(len(new)))
-            if bool(ok):  # else a fault broke req's mappings: nothing of it is cached
-                self._cache.update((h, (page, tag)) for h, page, tag in new)
+        want = np.zeros(self.max_pages_per_seq, bool)
+        want[: len(keys)] = [h not in self._cache for h in keys]
+        if want.any():
+            self.table, *read = _cache_slot_jit(self.table, jnp.int32(req.slot), want)
+            ok, row, tags = jax.device_get(read)
+            if ok:  # else a fault broke req's mappings: nothing of it is cached
+                self._cache.update((h, (int(row[i]), int(tags[i]))) for i, h in enumerate(keys) if want[i])
         self._touch(req)
 
     def _touch(self, req: Request) -> None:
@@ -222,24 +241,26 @@ class PageManager:
                 self._cache.move_to_end(h)
 
     def _evict(self, n: int) -> None:
-        """Free up to n pages that only the cache holds, least recently used first."""
-        refs, cached, tags = (np.asarray(a) for a in jax.device_get(
-            (self.table.ref_count_P, self.table.cached_P, self.table.tag_P)))
-        victims = [h for h, (page, tag) in self._cache.items()
-                   if refs[page] == 1 and cached[page] and tags[page] == tag][:n]
-        for i in range(0, len(victims), self.max_pages_per_seq):
-            part = [self._cache.pop(h) for h in victims[i : i + self.max_pages_per_seq]]
-            self.table = _uncache_jit(self.table, self._padded([p for p, _ in part]),
-                                      self._padded([t for _, t in part], np.uint32), jnp.int32(len(part)))
-        self.counters.evicted_pages += len(victims)
-        self._sync()
+        """Free up to n pages that only the cache holds, least recently used first: the table
+        picks them among the oldest entries, N candidates at a time."""
+        oldest, gone = iter(self._cache.items()), []
+        while len(gone) < n and (part := list(itertools.islice(oldest, self.max_pages_per_seq))):
+            self.table, *read = _evict_jit(self.table, self._padded([p for _, (p, _) in part]),
+                                           self._padded([t for _, (_, t) in part], np.uint32),
+                                           np.int32(len(part)), np.int32(n - len(gone)))
+            evicted, free, evictable = jax.device_get(read)
+            self.free_pages, self.evictable = int(free), int(evictable)
+            gone += [h for (h, _), out in zip(part, evicted) if out]
+        for h in gone:
+            del self._cache[h]
+        self.counters.evicted_pages += len(gone)
 
     def idle(self, shared: list[tuple[int, int]]) -> int:
         """How many of the cached pages `shared` only the cache holds: sharing them makes that many
         fewer pages evictable."""
         if not shared:
             return 0
-        return int(jnp.sum(self.table.ref_count_P[jnp.asarray([p for p, _ in shared])] == 1))
+        return int(_idle_jit(self.table, self._padded([p for p, _ in shared]), jnp.int32(len(shared))))
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached page no request maps (vLLM's reset_prefix_cache); returns how many."""
@@ -261,9 +282,18 @@ class PageManager:
         self._sync()
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LPM_MAX_WAITING = 128  # past this many waiting requests, "lpm" orders them first come, first served (SGLang's rule)
+
+
 class Scheduler:
-    def __init__(self, page_manager: PageManager, max_batch: int, counters: Counters):
+    def __init__(self, page_manager: PageManager, max_batch: int, counters: Counters, policy: str = "fcfs"):
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
         self.page_manager, self.max_batch, self.counters = page_manager, max_batch, counters
+        # Admission order: "fcfs" first come, first served; "lpm" the longest cached prefix first
+        # (SGLang's longest prefix match: a cached history is used before other admissions evict it).
+        self.policy = policy
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -278,6 +308,8 @@ class Scheduler:
         free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
+        if self.policy == "lpm" and free_slots and 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            self._longest_prefix_first()
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
             new_pages = self.page_manager.unindexed_prefix(req)
@@ -301,6 +333,14 @@ class Scheduler:
             batch.append(req)
             indexing |= new_pages
         return batch
+
+    def _longest_prefix_first(self) -> None:
+        """Order the waiting requests by their cached prefix, longest first (stable: ties keep their
+        order); preempted requests stay ahead of the rest, in their order."""
+        preempted = [r for r in self.waiting if r.cache_hit_tokens is not None]
+        new = [r for r in self.waiting if r.cache_hit_tokens is None]
+        cached = {id(r): 0 if r.wants_prompt_logprobs else len(self.page_manager.shared_prefix(r)) for r in new}
+        self.waiting = collections.deque(preempted + sorted(new, key=lambda r: -cached[id(r)]))
 
     def adopt(self, req: Request) -> int | None:
         """Take a request prefilled elsewhere (disaggregated serving): a slot, and pages for its

@@ -69,9 +69,12 @@ def test_prefix_cache_script_runs(tmp_path):
     prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation."""
     out = run("prefix_cache.py", "--repeats", "1", "--turns", "2", "--conversations", "2", "--user-len", "16",
               "--reply-len", "4", "--page-size", "4", "--pressure-conversations", "1", "2", "--fit", "1",
-              "--out", str(tmp_path / "p.md"))
+              "--miss-requests", "4", "--groups", "2", "--per-group", "2", "--system-len", "8",
+              "--order-concurrency", "1", "--out", str(tmp_path / "p.md"))
     assert "| off | 104 | 0 |" in out and "| on | 72 | 32 |" in out
     assert "## BF16 and FP8 KV at the same memory" in out and "| 1 | 30.8% |" in out  # 16 of 16 + 36 prompt tokens
+    assert "## When nothing repeats" in out and ": 0 tokens hit," in out
+    assert "## Admission order" in out and "| fcfs |" in out and "| lpm |" in out
     assert (tmp_path / "p.md").read_text() in out
 
 

@@ -35,6 +35,7 @@ truncate = _jit_counted(pt.truncate)
 verify = _jit_counted(pt.verify)
 cache = _jit_counted(pt.cache)
 uncache = _jit_counted(pt.uncache)
+evict = _jit_counted(pt.evict)
 evictable = _jit_counted(pt.evictable)
 ALL_ACTIVE_B = np.ones(B, bool)
 
@@ -89,8 +90,10 @@ truncate_op = st.tuples(st.just("truncate"), slots, st.integers(-1, N + 1))
 cache_op = st.tuples(st.just("cache"), slots, st.integers(0, N))  # the first k of the slot's pages
 uncache_op = st.tuples(st.just("uncache"), st.integers(0, P), st.integers(0, N))  # k cached, from the i-th
 hit_op = st.tuples(st.just("hit"), slots, st.integers(0, N))  # share the first k cached pages, tag-checked
+evict_op = st.tuples(st.just("evict"), st.integers(0, P), st.integers(0, N))  # up to `want`, from the i-th cached
 # allocate listed twice: drawn more often, so sequences also run the pool dry.
-op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op, truncate_op, cache_op, uncache_op, hit_op)
+op_strategy = st.one_of(allocate_op, allocate_op, share_op, release_op, truncate_op, cache_op, uncache_op, hit_op,
+                        evict_op)
 
 
 def padded(values, dtype=np.int32):
@@ -157,6 +160,19 @@ def apply_and_check(table, model, op):
         freed = {p for p, _ in entries} - model.live()
         t = host(table)
         assert set(t.free_stack_P[: t.num_free].tolist()) == set(before.free_stack_P[: before.num_free].tolist()) | freed
+    elif kind == "evict":
+        i, want = slot, args[0]
+        entries = list(model.cached.items())
+        entries = (entries[i % len(entries):] + entries[: i % len(entries)])[:N] if entries else []
+        table, evicted = evict(table, padded([p for p, _ in entries]), padded([t for _, t in entries], np.uint32),
+                               np.int32(len(entries)), np.int32(want))
+        mapped = {p for ps in model.pages for p in ps}
+        expect = [p for p, _ in entries if p not in mapped][:want]
+        assert [p for (p, _), out in zip(entries, np.asarray(evicted)) if out] == expect
+        for page in expect:
+            del model.cached[page]
+        t = host(table)
+        assert set(t.free_stack_P[: t.num_free].tolist()) == set(before.free_stack_P[: before.num_free].tolist()) | set(expect)
     elif kind == "hit":
         (k,) = args
         entries = list(model.cached.items())[:k]

@@ -229,3 +229,29 @@ def test_a_disaggregated_prefill_server_keeps_its_hot_prefix_cached():
     assert pair.prefill.counters.evicted_pages == 1
     [again] = pair.generate([hot], max_new_tokens=1)
     assert again.cached_tokens == 3 * S
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_the_longest_cached_prefix_first_and_a_preempted_request_before_any(policy):
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model, max_batch=1, schedule_policy=policy)
+    system = tokens(22, 8)  # two full pages
+    e.generate([system + tokens(23, 3)], max_new_tokens=1)  # system's pages cached
+    plain, half, whole = tokens(24, 11), system[:4] + tokens(25, 7), system + tokens(26, 3)
+    order = [e.submit(p, max_new_tokens=2) for p in (plain, half, whole)]
+    admitted, results = [], {}  # one slot: a request's first update comes in the step that admits it
+    while e.has_work():
+        for u in e.step():
+            admitted += [u.rid] if u.rid not in admitted else []
+            results |= {u.rid: u.result} if u.result is not None else {}
+    assert admitted == (order if policy == "fcfs" else [order[2], order[1], order[0]])
+    assert [results[rid].cached_tokens for rid in order] == [0, S, 2 * S]
+    assert [results[rid].tokens for rid in order] == [greedy_reference(model, p, 2) for p in (plain, half, whole)]
+    victim = e.submit(tokens(27, 11), max_new_tokens=2)  # nothing of it cached
+    e.scheduler.waiting[0].cache_hit_tokens = 0  # as if admitted once and preempted: it goes first
+    e.submit(whole, max_new_tokens=2)
+    while not (first := e.step()):  # its prefill takes two chunks of 8
+        pass
+    assert [u.rid for u in first] == [victim]
+    with pytest.raises(ValueError, match="schedule policy"):
+        engine(model, schedule_policy="sjf")
