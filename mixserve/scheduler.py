@@ -251,6 +251,8 @@ class PageManager:
             evicted, free, evictable = jax.device_get(read)
             self.free_pages, self.evictable = int(free), int(evictable)
             gone += [h for (h, _), out in zip(part, evicted) if out]
+            if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
+                break
         for h in gone:
             del self._cache[h]
         self.counters.evicted_pages += len(gone)
@@ -308,7 +310,7 @@ class Scheduler:
         free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
-        if self.policy == "lpm" and free_slots and 1 < len(self.waiting) <= LPM_MAX_WAITING:
+        if self.policy == "lpm" and free_slots and len(self.waiting) > 1:
             self._longest_prefix_first()
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
@@ -335,12 +337,16 @@ class Scheduler:
         return batch
 
     def _longest_prefix_first(self) -> None:
-        """Order the waiting requests by their cached prefix, longest first (stable: ties keep their
-        order); preempted requests stay ahead of the rest, in their order."""
+        """Order the waiting requests by their cached prefix, longest first, then by arrival (past
+        LPM_MAX_WAITING, by arrival alone); preempted requests stay ahead of the rest, in their order."""
         preempted = [r for r in self.waiting if r.cache_hit_tokens is not None]
         new = [r for r in self.waiting if r.cache_hit_tokens is None]
-        cached = {id(r): 0 if r.wants_prompt_logprobs else len(self.page_manager.shared_prefix(r)) for r in new}
-        self.waiting = collections.deque(preempted + sorted(new, key=lambda r: -cached[id(r)]))
+        if len(self.waiting) > LPM_MAX_WAITING:
+            new.sort(key=lambda r: r.rid)  # rids count arrivals
+        else:
+            cached = {id(r): 0 if r.wants_prompt_logprobs else len(self.page_manager.shared_prefix(r)) for r in new}
+            new.sort(key=lambda r: (-cached[id(r)], r.rid))
+        self.waiting = collections.deque(preempted + new)
 
     def adopt(self, req: Request) -> int | None:
         """Take a request prefilled elsewhere (disaggregated serving): a slot, and pages for its

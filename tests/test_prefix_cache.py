@@ -255,3 +255,22 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_a_preempted_request_befo
     assert [u.rid for u in first] == [victim]
     with pytest.raises(ValueError, match="schedule policy"):
         engine(model, schedule_policy="sjf")
+
+
+def test_lpm_orders_by_arrival_past_its_queue_limit(monkeypatch):
+    """Past LPM_MAX_WAITING waiting requests, lpm is first come, first served, in arrival order
+    even after an earlier lpm pass reordered the queue."""
+    from mixserve import scheduler
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model, max_batch=1, schedule_policy="lpm")
+    system = tokens(28, 8)
+    e.generate([system + tokens(29, 3)], max_new_tokens=1)
+    prompts = [tokens(30, 11), system + tokens(31, 3), tokens(32, 11)]
+    order = [e.submit(p, max_new_tokens=2) for p in prompts]
+    e.scheduler._longest_prefix_first()
+    assert [r.rid for r in e.scheduler.waiting] == [order[1], order[0], order[2]]  # the cached one first
+    monkeypatch.setattr(scheduler, "LPM_MAX_WAITING", 2)
+    admitted = []
+    while e.has_work():
+        admitted += [u.rid for u in e.step() if u.rid not in admitted]
+    assert admitted == order
