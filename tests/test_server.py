@@ -776,6 +776,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens_per_cache_salt_until_a_rese
     assert status == 400 and "cache_salt" in error["error"]["message"]
     before = metrics(srv)
     assert before["kv_pages_cached"] >= 6 and before["prefix_cache_hits_total"] >= 24
+    assert before["prefix_cache_stale_pages_total"] == 0
+    assert before["prefix_cache_evicted_pages_total"] == srv.loop.engine.counters.evicted_pages  # idle between requests
     status, reset = post(srv, {}, path="/reset_prefix_cache")
     assert status == 200 and reset == {"freed_pages": before["kv_pages_cached"]}
     assert metrics(srv)["kv_pages_cached"] == 0
