@@ -235,14 +235,7 @@ def uncache(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n) -> Pag
     owns its page (cached, tag tag_K) gives a reference back: a page re-stamped behind the cache's
     back is no longer the cache's (its flag is cleared) but keeps the reference, and leaks, which
     costs capacity but never hands its KV to anyone."""
-    want_K = jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n
-    in_range_K, safe_K = _clamp_pages(table, page_ids_K)
-    held_K = want_K & in_range_K & table.cached_P[safe_K]
-    P = table.num_pool_pages
-    owned_idx_K = jnp.where(held_K & (table.tag_P[safe_K] == tag_K), page_ids_K, P)
-    drops_P = jnp.zeros(P, jnp.int32).at[owned_idx_K].set(1, mode="drop")
-    table = table.replace(cached_P=table.cached_P.at[jnp.where(held_K, page_ids_K, P)].set(False, mode="drop"))
-    return _drop_references(table, drops_P)
+    return _drop_holds(table, page_ids_K, tag_K, jnp.arange(page_ids_K.shape[0], dtype=jnp.int32) < n)
 
 
 def evict(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n, want) -> tuple[PageTable, jax.Array]:
@@ -254,10 +247,19 @@ def evict(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, n, want) ->
     idle_K = (want_K & in_range_K & table.cached_P[safe_K] & (table.ref_count_P[safe_K] == 1)
               & (table.tag_P[safe_K] == tag_K))
     evicted_K = idle_K & (jnp.cumsum(idle_K, dtype=jnp.int32) <= want)
+    return _drop_holds(table, page_ids_K, tag_K, evicted_K), evicted_K
+
+
+def _drop_holds(table: PageTable, page_ids_K: jax.Array, tag_K: jax.Array, listed_K: jax.Array) -> PageTable:
+    """The cache's holds on the pages listed_K selects end; those still under tag_K give their
+    reference back."""
+    in_range_K, safe_K = _clamp_pages(table, page_ids_K)
+    held_K = listed_K & in_range_K & table.cached_P[safe_K]
     P = table.num_pool_pages
-    page_idx_K = jnp.where(evicted_K, page_ids_K, P)
-    table = table.replace(cached_P=table.cached_P.at[page_idx_K].set(False, mode="drop"))
-    return _drop_references(table, jnp.zeros(P, jnp.int32).at[page_idx_K].set(1, mode="drop")), evicted_K
+    owned_idx_K = jnp.where(held_K & (table.tag_P[safe_K] == tag_K), page_ids_K, P)
+    drops_P = jnp.zeros(P, jnp.int32).at[owned_idx_K].set(1, mode="drop")
+    table = table.replace(cached_P=table.cached_P.at[jnp.where(held_K, page_ids_K, P)].set(False, mode="drop"))
+    return _drop_references(table, drops_P)
 
 
 def _drop_references(table: PageTable, drops_P: jax.Array) -> PageTable:

@@ -28,20 +28,23 @@ import numpy as np
 from mixserve import page_table as pt
 from mixserve.request import Request
 
+def _counted(update):
+    """A table update (table, ...) -> (table, *outputs), jitted with the free and evictable counts
+    after it appended to its outputs: the host's mirrors come back in the same transfer."""
+    def run(table, *args):
+        table, *outputs = update(table, *args)
+        return (table, *outputs, pt.num_free(table), pt.evictable(table))
+    return jax.jit(run)
+
+
 _allocate_jit = jax.jit(pt.allocate)
-_share_jit = jax.jit(pt.share)
-_truncate_jit = jax.jit(pt.truncate)
-_uncache_jit = jax.jit(pt.uncache)
+_share_jit = _counted(pt.share)
+_truncate_jit = _counted(lambda table, slot, n: (pt.truncate(table, slot, n),))
+_uncache_jit = _counted(lambda table, ids_K, tag_K, n: (pt.uncache(table, ids_K, tag_K, n),))
+_evict_jit = _counted(pt.evict)
 # Host reads, one dispatch and one transfer each (eager indexing dispatches an op per index).
 _counts_jit = jax.jit(lambda table: (pt.num_free(table), pt.evictable(table)))
 _idle_jit = jax.jit(lambda table, ids_K, n: jnp.sum((table.ref_count_P[ids_K] == 1) & (jnp.arange(ids_K.shape[0]) < n)))
-
-
-@jax.jit
-def _evict_jit(table: pt.PageTable, page_ids_K, tag_K, n, want):
-    """pt.evict, and the free and evictable counts after it (one transfer for the host's mirrors)."""
-    table, evicted_K = pt.evict(table, page_ids_K, tag_K, n, want)
-    return table, evicted_K, pt.num_free(table), pt.evictable(table)
 
 
 @jax.jit
@@ -134,12 +137,11 @@ class PageManager:
         req.slot, req.num_pages = slot, 0
         if shared:
             ids, tags = self._padded([p for p, _ in shared]), self._padded([t for _, t in shared], np.uint32)
-            self.table, ok = _share_jit(self.table, jnp.int32(slot), ids, jnp.int32(len(shared)), tags)
+            self.table, ok, *counts = _share_jit(self.table, jnp.int32(slot), ids, jnp.int32(len(shared)), tags)
+            [ok] = self._mirror(counts, ok)  # the shared pages are no longer evictable
             shared_ok = bool(ok)
             req.num_pages, req.cached = len(shared), len(shared) * self.page_size
-            if shared_ok:
-                self._sync()  # the shared pages are no longer evictable
-            else:
+            if not shared_ok:
                 self._forget_stale(shared)
         if not shared_ok or not self.allocate(req, n):
             self.release_slot(slot)
@@ -175,13 +177,19 @@ class PageManager:
             req.num_pages = keep
 
     def _truncate_slot(self, slot: int, keep: int) -> None:
-        self.table = _truncate_jit(self.table, jnp.int32(slot), jnp.int32(keep))
-        self._sync()
+        self.table, *counts = _truncate_jit(self.table, jnp.int32(slot), jnp.int32(keep))
+        self._mirror(counts)
 
     def _sync(self) -> None:
         """Read the free and evictable counts from the table, the authority (a fault may leak pages)."""
-        free, evictable = jax.device_get(_counts_jit(self.table))
+        self._mirror(_counts_jit(self.table))
+
+    def _mirror(self, counts, *outputs) -> list:
+        """Set the host's free and evictable counts from a table update's (free, evictable), read
+        in one transfer with the update's other outputs, which it returns on the host."""
+        *outputs, free, evictable = jax.device_get((*outputs, *counts))
         self.free_pages, self.evictable = int(free), int(evictable)
+        return outputs
 
     def _padded(self, values: list[int], dtype=np.int32) -> np.ndarray:
         """values as one array of the table's width N (one compiled shape for every call)."""
@@ -245,11 +253,10 @@ class PageManager:
         picks them among the oldest entries, N candidates at a time."""
         oldest, gone = iter(self._cache.items()), []
         while len(gone) < n and (part := list(itertools.islice(oldest, self.max_pages_per_seq))):
-            self.table, *read = _evict_jit(self.table, self._padded([p for _, (p, _) in part]),
-                                           self._padded([t for _, (_, t) in part], np.uint32),
-                                           np.int32(len(part)), np.int32(n - len(gone)))
-            evicted, free, evictable = jax.device_get(read)
-            self.free_pages, self.evictable = int(free), int(evictable)
+            self.table, evicted, *counts = _evict_jit(self.table, self._padded([p for _, (p, _) in part]),
+                                                      self._padded([t for _, (_, t) in part], np.uint32),
+                                                      np.int32(len(part)), np.int32(n - len(gone)))
+            [evicted] = self._mirror(counts, evicted)
             gone += [h for (h, _), out in zip(part, evicted) if out]
             if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
                 break
@@ -278,10 +285,10 @@ class PageManager:
         stale = {(page, tag) for page, tag in shared if not 0 <= page < self.num_pages or refs[page] == 0
                  or tags[page] != tag}
         gone = [self._cache.pop(h) for h in [h for h, entry in self._cache.items() if entry in stale]]
-        self.table = _uncache_jit(self.table, self._padded([p for p, _ in gone]),
-                                  self._padded([t for _, t in gone], np.uint32), jnp.int32(len(gone)))
+        self.table, *counts = _uncache_jit(self.table, self._padded([p for p, _ in gone]),
+                                           self._padded([t for _, t in gone], np.uint32), jnp.int32(len(gone)))
+        self._mirror(counts)
         self.counters.stale_cache_entries += len(gone)
-        self._sync()
 
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
