@@ -261,7 +261,9 @@ class Engine(Frontend):
         if self.fault_hook is not None:
             self.page_manager.table = self.fault_hook(self.page_manager.table, self.counters.steps)
         if self.speculative_tokens:
-            n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts), self.speculative_tokens,
+            # an output that may still open its free part takes no drafts: its mask is its first token's
+            n_drafts = [self.scheduler.room_for_drafts(r, min(len(r.drafts) if r.opener() is None else 0,
+                                                              self.speculative_tokens,
                                                               r.max_new_tokens - len(r.out) - 1,
                                                               self.max_seq_len - len(r.tokens))) for r in live]
             out = self.runner.speculate(live, self.page_manager.table, n_drafts)

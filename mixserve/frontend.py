@@ -150,6 +150,7 @@ class Frontend:
         if isinstance(matcher, str):
             return matcher
         req.matcher, req.governed = matcher, not req.structured_output.after
+        req.opener_taken = 0 if req.structured_output.opens else None
         return None
 
     def _seed(self, seed):

@@ -16,6 +16,7 @@ token.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 
@@ -35,13 +36,20 @@ class StructuredOutput:
     syntax, anchored at both ends), one of several strings, or a grammar in Lark syntax
     (llguidance's dialect). `after`: the token ids after which the grammar starts (a thinking
     model's end of reasoning, `</think>` encoded, as vLLM's reasoning parser starts it; the output
-    before them and them are free); () from the first token."""
+    before them and them are free); () from the first token. `opens` (with `after`): token ids
+    that, as the output's first tokens, open that free part (`<think>` encoded, for a thinking
+    model whose reply opens its reasoning itself); else the grammar governs from the first token.
+    The first tokens may be either: the grammar's or the opener's next."""
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     after: tuple[int, ...] = ()
+    opens: tuple[int, ...] = ()
+
+    def __hash__(self) -> int:  # a dict schema: hashed by its JSON text (equal schemas, equal text)
+        return hash(json.dumps(dataclasses.astuple(self), sort_keys=True, default=repr))
 
     def reason(self) -> str | None:
         """Why this is no structured output (None: it is one); a grammar's own errors come from
@@ -60,8 +68,11 @@ class StructuredOutput:
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
             return f"choice must be a non-empty list of strings, got {self.choice!r}"
-        if not (isinstance(self.after, tuple) and all(isinstance(t, int) for t in self.after)):
-            return f"after must be a tuple of token ids, got {self.after!r}"
+        for name in ("after", "opens"):
+            if not (isinstance(getattr(self, name), tuple) and all(isinstance(t, int) for t in getattr(self, name))):
+                return f"{name} must be a tuple of token ids, got {getattr(self, name)!r}"
+        if self.opens and not self.after:
+            return "opens starts a free part that only `after` ends: give both"
         return None
 
     def llguidance_grammar(self) -> str:
@@ -130,23 +141,33 @@ class Grammars:
             self._lltokenizer = _lltokenizer(self.tokenizer, self.vocab_size, list(self.end_tokens))
         return self._lltokenizer
 
-    def allowed(self, rows: list[tuple[object, int, int, list[int]]], batch: int, positions: int = 1) -> np.ndarray:
+    def allowed(self, rows: list[tuple[object, int, int, list[int]]], batch: int, positions: int = 1,
+                openers: list[tuple[object | None, int, int]] = ()) -> np.ndarray:
         """A step's masks, [batch, positions * W] int32: rows holds (matcher, row, first, drafts)
         per request its grammar governs from verified position `first` on (0 but where the drafts
         before it end the free part, StructuredOutput.after); its row's position first + j gets the
         tokens allowed after drafts[:j] (every token past a draft the grammar refuses: verification
-        never reaches there). Other positions and rows allow every token. The matchers end where
-        they began."""
+        never reaches there). openers holds (matcher or None, row, token) per request whose output
+        may still open its free part (StructuredOutput.opens, verified without drafts): its row's
+        position 0 gets the matcher's tokens (none: the output can no longer be the grammar's) and
+        the opener's next token. Other positions and rows allow every token. The matchers end
+        where they began."""
         allowed = np.full((batch * positions, self.words), ALL_ALLOWED, np.int32)
-        if rows:
+        if rows or openers:
             t0 = time.perf_counter()
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             numpy_api = llguidance.numpy
-            if plain := [(m, row * positions + first) for m, row, first, drafts in rows if not drafts]:
+            plain = [(m, row * positions + first) for m, row, first, drafts in rows if not drafts]
+            if plain := plain + [(m, row * positions) for m, row, _ in openers if m is not None]:
                 numpy_api.fill_next_token_bitmask_par(self._executor, plain, allowed)
             if drafted := [(m, row * positions + first, list(drafts)) for m, row, first, drafts in rows if drafts]:
                 numpy_api.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, allowed)
+            bits = allowed.view(np.uint32)  # bit 31 of an int32 word: shifts in uint32
+            for m, row, token in openers:
+                if m is None:
+                    bits[row * positions] = 0
+                bits[row * positions, token // 32] |= np.uint32(1 << (token % 32))
             self.mask_s += time.perf_counter() - t0
         return allowed.reshape(batch, positions * self.words)
 

@@ -34,6 +34,8 @@ import re
 import uuid
 from typing import Callable
 
+from mixserve.grammar import StructuredOutput
+
 THINK, END_THINK = "<think>", "</think>"
 
 
@@ -180,11 +182,15 @@ class ReplyParser:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas, forced)
 
-    def answer_after(self, tokenizer) -> tuple[int, ...]:
-        """The tokens after which the answer starts (StructuredOutput.after, as vLLM holds only the
-        answer of a thinking model to the structure): `</think>` encoded when the prompt leaves
-        <think> open, else none (a reply that would open it is held from its first token)."""
-        return tuple(tokenizer.encode(END_THINK)) if self.in_reasoning else ()
+    def hold_answer(self, structured: StructuredOutput, tokenizer) -> StructuredOutput:
+        """`structured`, held to the answer only (as vLLM holds a thinking model's answer, not its
+        reasoning): after `</think>` encoded (StructuredOutput.after) when the prompt leaves <think>
+        open; when the reply may open it itself, its first tokens may be `<think>` encoded too
+        (StructuredOutput.opens: reasoning, then the answer) or the answer's."""
+        if not self.reasoning:
+            return structured
+        opens = () if self.in_reasoning else tuple(tokenizer.encode(THINK))
+        return dataclasses.replace(structured, after=tuple(tokenizer.encode(END_THINK)), opens=opens)
 
     def parse(self, text: str, final: bool) -> Reply:
         """The reply text's fields; before the final text, only what later text cannot change."""

@@ -99,6 +99,10 @@ class Request:
     # structured_output's llguidance matcher (the engine makes it at submit): at the end of out
     matcher: object | None = dataclasses.field(default=None, repr=False)
     governed: bool = False  # the matcher takes the next token (StructuredOutput.after passed, or none)
+    # StructuredOutput.opens: while the output may still open its free part, how many of the
+    # opener's tokens it begins with (None: decided), and whether the matcher took them too
+    opener_taken: int | None = None
+    matcher_alive: bool = True
     # prefix cache (mixserve/scheduler.py): its full pages' keys per (page size, lookahead), grown
     # with its tokens; and the tokens its first admission found cached (None: not admitted yet)
     page_keys: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -148,7 +152,10 @@ class Request:
         if self.matcher is not None and governed and not self.matcher.consume_token(token):  # the mask allowed it
             self.finish("aborted", f"token {token} breaks the structured output: {self.matcher.get_error()}")
             return
-        if self.matcher is not None and not governed:
+        if self.opener_taken is not None:
+            if not self._choose_opening(token):
+                return
+        elif self.matcher is not None and not governed:
             self.governed = self._ends_free_part(self.out)
         if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
@@ -157,11 +164,34 @@ class Request:
         if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
 
+    def _choose_opening(self, token: int) -> bool:
+        """Take one of the output's first tokens while it may open its free part or start the
+        grammar (StructuredOutput.opens); the mask leaves only those. False: it was neither (aborted)."""
+        opens, taken = self.structured_output.opens, self.opener_taken
+        took = self.matcher_alive and self.matcher.try_consume_tokens([token]) == 1
+        if token == opens[taken]:
+            self.opener_taken, self.matcher_alive = taken + 1, took
+            if taken + 1 == len(opens):  # opened: free up to `after`, the grammar from its first token after
+                self.matcher.reset()
+                self.opener_taken = None
+        elif took:
+            self.opener_taken, self.governed = None, True
+        else:
+            self.finish("aborted", f"token {token} breaks the structured output and does not open its free "
+                                   f"part {list(opens)}")
+            return False
+        return True
+
+    def opener(self) -> int | None:
+        """The opener's next token, while the output may still open its free part; else None."""
+        return None if self.opener_taken is None else self.structured_output.opens[self.opener_taken]
+
     def grammar_start(self, drafts: list[int]) -> int | None:
         """The first position of a step (its token, then one after each draft) that the structured
         output governs: 0 once it governs the output, else the position after the draft that ends
-        its free part (StructuredOutput.after); None: none of them (and without one)."""
-        if self.matcher is None:
+        its free part (StructuredOutput.after); None: none of them (and without one, or while the
+        output may still open its free part: opener())."""
+        if self.matcher is None or self.opener_taken is not None:
             return None
         if self.governed:
             return 0

@@ -219,8 +219,8 @@ def main(argv=None) -> dict:
             parser.error(f"--chat: {e}")
         if args.structured_output is not None:  # the reasoning is free (the prompts end alike: one template)
             fmt = ReplyFormat.detect(list(setup.model.chat_template.templates.values()))
-            after = ReplyParser.for_request(fmt, texts[0], None).answer_after(setup.model.tokenizer)
-            args.structured_output = dataclasses.replace(args.structured_output, after=after)
+            reply = ReplyParser.for_request(fmt, texts[0], None)
+            args.structured_output = reply.hold_answer(args.structured_output, setup.model.tokenizer)
     return serve(args, backend, mesh, setup, texts)
 
 

@@ -376,8 +376,7 @@ class Completion:
                 raise BadRequest(str(e))
         reply = ReplyParser.for_request(fmt, text, tools, forced) if fmt.reasoning or tools else None
         if reply is not None and options["structured_output"] is not None:  # the reasoning is free
-            options["structured_output"] = dataclasses.replace(options["structured_output"],
-                                                               after=reply.answer_after(served.tokenizer))
+            options["structured_output"] = reply.hold_answer(options["structured_output"], served.tokenizer)
         return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True, reply=reply,
                    one_call=one_call)
 

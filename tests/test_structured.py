@@ -166,6 +166,84 @@ def test_a_grammar_after_a_free_part_starts_at_its_end_plain_and_speculative():
         assert spec.counters.accepted_tokens > 0
 
 
+def test_the_first_tokens_may_open_the_free_part_or_start_the_grammar():
+    """StructuredOutput.opens (a thinking model's reply opening `<think>` itself): while the output
+    may still be either, the mask is the grammar's tokens and the opener's next one, worked out
+    here from the strings; the grammar's choice "<tag>" and the opener "<think>" share "<t". Each
+    path's tokens are taken; a token of neither aborts the request with the reason."""
+    tok = ByteTokenizer()
+    grammars = Grammars(tok, 320, (EOS,))
+    choices = ("<tag>", "no")
+    structured = StructuredOutput(choice=choices, after=tuple(tok.encode("</think>")), opens=tuple(tok.encode("<think>")))
+    assert hash(StructuredOutput(json_schema={"a": 1, "b": [2]})) == hash(StructuredOutput(json_schema={"b": [2], "a": 1}))
+
+    def run(text: str) -> tuple[mixserve.Result | None, list[set[int]]]:
+        req = mixserve.request.Request(0, [1], 64, 0.0, 1.0, 0, structured_output=structured)
+        req.matcher, req.opener_taken = grammars.matcher(structured), 0
+        masks = []
+        for token in [*tok.encode(text), EOS]:
+            first = req.grammar_start([])
+            held = [] if first is None else [(req.matcher, 0, first, [])]
+            openers = [] if req.opener() is None else [(req.matcher if req.matcher_alive else None, 0, req.opener())]
+            masks.append(bits(grammars.allowed(held, 1, 1, openers)[0], 320))
+            req.accept(token, 0.0, (EOS,))
+            if req.result is not None:
+                return req.result, masks
+        return None, masks
+
+    def grammar_then_opener(prefix: str) -> set[int]:
+        opener = "<think>"[len(prefix)] if "<think>".startswith(prefix) and len(prefix) < 7 else None
+        return choice_allowed(prefix.encode(), choices) | ({ord(opener)} if opener else set())
+
+    result, masks = run("<think>free {</think><tag>")
+    assert result.status == "ok" and bytes(result.tokens[:-1]) == b"<think>free {</think><tag>"
+    assert masks[:3] == [grammar_then_opener(""), grammar_then_opener("<"), grammar_then_opener("<t")]
+    assert masks[1] == {ord("t")} and masks[2] == {ord("a"), ord("h")}
+    assert masks[3] == {ord("i")}  # "<th": no choice reads on
+    assert all(len(m) == 320 for m in masks[7:21])  # the free part, up to </think> taken
+    assert masks[21:23] == [choice_allowed(b"", choices), {ord("t")}]  # the grammar, from its first token after
+    result, masks = run("<tag>")
+    assert result.status == "ok" and masks[3] == choice_allowed(b"<ta", choices) and masks[-1] == {EOS}
+    result, _ = run("no")
+    assert result.status == "ok" and bytes(result.tokens[:-1]) == b"no"
+    for wrong in ("x", "<x", "<thx"):
+        result, _ = run(wrong)
+        assert result.status == "aborted" and "does not open its free part" in result.reason, wrong
+    assert "opens starts a free part" in StructuredOutput(regex="a", opens=(1,)).reason()
+
+
+def test_an_output_opening_its_free_part_is_free_to_its_end_plain_and_speculative():
+    """The opener (f0, 301), f0 greedy decoding's first token (no choice's first byte), so the
+    mask's only token after it is 301: then free greedy decoding up to a token it emits for the
+    first time (`after`), then greedy among the choices, as the cache-free forward computes them.
+    Pushed off the opener (logit bias -100 on its first token; or on its third, where its first two
+    are the choices' first two), the output is the choices'. Speculative (MTP drafts; oracle
+    drafts, right and one wrong: none verified while the output may still open) gives the same."""
+    model = byte_model("tiny-glm4", mtp=True)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 6 + 5 * i)] for i in range(2)]
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **kw)
+    for p in prompts:
+        (first,) = engine().generate([p], max_new_tokens=1)
+        f0 = first.tokens[0]
+        assert f0 not in {c.encode()[0] for c in CHOICES}, "pick prompts whose first token opens alone"
+        (free,) = engine().generate([p + [f0, 301]], max_new_tokens=6)
+        end = next(i for i in range(1, 6) if free.tokens[i] not in free.tokens[:i])
+        opened = [f0, 301, *free.tokens[:end + 1]]
+        chosen = choice_reference(model, p, 12)
+        cases = [(StructuredOutput(choice=CHOICES, opens=(f0, 301), after=(free.tokens[end],)), None,
+                  opened + choice_reference(model, p + opened, 12)),
+                 (StructuredOutput(choice=CHOICES, opens=(300, 301), after=(f0,)), {300: -100.0}, chosen)]
+        cases.append((StructuredOutput(choice=CHOICES, opens=(*chosen[:2], 301), after=(f0,)), {301: -100.0}, chosen))
+        for structured, bias, want in cases:
+            request = dict(max_new_tokens=len(want) + 2, structured_output=structured, logit_bias=bias)
+            (plain,) = engine().generate([p], **request)
+            assert plain.tokens == want
+            assert engine(speculative_tokens=3).generate([p], **request)[0].tokens == want
+            for wrong_at in (None, 1):
+                (spec,) = _run_with_oracle(engine(speculative_tokens=3), [p], [plain], 3, wrong_at, **request)
+                assert spec.tokens == want, wrong_at
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forced_tokens_are_drafted_and_all_kept(temperature):
     """With speculative decoding (n-gram drafts, which a random model's output never repeats) the
