@@ -36,6 +36,7 @@ from mixserve import page_table as pt
 from mixserve import sharding, speculative
 from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
+from mixserve.host_cache import HostKVCache
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
 from mixserve.model import Model
 from mixserve.model_runner import ModelRunner, RunnerConfig
@@ -58,7 +59,7 @@ class Engine(Frontend):
                  min_prefill_rows: int = 1, max_prefill_rows: int | None = None, prefill_calls_per_step: int | None = 1,
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
                  prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
-                 draft: str = "mtp", schedule_policy: str = "fcfs"):
+                 draft: str = "mtp", schedule_policy: str = "fcfs", host_kv_bytes: int = 0):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -74,6 +75,8 @@ class Engine(Frontend):
             raise ValueError(f"max_logprobs must be an integer in [0, vocab_size={cfg.vocab_size}], got {max_logprobs!r}")
         if prefill_calls_per_step is not None and prefill_calls_per_step <= 0:
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
+        if host_kv_bytes and not prefix_caching:
+            raise ValueError("host_kv_bytes is the prefix cache's host tier: it needs prefix_caching")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
         _check_speculative(speculative_tokens, draft, model, decode_model)
@@ -154,6 +157,10 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft), self.grammars)
+        # The prefix cache's host tier (mixserve/host_cache.py): evicted pages wait in host
+        # memory, up to host_kv_bytes, for a prefix to bring them back; 0: none.
+        if host_kv_bytes:
+            self.page_manager.host = HostKVCache(host_kv_bytes, self.runner.read_pages, self.runner.write_pages)
 
     # ---- public ---------------------------------------------------------------------------------
     @property
@@ -175,9 +182,14 @@ class Engine(Frontend):
         """Pages only the prefix cache holds: counted free, kept until an allocation evicts them."""
         return self.page_manager.evictable
 
+    @property
+    def host_cache(self) -> HostKVCache | None:
+        """The prefix cache's host tier (host_kv_bytes), or None."""
+        return self.page_manager.host
+
     def reset_prefix_cache(self) -> int:
         """Evict every cached page no running request maps (vLLM's reset_prefix_cache, e.g.
-        between benchmark runs); returns how many pages that freed."""
+        between benchmark runs), and empty the host tier; returns how many pages that freed."""
         return self.page_manager.reset_prefix_cache()
 
     @property

@@ -41,7 +41,7 @@ from jax.experimental import checkify
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve import page_table as pt
-from mixserve import sharding, speculative
+from mixserve import kv_transfer, sharding, speculative
 from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
@@ -143,6 +143,24 @@ class ModelRunner:
         if cfg.mesh is not None:  # placed as the steps leave them, and the scales on every device
             self.pools = jax.device_put(self.pools, sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots))
             self.scales = jax.device_put(self.scales, NamedSharding(cfg.mesh, PartitionSpec()))
+
+    def read_pages(self, page_ids: list[int]) -> list[list[dict[str, np.ndarray]]]:
+        """Pages page_ids on the host (the prefix cache's host tier, mixserve/host_cache.py): per
+        page, per layer, each pool's slice of it, in the pools' format."""
+        sent = jax.device_get(kv_transfer.export_pages(self.pools, kv_transfer.padded(page_ids, 0), None, None,
+                                                       dst_layout=kv_transfer.layout(self.pools), convert=False))
+        return [[{name: np.take(x, i, axis=kv_transfer.page_axis(name)) for name, x in layer.items()} for layer in sent]
+                for i in range(len(page_ids))]
+
+    def write_pages(self, page_ids: list[int], pages: list[list[dict[str, np.ndarray]]]) -> None:
+        """Put read_pages' slices into device pages page_ids (padded: the padding is dropped)."""
+        ids = kv_transfer.padded(page_ids, self.cfg.num_pages)
+        pad = ids.shape[0] - len(pages)
+        sent = [{name: np.stack([p[i][name] for p in pages] + [np.zeros_like(pages[0][i][name])] * pad,
+                                axis=kv_transfer.page_axis(name)) for name in layer}
+                for i, layer in enumerate(self.pools)]
+        sent = jax.device_put(sent, jax.tree.map(lambda pool: pool.sharding, self.pools))
+        self.pools = kv_transfer.import_pages(self.pools, ids, sent)
 
     def prefill(self, reqs: list[Request], table: pt.PageTable, max_calls: int | None = None) -> Output:
         """Cache the tokens of reqs not yet in their pages, a chunk of each per call (one row per

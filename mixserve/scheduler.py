@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mixserve import page_table as pt
+from mixserve.host_cache import HostKVCache
 from mixserve.request import Request
 
 def _counted(update):
@@ -73,6 +74,7 @@ class Counters:
     prefix_cache_queries: int = 0  # tokens of admitted requests' prompts, looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV the cache held (their prefill skipped)
     evicted_pages: int = 0  # cached pages freed for allocations
+    host_restored_tokens: int = 0  # admitted requests' prompt tokens whose KV came back from the host tier
     stale_cache_entries: int = 0  # cached pages a hit found freed or reallocated: refused, recomputed
     drafted_tokens: int = 0  # speculative: draft tokens verified
     accepted_tokens: int = 0  # speculative: of those, kept (each request's step emits these plus one)
@@ -96,6 +98,9 @@ class PageManager:
         # recently used first. The cache holds a reference to each page (pt.cache), so the pages
         # outlive the requests that wrote them until an allocation evicts them.
         self._cache: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()
+        # The host tier (mixserve/host_cache.py; the engine's, if it has one): evicted pages go
+        # there, and a prefix found there comes back into fresh pages.
+        self.host: HostKVCache | None = None
 
     @property
     def available(self) -> int:
@@ -127,9 +132,11 @@ class PageManager:
         self.counters.peak_pages_in_use = max(self.counters.peak_pages_in_use, self.num_pages - self.available)
         return True
 
-    def take(self, req: Request, slot: int, shared: list[tuple[int, int]], n: int) -> bool:
+    def take(self, req: Request, slot: int, shared: list[tuple[int, int]], n: int, restored: int = 0) -> bool:
         """Give req the free `slot`, mapping the cached pages `shared` ((page, tag) pairs: an
-        identical prefix) as its first pages, then n fresh ones. All or nothing: False, with req as
+        identical prefix) as its first pages, then n fresh ones, the first `restored` of them
+        copied back from the host tier (host_prefix: its prefix past `shared`, cached on the device
+        again). All or nothing: False, with req as
         it was and the slot emptied, when the table refuses (a cached page was freed or
         reallocated behind the cache's back: such entries leave the cache, and the request computes
         that prefix; or the host mirror is off: it is resynced), so the caller can try again later."""
@@ -143,17 +150,27 @@ class PageManager:
             req.num_pages, req.cached = len(shared), len(shared) * self.page_size
             if not shared_ok:
                 self._forget_stale(shared)
+        keys = self.page_keys(req)[len(shared):len(shared) + restored]
+        if restored:  # used now: the allocation's evictions fill the host, least recently used out first
+            self.host.touch(keys)
         if not shared_ok or not self.allocate(req, n):
             self.release_slot(slot)
             req.slot, req.num_pages, req.cached = before
             return False
         self.counters.shared_pages += len(shared)
+        restored = self.host.prefix(keys) if restored else 0  # a host smaller than the evictions dropped some
+        if restored:
+            pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
+            self.host.load(keys[:restored], pages)
+            req.cached = (len(shared) + restored) * self.page_size
+            self.register_prefix(req)
         self._touch(req)  # a hit is a use
         if req.cache_hit_tokens is None:  # its first admission: what it asked the cache and got
-            req.cache_hit_tokens = len(shared) * self.page_size
+            req.cache_hit_tokens = (len(shared) + restored) * self.page_size
             looked_up = self.prefix_caching and not req.wants_prompt_logprobs
             self.counters.prefix_cache_queries += len(req.tokens) if looked_up else 0
-            self.counters.prefix_cache_hits += req.cache_hit_tokens
+            self.counters.prefix_cache_hits += len(shared) * self.page_size
+            self.counters.host_restored_tokens += restored * self.page_size
         return True
 
     def release(self, req: Request) -> None:
@@ -226,6 +243,13 @@ class PageManager:
             pages.append(self._cache[h])
         return pages
 
+    def host_prefix(self, req: Request, start: int) -> int:
+        """How many of req's full pages past its first `start` (its cached prefix on the device)
+        the host tier holds, from there on."""
+        if self.host is None or not self.prefix_caching:
+            return 0
+        return self.host.prefix(self.page_keys(req)[start:])
+
     def register_prefix(self, req: Request) -> None:
         """Cache req's full pages whose KV it has written (its prompt's after prefill; its output's
         too when it leaves) for later requests to share, and mark them used now."""
@@ -248,9 +272,10 @@ class PageManager:
             if h in self._cache:
                 self._cache.move_to_end(h)
 
-    def _evict(self, n: int) -> None:
+    def _evict(self, n: int, offload: bool = True) -> None:
         """Free up to n pages that only the cache holds, least recently used first: the table
-        picks them among the oldest entries, N candidates at a time."""
+        picks them among the oldest entries, N candidates at a time. With a host tier (and
+        offload), their KV goes there first: nothing has written them since they were evicted."""
         oldest, gone = iter(self._cache.items()), []
         while len(gone) < n and (part := list(itertools.islice(oldest, self.max_pages_per_seq))):
             self.table, evicted, *counts = _evict_jit(self.table, self._padded([p for _, (p, _) in part]),
@@ -260,6 +285,8 @@ class PageManager:
             gone += [h for (h, _), out in zip(part, evicted) if out]
             if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
                 break
+        if offload and self.host is not None and gone:
+            self.host.store(gone, [self._cache[h][0] for h in gone])
         for h in gone:
             del self._cache[h]
         self.counters.evicted_pages += len(gone)
@@ -272,9 +299,12 @@ class PageManager:
         return int(_idle_jit(self.table, self._padded([p for p, _ in shared]), jnp.int32(len(shared))))
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached page no request maps (vLLM's reset_prefix_cache); returns how many."""
+        """Evict every cached page no request maps (vLLM's reset_prefix_cache), and empty the host
+        tier; returns how many device pages that freed."""
         before = self.free_pages
-        self._evict(len(self._cache))
+        self._evict(len(self._cache), offload=False)
+        if self.host is not None:
+            self.host.clear()
         return self.free_pages - before
 
     def _forget_stale(self, shared: list[tuple[int, int]]) -> None:
@@ -327,6 +357,7 @@ class Scheduler:
             if new_pages & indexing and not computes_all:
                 break
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
+            restored = 0 if computes_all else self.page_manager.host_prefix(req, len(shared))
             fresh = self.page_manager.pages_for(len(req.tokens)) - len(shared)
             need = fresh + self.page_manager.idle(shared)  # shared pages only the cache holds stop being evictable
             if self._short_of(need):
@@ -335,7 +366,7 @@ class Scheduler:
                     self.counters.aborts += 1
                     continue
                 break
-            if not self.page_manager.take(req, free_slots.pop(0), shared, fresh):
+            if not self.page_manager.take(req, free_slots.pop(0), shared, fresh, restored):
                 break  # the bookkeeping was resynced: the next step tries again
             self.waiting.popleft()
             self.running.append(req)
@@ -351,9 +382,14 @@ class Scheduler:
         if len(self.waiting) > LPM_MAX_WAITING:
             new.sort(key=lambda r: r.rid)  # rids count arrivals
         else:
-            cached = {id(r): 0 if r.wants_prompt_logprobs else len(self.page_manager.shared_prefix(r)) for r in new}
+            cached = {id(r): 0 if r.wants_prompt_logprobs else self._cached_pages(r) for r in new}
             new.sort(key=lambda r: (-cached[id(r)], r.rid))
         self.waiting = collections.deque(preempted + new)
+
+    def _cached_pages(self, req: Request) -> int:
+        """The pages of req's longest cached prefix, on the device and then the host."""
+        on_device = len(self.page_manager.shared_prefix(req))
+        return on_device + self.page_manager.host_prefix(req, on_device)
 
     def adopt(self, req: Request) -> int | None:
         """Take a request prefilled elsewhere (disaggregated serving): a slot, and pages for its

@@ -1,0 +1,91 @@
+"""The prefix cache's host tier (SGLang's HiCache, vLLM's CPU offload): full pages that the device
+cache evicts are copied to host memory first, and a later request whose prefix the device no
+longer holds, but the host does, gets those pages copied back into fresh device pages instead of
+prefilling their tokens again.
+
+Write-back: a page is copied once, when the device cache evicts it (not when it is cached), so a
+workload that fits the device pool pays nothing. Keys are the device cache's (a SHA-256 chain over
+the cache salt and the tokens up to the page's end, PageManager.page_keys): one key, one page of
+KV, in the pools' own format (FP8 pages are half the host bytes of BF16 ones, as on the device).
+Full, it drops its least recently used pages. A restored page is a fresh allocation, stamped
+with a new tag and cached on the device like any other: the integrity check covers it as it
+covers every page; the host copy itself is immutable, so no later write can change what a key
+restores.
+
+The host copies go through two callbacks of the model runner, so this file holds no JAX:
+read(page_ids) -> per page, per layer, {pool name: that page's slice} on the host; and
+write(page_ids, pages) puts such slices into those device pages.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+
+Page = list[dict[str, np.ndarray]]  # one page of KV: per layer, each pool's slice
+
+
+class HostKVCache:
+    def __init__(self, capacity_bytes: int, read: Callable[[list[int]], list[Page]],
+                 write: Callable[[list[int], list[Page]], None]):
+        if capacity_bytes <= 0:
+            raise ValueError(f"the host KV cache needs a positive capacity, got {capacity_bytes} bytes")
+        self.capacity_bytes = capacity_bytes
+        self._read, self._write = read, write
+        self._pages: collections.OrderedDict[bytes, Page] = collections.OrderedDict()  # least recently used first
+        self.bytes = 0  # held: the sum of the pages' array bytes
+        self.stored_pages = 0  # copied in from the device (evicted there)
+        self.loaded_pages = 0  # copied back to the device (a hit)
+        self.dropped_pages = 0  # dropped for room, least recently used first
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._pages
+
+    def prefix(self, keys: list[bytes]) -> int:
+        """How many of keys, from the first, the host holds."""
+        return next((i for i, key in enumerate(keys) if key not in self._pages), len(keys))
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Mark the held ones among keys used now, the first last (dropped last)."""
+        for key in reversed(keys):
+            if key in self._pages:
+                self._pages.move_to_end(key)
+
+    def store(self, keys: list[bytes], page_ids: list[int]) -> None:
+        """Copy device pages page_ids, cached under keys, to the host (those it does not hold
+        already: the same key is the same prefix), as their most recently used; then drop the
+        least recently used past the capacity."""
+        new = [(key, page) for key, page in zip(keys, page_ids) if key not in self._pages]
+        self.touch(keys)
+        if new:
+            for (key, _), page in zip(new, self._read([page for _, page in new])):
+                self._pages[key] = page
+                self.bytes += _nbytes(page)
+            self.stored_pages += len(new)
+        while self.bytes > self.capacity_bytes:
+            _, page = self._pages.popitem(last=False)
+            self.bytes -= _nbytes(page)
+            self.dropped_pages += 1
+
+    def load(self, keys: list[bytes], page_ids: list[int]) -> None:
+        """Copy the host's pages of keys (all held: `prefix`) into device pages page_ids, and mark
+        them used now."""
+        self._write(page_ids, [self._pages[key] for key in keys])
+        self.touch(keys)
+        self.loaded_pages += len(keys)
+
+    def clear(self) -> int:
+        """Drop every page; returns how many."""
+        n = len(self._pages)
+        self._pages.clear()
+        self.bytes = 0
+        return n
+
+
+def _nbytes(page: Page) -> int:
+    return sum(a.nbytes for layer in page for a in layer.values())
