@@ -96,6 +96,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=counted(1), default=4, help="maximum requests decoded together (the batch)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt whole: no KV pages kept past their requests or shared by equal prefixes")
+    p.add_argument("--host-kv-memory", type=parse_memory, default=0,
+                   help="the prefix cache's host tier (SGLang's HiCache, vLLM's CPU offload): host memory that keeps "
+                        "the KV pages evicted from the pool, e.g. 64MiB, for a later equal prefix to copy back instead of "
+                        "prefilling; 0 = none. With --disaggregate, the prefill engine's")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
                    help="admission order of waiting requests: first come, first served, or the longest cached "
                         "prefix first (SGLang's lpm; first come, first served past 128 waiting)")
@@ -322,11 +326,12 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   schedule_policy=args.schedule_policy)
     if args.disaggregate:
         engine = DisaggregatedEngine(
-            Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True, **common),
+            Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True,
+                   host_kv_bytes=args.host_kv_memory, **common),
             Engine(decode_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, decode_context_parallel=args.decode_context_parallel,
                    **common))
         return Setup(model, prefill_model, decode_model, engine, engine.prefill, engine.decode)
-    engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, **common,
+    engine = Engine(prefill_model, kv_dtype=args.kv_cache_dtype, mesh=mesh, host_kv_bytes=args.host_kv_memory, **common,
                     decode_context_parallel=args.decode_context_parallel,
                     decode_model=None if decode_model is prefill_model else decode_model)
     return Setup(model, prefill_model, decode_model, engine, engine, engine)
@@ -462,8 +467,10 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
     print(f"same memory, BF16 KV: {bf16} tokens; FP8 KV: {fp8} tokens{times(fp8, bf16)}{tiled}")
     if not args.no_prefix_caching:
         evicted = pc.evicted_pages + (c.evicted_pages if args.disaggregate else 0)  # both pools of a pair
-        print(f"prefix cache: {pc.prefix_cache_hits} of {pc.prefix_cache_queries} prompt tokens were cached, "
-              f"{evicted} pages evicted")
+        host = prefiller.host_cache
+        from_host = f" ({pc.host_restored_tokens} of them from the host tier, {len(host)} pages there)" if host is not None else ""
+        print(f"prefix cache: {pc.prefix_cache_hits + pc.host_restored_tokens} of {pc.prefix_cache_queries} prompt "
+              f"tokens were cached{from_host}, {evicted} pages evicted")
     print(f"counters: preemptions={c.preemptions} aborts={c.aborts} rejections={engine.counters.rejections} peak pages={c.peak_pages_in_use}")
     return report
 

@@ -217,6 +217,8 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--regex", "a", "--choice", "a"): "exactly one of",
         ("--json-object", "--ignore-eos"): "ignore_eos",
         ("--json-schema", "false"): "Unsatisfiable schema",  # a schema nothing fits, not "no schema"
+        ("--host-kv-memory", "0"): "must be positive",
+        ("--host-kv-memory", "1MiB", "--no-prefix-caching"): "host_kv_bytes is the prefix cache's host tier",
     }
     for argv, message in cases.items():
         try:
@@ -250,3 +252,18 @@ def test_speculative_flags_keep_the_greedy_tokens(capsys, draft):
         assert spec["speculative"] == {"tokens": 2, "draft": draft}
         assert spec["counters"]["verified_rows"] > 0
     capsys.readouterr()
+
+
+def test_host_kv_memory_brings_back_an_evicted_prompt():
+    """One request at a time through a pool of 8 pages: the fourth prompt is the first again, whose
+    pages the two between evicted. With --host-kv-memory they come back from host memory (its
+    full pages: 6 of 16 tokens), and every request's tokens are those of the run without it."""
+    prompts = [chr(65 + i) * 3 + " prompt %d " % i * 9 for i in range(3)]
+    argv = ["--json", "--model", "tiny-kimi", "--concurrency", "1", "--page-size", "16", "--kv-memory",
+            str(8 * 16 * 120), "--max-new-tokens", "4", *[a for p in prompts + prompts[:1] for a in ("--prompt", p)]]
+    plain = run.main(argv)
+    hosted = run.main(argv + ["--host-kv-memory", "1MiB"])
+    assert [r["tokens"] for r in hosted["requests"]] == [r["tokens"] for r in plain["requests"]]
+    assert plain["requests"][-1]["cached_tokens"] == 0 and plain["counters"]["evicted_pages"] > 0
+    full_pages = (len(ByteTokenizer().encode(prompts[0])) - 1) // 16
+    assert hosted["requests"][-1]["cached_tokens"] == hosted["counters"]["host_restored_tokens"] == 16 * full_pages

@@ -788,6 +788,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens_per_cache_salt_until_a_rese
     before = metrics(srv)
     assert before["kv_pages_cached"] >= 6 and before["prefix_cache_hits_total"] >= 24
     assert before["prefix_cache_stale_pages_total"] == 0
+    assert before["kv_host_pages"] == before["prefix_cache_host_hits_total"] == 0  # this engine has no host tier
     assert before["prefix_cache_evicted_pages_total"] == srv.loop.engine.counters.evicted_pages  # idle between requests
     status, reset = post(srv, {}, path="/reset_prefix_cache")
     assert status == 200 and reset == {"freed_pages": before["kv_pages_cached"]}
