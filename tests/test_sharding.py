@@ -240,6 +240,27 @@ for preset, kv_dtype in (("tiny-kimi", "fp8_e4m3"), ("tiny-glm5", "fp8_ds_mla"))
         assert split.num_pages >= 4 * single.num_pages
     assert_no_weight_gathered(split, preset)
     assert_no_weight_gathered(split, preset, prefill=True)
+# The prefix cache's host tier over split pools (Kimi's latent split by slot, GLM-4's KV by head):
+# the pages a small pool evicts come back to their shards bit for bit, and the tokens are one device's.
+for preset, split in (("tiny-kimi", dict(mesh=mesh_for(4), decode_context_parallel=True)), ("tiny-glm4", dict(mesh=mesh_for(2)))):
+    model = mixserve.load(preset, dtype="float32")
+    small = {**kw, "page_size": 8, "kv_memory_bytes": None, "num_pages": 8}
+    first = prompts[3] + prompts[1]
+    e = Engine(model, host_kv_bytes=1 << 20, **small, **split)
+    [r1] = e.generate([first], max_new_tokens=6)
+    cached = dict(e.page_manager._cache)
+    evicted = e.runner.read_pages([page for page, _ in cached.values()])
+    for other in (prompts[1] * 4, prompts[0] * 9):  # no page of first
+        e.generate([other], max_new_tokens=6)
+    assert cached and not set(cached) & set(e.page_manager._cache), preset
+    second = first + r1.tokens + [1, 2, 3]
+    [r2] = e.generate([second], max_new_tokens=6)
+    assert r2.cached_tokens == e.counters.host_restored_tokens == 8 * len(cached), preset
+    restored = e.runner.read_pages([e.page_manager._cache[key][0] for key in cached])
+    assert all(np.array_equal(a[n], b[n]) for x, y in zip(evicted, restored) for a, b in zip(x, y) for n in a)
+    assert r2.tokens == Engine(model, **small).generate([second], max_new_tokens=6)[0].tokens, preset
+    placed = sharding.pool_shardings(e.runner.pools, e.mesh, e.runner.cfg.split_slots)
+    assert jax.tree.map(lambda pool: pool.sharding, e.runner.pools) == placed, preset  # written back in place
 # Handed over from a prefill engine with whole pages on its devices and BF16 KV: with prompts of one
 # chunk, the FP8 pages that arrive are an FP8 engine's, so its tokens follow.
 model = mixserve.load("tiny-kimi", dtype="float32")
@@ -370,7 +391,8 @@ def test_decode_context_parallel_splits_mla_pages_by_slot_and_serves_the_one_dev
     greedy tokens with the interpret kernels (tiny-kimi dense; tiny-glm5 DSA top-16 over 20-token
     rows on fp8_ds_mla pages), on the XLA path (`mixserve.run --decode-context-parallel`, tiny-glm5),
     and from a BF16-KV prefill engine handing pages over into a split pool. Neither step gathers
-    a split weight or pool (prefill gathers only its rows' pages). Named errors: GQA, a page size
+    a split weight or pool (prefill gathers only its rows' pages). The prefix cache's host tier
+    brings evicted pages back to their shards (latent split by slot; GLM-4's KV by head at TP2). Named errors: GQA, a page size
     the devices do not divide, a non-power-of-two share for the kernels, no mesh or one device."""
     run_on_8_devices(CONTEXT_PARALLEL)
 
