@@ -16,7 +16,11 @@ finished. Every engine has no stop tokens, so every reply has its full length.
    pool that holds one of them besides the running requests, first come first served against
    SGLang's longest-prefix-match order (`Engine(schedule_policy="lpm")`). Counts.
 4. What it costs when nothing repeats: unique prompts through a full pool, where every admission
-   evicts, on against off (wall time, paired runs).
+   evicts, on against off, and with the host tier against without (every eviction copies its
+   pages to host memory): wall time, paired runs.
+5. The host tier (`Engine(host_kv_bytes=...)`, SGLang's HiCache): FP8 pools at section 2's budget,
+   with and without host memory for more histories, as the conversations outgrow the pool: cache
+   hit rate (device and host), prompt tokens prefilled, and the later turns' TTFT (paired runs).
 
 CPU, XLA path, tiny-kimi: times compare only within a row.
 """
@@ -66,7 +70,8 @@ def converse(engine: Engine, conversations: int, turns: int, user_len: int, repl
     wall = time.perf_counter() - t0
     c = vars(engine.counters)
     return {"ttft": later_ttft, "wall": wall, **{k: c[k] - c0[k] for k in
-            ("prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "evicted_pages", "preemptions")}}
+            ("prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "evicted_pages", "preemptions",
+             "host_restored_tokens")}}
 
 
 def on_off_table(model, conversations: int, turns: int, user_len: int, reply_len: int, repeats: int,
@@ -150,23 +155,63 @@ def order_table(model, groups: int, per_group: int, system_len: int, user_len: i
 def miss_table(model, requests: int, concurrency: int, prompt_len: int, reply_len: int, repeats: int,
                page_size: int) -> list[str]:
     """What the cache costs when nothing repeats: unique prompts through a pool that holds
-    2 x concurrency requests, so once it is full every admission evicts."""
+    2 x concurrency requests, so once it is full every admission evicts (with a host tier: and
+    copies the evicted pages to host memory, which holds them all)."""
     pages = 2 * concurrency * -(-(prompt_len + reply_len) // page_size)
-    engines = {on: Engine(model, num_pages=pages, page_size=page_size, max_batch=concurrency, stop_tokens=(),
-                          prefix_caching=on) for on in (True, False)}
+    host_bytes = requests * -(-(prompt_len + reply_len) // page_size) * page_size * bytes_per_token(
+        model.config, kv_format("auto", model.dtype))
+    variants = {"off": dict(prefix_caching=False), "on": {}, "on + host": dict(host_kv_bytes=host_bytes)}
+    engines = {name: Engine(model, num_pages=pages, page_size=page_size, max_batch=concurrency, stop_tokens=(), **kw)
+               for name, kw in variants.items()}
     for e in engines.values():
         converse(e, requests, 1, prompt_len, reply_len, 99)
-    runs = {on: [] for on in engines}
+    runs = {name: [] for name in engines}
     for r in range(repeats):
-        for on in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[on].append(converse(engines[on], requests, 1, prompt_len, reply_len, r))
-    hot = runs[True][0]
-    ratio = statistics.median(a["wall"] / b["wall"] for a, b in zip(runs[True], runs[False]))
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            runs[name].append(converse(engines[name], requests, 1, prompt_len, reply_len, r))
+    hot = runs["on"][0]
+    ratio = lambda a, b: statistics.median(x["wall"] / y["wall"] for x, y in zip(runs[a], runs[b]))
+    wall = lambda name: statistics.median(x["wall"] for x in runs[name])
     return [f"{requests} requests of {prompt_len} unique prompt tokens and {reply_len} generated, {concurrency} at a "
             f"time, a pool of {pages} pages of {page_size} (2 x {concurrency} requests): {hot['prefix_cache_hits']} "
-            f"tokens hit, {hot['evicted_pages']:,} pages evicted per run. Wall time, cache on / off, median of "
-            f"{repeats} paired interleaved runs: {ratio:.2f}x (on {statistics.median(x['wall'] for x in runs[True]):.2f} s, "
-            f"off {statistics.median(x['wall'] for x in runs[False]):.2f} s)."]
+            f"tokens hit, {hot['evicted_pages']:,} pages evicted per run. Wall time, median of {repeats} paired "
+            f"interleaved runs: cache on / off {ratio('on', 'off'):.2f}x, with the host tier / without "
+            f"{ratio('on + host', 'on'):.2f}x (off {wall('off'):.2f} s, on {wall('on'):.2f} s, "
+            f"on + host {wall('on + host'):.2f} s)."]
+
+
+def host_table(model, conversation_counts: list[int], concurrency: int, turns: int, user_len: int, reply_len: int,
+               fit: int, host_fit: int, repeats: int, page_size: int) -> list[str]:
+    """FP8 pools at fp8_table's budget (BF16 holds `fit` full histories), without and with a host
+    tier that holds `host_fit` more full histories in FP8 pages."""
+    history = turns * (user_len + reply_len)
+    budget = fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("bfloat16", None))
+    host_bytes = host_fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("fp8_e4m3", None))
+    engines = {host: Engine(model, kv_dtype="fp8_e4m3", kv_memory_bytes=budget, page_size=page_size,
+                            max_batch=concurrency, stop_tokens=(), host_kv_bytes=host)
+               for host in (0, host_bytes)}
+    for e in engines.values():
+        converse(e, max(conversation_counts), turns, user_len, reply_len, 99)
+    rows = ["| conversations | device only: hit rate | prompt tokens prefilled | + host: hit rate | from the host "
+            "(tokens) | prompt tokens prefilled | later turns' TTFT, + host / device only |", "|---|---|---|---|---|---|---|"]
+    for n in conversation_counts:
+        runs = {host: [] for host in engines}
+        for r in range(repeats):
+            for host in (engines if r % 2 == 0 else list(engines)[::-1]):
+                runs[host].append(converse(engines[host], n, turns, user_len, reply_len, 0))
+        cells = []
+        for host in engines:
+            x = runs[host][0]
+            assert x["preemptions"] == 0
+            hit = (x["prefix_cache_hits"] + x["host_restored_tokens"]) / x["prefix_cache_queries"]
+            cells += [f"{hit:.1%}"] + ([f"{x['host_restored_tokens']:,}"] if host else []) + [f"{x['prefill_tokens']:,}"]
+        ttft = statistics.median(statistics.median(a["ttft"]) / statistics.median(b["ttft"])
+                                 for a, b in zip(runs[host_bytes], runs[0]))
+        rows.append(f"| {n} | {' | '.join(cells)} | {ttft:.2f}x |")
+    return [f"FP8 pools of {engines[0].capacity_tokens:,} tokens (section 2's budget, {budget:,} bytes); the host tier "
+            f"holds {host_fit} more full histories ({host_bytes:,} bytes, FP8 pages as the pool stores them). Same "
+            f"conversations as section 2; {repeats} paired runs per row, interleaved, each from cold caches (the "
+            "counts are the first run's; they repeat).", "", *rows]
 
 
 def main(argv=None) -> None:
@@ -183,6 +228,7 @@ def main(argv=None) -> None:
                    help="section 2's conversation counts")
     p.add_argument("--fit", type=int, default=4, help="section 2: full histories the budget holds in BF16")
     p.add_argument("--miss-requests", type=int, default=32, help="section 4: unique prompts served")
+    p.add_argument("--host-fit", type=int, default=12, help="section 5: full histories the host tier holds")
     p.add_argument("--groups", type=int, default=4, help="section 3: system prompts")
     p.add_argument("--per-group", type=int, default=8, help="section 3: requests per system prompt")
     p.add_argument("--system-len", type=int, default=256, help="section 3: tokens of a system prompt")
@@ -202,6 +248,9 @@ def main(argv=None) -> None:
              "## When nothing repeats", "",
              *miss_table(model, args.miss_requests, args.conversations, args.user_len, args.reply_len, args.repeats,
                          args.page_size), "",
+             "## The host tier: evicted pages kept in host memory", "",
+             *host_table(model, args.pressure_conversations, args.conversations, args.turns, args.user_len,
+                         args.reply_len, args.fit, args.host_fit, args.repeats, args.page_size), "",
              "CPU times on a shared 2-core machine: compare within a table; absolute times are not GPU times."], args.out)
 
 

@@ -66,15 +66,18 @@ def test_structured_outputs_script_runs(tmp_path):
 
 def test_prefix_cache_script_runs(tmp_path):
     """Two conversations of two turns (16 user tokens, 4-token replies, pages of 4): turn 2's
-    prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation."""
+    prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation.
+    Four through an FP8 pool that holds two histories: the host tier holds the rest."""
     out = run("prefix_cache.py", "--repeats", "1", "--turns", "2", "--conversations", "2", "--user-len", "16",
-              "--reply-len", "4", "--page-size", "4", "--pressure-conversations", "1", "2", "--fit", "1",
+              "--reply-len", "4", "--page-size", "4", "--pressure-conversations", "1", "4", "--fit", "1",
               "--miss-requests", "4", "--groups", "2", "--per-group", "2", "--system-len", "8",
-              "--order-concurrency", "1", "--out", str(tmp_path / "p.md"))
+              "--order-concurrency", "1", "--host-fit", "2", "--out", str(tmp_path / "p.md"))
     assert "| off | 104 | 0 |" in out and "| on | 72 | 32 |" in out
     assert "## BF16 and FP8 KV at the same memory" in out and "| 1 | 30.8% |" in out  # 16 of 16 + 36 prompt tokens
     assert "## When nothing repeats" in out and ": 0 tokens hit," in out
     assert "## Admission order" in out and "| fcfs |" in out and "| lpm |" in out
+    # 4 conversations through an FP8 pool of 2 histories: the host tier's 2 more give back 36 tokens
+    assert "## The host tier" in out and "| 4 | 13.5% | 180 | 30.8% | 36 | 144 |" in out and "with the host tier / without" in out
     assert (tmp_path / "p.md").read_text() in out
 
 
