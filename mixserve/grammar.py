@@ -16,7 +16,6 @@ token.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 
@@ -39,7 +38,8 @@ class StructuredOutput:
     before them and them are free); () from the first token. `opens` (with `after`): token ids
     that, as the output's first tokens, open that free part (`<think>` encoded, for a thinking
     model whose reply opens its reasoning itself); else the grammar governs from the first token.
-    The first tokens may be either: the grammar's or the opener's next."""
+    The first tokens may be either: the grammar's or the opener's next (a token that completes the
+    opener opens, even where the grammar would take it too)."""
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -48,8 +48,10 @@ class StructuredOutput:
     after: tuple[int, ...] = ()
     opens: tuple[int, ...] = ()
 
-    def __hash__(self) -> int:  # a dict schema: hashed by its JSON text (equal schemas, equal text)
-        return hash(json.dumps(dataclasses.astuple(self), sort_keys=True, default=repr))
+    def __hash__(self) -> int:  # all but a schema given as a dict (unhashable): equal outputs, equal hashes
+        schema = self.json_schema if isinstance(self.json_schema, (str, bool, type(None))) else dict
+        choice = tuple(self.choice) if isinstance(self.choice, list) else self.choice
+        return hash((schema, self.json_object, self.regex, choice, self.grammar, self.after, self.opens))
 
     def reason(self) -> str | None:
         """Why this is no structured output (None: it is one); a grammar's own errors come from

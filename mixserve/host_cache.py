@@ -57,16 +57,19 @@ class HostKVCache:
                 self._pages.move_to_end(key)
 
     def store(self, keys: list[bytes], page_ids: list[int]) -> None:
-        """Copy device pages page_ids, cached under keys, to the host (those it does not hold
-        already: the same key is the same prefix), as their most recently used; then drop the
-        least recently used past the capacity."""
+        """Copy device pages page_ids, cached under keys (least recently used first, as the device
+        evicts them), to the host: those it does not hold already (the same key is the same
+        prefix), and all of them as used now, in that order; then drop the least recently used
+        past the capacity."""
         new = [(key, page) for key, page in zip(keys, page_ids) if key not in self._pages]
-        self.touch(keys)
-        if new:
-            for (key, _), page in zip(new, self._read([page for _, page in new])):
-                self._pages[key] = page
-                self.bytes += _nbytes(page)
-            self.stored_pages += len(new)
+        read = dict(zip([key for key, _ in new], self._read([page for _, page in new]))) if new else {}
+        for key in keys:  # in the device's eviction order: a prefix's last page first, its first page newest
+            if key in read:
+                self._pages[key] = read[key]
+                self.bytes += _nbytes(read[key])
+            else:
+                self._pages.move_to_end(key)
+        self.stored_pages += len(new)
         while self.bytes > self.capacity_bytes:
             _, page = self._pages.popitem(last=False)
             self.bytes -= _nbytes(page)

@@ -314,8 +314,8 @@ class ModelRunner:
                   for i, r in enumerate(reqs)]
         held = [(r.matcher, row, first, drafts[i][first:] if drafts else [])
                 for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
-        openers = [(r.matcher if r.matcher_alive else None, row, r.opener())
-                   for i, (r, row) in enumerate(zip(reqs, rows)) if (kept is None or kept[i]) and r.opener() is not None]
+        openers = [(r.matcher if r.matcher_alive else None, row, token) for i, (r, row) in enumerate(zip(reqs, rows))
+                   if (kept is None or kept[i]) and (token := r.opener()) is not None]
         if held or openers:
             positions = 1 + self.cfg.speculative_tokens if drafts else 1
             s = s._replace(allowed_BW=self.grammars.allowed(held, batch, positions, openers))

@@ -168,26 +168,31 @@ def read_forced_calls(text: str, forced: str) -> list[ToolCall]:
 class ReplyParser:
     """How one request's replies read: in_reasoning, whether its prompt leaves a `<think>` open; calls,
     the tool-call format when the request offers tools; schemas, each tool's parameters by name;
-    forced, tool_choice "required" or the named function (the answer is forced_calls_schema's JSON)."""
+    forced, tool_choice "required" or the named function (the answer is forced_calls_schema's JSON);
+    thinking_off, whether the prompt ends on a closed `<think></think>` (GLM's template with
+    thinking switched off)."""
     reasoning: bool
     in_reasoning: bool
     calls: ToolCallFormat | None
     schemas: dict[str, dict]
     forced: str | None = None
+    thinking_off: bool = False
 
     @classmethod
     def for_request(cls, fmt: ReplyFormat, prompt_text: str, tools: list[dict] | None,
                     forced: str | None = None) -> ReplyParser:
         open_think = fmt.reasoning and prompt_text.rfind(THINK) > prompt_text.rfind(END_THINK)
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
-        return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas, forced)
+        off = fmt.reasoning and prompt_text.rstrip().endswith(END_THINK)
+        return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas, forced, off)
 
     def hold_answer(self, structured: StructuredOutput, tokenizer) -> StructuredOutput:
         """`structured`, held to the answer only (as vLLM holds a thinking model's answer, not its
         reasoning): after `</think>` encoded (StructuredOutput.after) when the prompt leaves <think>
         open; when the reply may open it itself, its first tokens may be `<think>` encoded too
-        (StructuredOutput.opens: reasoning, then the answer) or the answer's."""
-        if not self.reasoning:
+        (StructuredOutput.opens: reasoning, then the answer) or the answer's; with thinking
+        switched off, from the first token."""
+        if not self.reasoning or self.thinking_off:
             return structured
         opens = () if self.in_reasoning else tuple(tokenizer.encode(THINK))
         return dataclasses.replace(structured, after=tuple(tokenizer.encode(END_THINK)), opens=opens)

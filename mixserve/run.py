@@ -99,7 +99,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-memory", type=parse_memory, default=0,
                    help="the prefix cache's host tier (SGLang's HiCache, vLLM's CPU offload): host memory that keeps "
                         "the KV pages evicted from the pool, e.g. 64MiB, for a later equal prefix to copy back instead of "
-                        "prefilling; 0 = none. With --disaggregate, the prefill engine's")
+                        "prefilling; default: none. With --disaggregate, the prefill engine's")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
                    help="admission order of waiting requests: first come, first served, or the longest cached "
                         "prefix first (SGLang's lpm; first come, first served past 128 waiting)")

@@ -72,9 +72,9 @@ class Counters:
     peak_pages_in_use: int = 0
     shared_pages: int = 0  # pages a request got from the prefix cache (another's identical prefix)
     prefix_cache_queries: int = 0  # tokens of admitted requests' prompts, looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens whose KV the cache held (their prefill skipped)
+    prefix_cache_hits: int = 0  # of those, tokens whose KV the device cache held (their prefill skipped)
     evicted_pages: int = 0  # cached pages freed for allocations
-    host_restored_tokens: int = 0  # admitted requests' prompt tokens whose KV came back from the host tier
+    host_restored_tokens: int = 0  # of those, tokens whose KV came back from the host tier instead (not prefilled)
     stale_cache_entries: int = 0  # cached pages a hit found freed or reallocated: refused, recomputed
     drafted_tokens: int = 0  # speculative: draft tokens verified
     accepted_tokens: int = 0  # speculative: of those, kept (each request's step emits these plus one)
@@ -150,7 +150,7 @@ class PageManager:
             req.num_pages, req.cached = len(shared), len(shared) * self.page_size
             if not shared_ok:
                 self._forget_stale(shared)
-        keys = self.page_keys(req)[len(shared):len(shared) + restored]
+        keys = self.page_keys(req)[len(shared):len(shared) + restored] if restored else []
         if restored:  # used now: the allocation's evictions fill the host, least recently used out first
             self.host.touch(keys)
         if not shared_ok or not self.allocate(req, n):

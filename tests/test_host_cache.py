@@ -117,3 +117,12 @@ def test_pages_the_allocation_drops_from_a_full_host_are_computed_instead():
     assert r2.cached_tokens == S and e.counters.prefill_tokens - prefilled == len(second) - S
     assert r2.tokens == greedy_reference(model, second, new)
     pt.assert_consistent(e.table)
+
+
+def test_a_restored_prefix_evicted_again_keeps_its_first_pages_longest():
+    """The device evicts a prefix's last page first; the host keeps that order for pages it already
+    holds too (a restored prefix evicted again), so it drops the prefix's tail, not its head."""
+    host = HostKVCache(3 * 4, read=lambda ids: [[{"x": np.zeros(1, np.float32)}] for _ in ids], write=None)
+    host.store([b"k3", b"k2", b"k1"], [3, 2, 1])
+    host.store([b"k4", b"k3", b"k2", b"k1"], [4, 3, 2, 1])  # k4 new, the others held: k1 newest
+    assert host.prefix([b"k1", b"k2", b"k3", b"k4"]) == 3 and b"k4" not in host

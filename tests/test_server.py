@@ -559,8 +559,8 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls_and_thinking_can_be_
 
 def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_format():
     """GLM's generation prompt leaves <think> open: the structure holds from after </think> (a
-    reply whose reasoning is not JSON is served), but from the first token (or the first after a
-    <think> the reply opens) once thinking is off.
+    reply whose reasoning is not JSON is served), but from the first token once thinking is off
+    (a reply opening <think> then breaks it).
     The scripted engine's tokens pass through each request's matcher: one it refuses aborts it."""
     answer = '{"ok":true}'
     fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
@@ -573,6 +573,10 @@ def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_f
         assert status == 500 and "breaks the structured output" in error["error"]["message"], error
     with scripted_server(GLM_TEMPLATE, answer) as s:
         assert post(s, off, CHAT)[1]["choices"][0]["message"]["content"] == answer
+    with scripted_server(GLM_TEMPLATE, "<think>Look it up.</think>" + answer) as s:
+        status, error = post(s, off, CHAT)  # thinking off: no <think> to open
+        message = error["error"]["message"]
+        assert status == 500 and "breaks the structured output" in message and "free part" not in message, error
     # Kimi's generation prompt opens no <think>: a reply may open it (then its reasoning is free
     # too) or answer at once (StructuredOutput.opens); anything else breaks the structure.
     for reply, message in [("<think>Look it up.</think>" + answer, {"reasoning_content": "Look it up.", "content": answer}),
