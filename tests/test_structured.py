@@ -267,6 +267,21 @@ def test_forced_tokens_are_drafted_and_all_kept(temperature):
         assert [r.tokens for r in plain.generate(prompts, **request)] == [r.tokens for r in got]
 
 
+def test_a_disaggregated_pair_drafts_the_forced_tokens_from_its_first_decode_step():
+    """With MTP drafts, a regex's forced run after the first token (sampled on the prefill side,
+    which drafts the forced tokens in place of the MTP's) is drafted from the decode side's first
+    step, as on one engine: the same tokens and the same drafts kept."""
+    model = byte_model("tiny-glm4", mtp=True)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    request = dict(max_new_tokens=40, structured_output=StructuredOutput(regex="(alpha|beta)-constant-suffix-[0-9]"))
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, speculative_tokens=3, **kw)
+    one = engine()
+    want = one.generate(prompts, **request)
+    pair = DisaggregatedEngine(engine(prefill_only=True), engine())
+    assert [r.tokens for r in pair.generate(prompts, **request)] == [r.tokens for r in want]
+    assert pair.decode.counters.accepted_tokens == one.counters.accepted_tokens > 0
+
+
 def fits(value, schema) -> bool:
     """Whether a parsed JSON value fits the schema's object, required, properties, enum, integer
     minimum and maximum, string maxLength and array items and maxItems (what SCHEMA uses)."""
