@@ -343,19 +343,24 @@ class Scheduler:
         """Give waiting requests, in order, a slot and pages (sharing cached full prompt pages): at
         most max_rows of them, to prefill beside those still prefilling. A request with a full prompt
         page that a prefilling one will index waits, so that it is admitted after that prefill and
-        shares the page (unless it wants prompt logprobs, which only computing the prompt gives)."""
+        shares the page (unless it wants prompt logprobs, which only computing the prompt gives):
+        under fcfs the requests behind it wait too, under lpm they go on."""
         free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
         if self.policy == "lpm" and free_slots and len(self.waiting) > 1:
             self._longest_prefix_first()
+        deferred = []  # lpm: requests passed over this time for a prefix that a prefill is caching
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
             new_pages = self.page_manager.unindexed_prefix(req)
             # Prompt logprobs come from computing the prompt: such a request shares no cached page.
             computes_all = req.wants_prompt_logprobs
             if new_pages & indexing and not computes_all:
-                break
+                if self.policy != "lpm":  # first come, first served: the rest wait behind it
+                    break
+                deferred.append(self.waiting.popleft())
+                continue
             shared = [] if computes_all else self.page_manager.shared_prefix(req)
             restored = 0 if computes_all else self.page_manager.host_prefix(req, len(shared))
             fresh = self.page_manager.pages_for(len(req.tokens)) - len(shared)
@@ -372,6 +377,7 @@ class Scheduler:
             self.running.append(req)
             batch.append(req)
             indexing |= new_pages
+        self.waiting.extendleft(reversed(deferred))
         return batch
 
     def _longest_prefix_first(self) -> None:

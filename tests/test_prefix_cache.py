@@ -274,3 +274,23 @@ def test_lpm_orders_by_arrival_past_its_queue_limit(monkeypatch):
     while e.has_work():
         admitted += [u.rid for u in e.step() if u.rid not in admitted]
     assert admitted == order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_a_request_waiting_for_a_prefix_being_cached_holds_back_others_only_first_come_first_served(policy):
+    """A's 3-chunk prefill will cache 4 pages that A2's prompt starts with: A2 waits for them. B,
+    behind A2 and sharing nothing, waits too first come, first served; under lpm it is admitted
+    beside A. A2 then shares A's pages either way, and every output is the cache-free forward's."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    e = engine(model, schedule_policy=policy)
+    system = tokens(40, 4 * S)
+    prompts = [system + tokens(41, 6), system + tokens(42, 3), tokens(43, 9)]
+    a, a2, b = (e.submit(p, max_new_tokens=2) for p in prompts)
+    e.step()
+    assert {r.rid for r in e.scheduler.running} == ({a} if policy == "fcfs" else {a, b})
+    assert [r.rid for r in e.scheduler.waiting] == ([a2, b] if policy == "fcfs" else [a2])
+    results = {}
+    while e.has_work():
+        results |= {u.rid: u.result for u in e.step() if u.result is not None}
+    assert results[a2].cached_tokens == 4 * S
+    assert [results[r].tokens for r in (a, a2, b)] == [greedy_reference(model, p, 2) for p in prompts]
