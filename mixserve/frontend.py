@@ -44,7 +44,8 @@ class Frontend:
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
                prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-               structured_output: StructuredOutput | None = None, cache_salt: str | None = None) -> int:
+               structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
+               priority: int = 0) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -68,14 +69,16 @@ class Frontend:
         picked, and the output ends on a stop token once the match is complete (one that does not
         compile is rejected with llguidance's reason). cache_salt: prefix-cache pages are shared only
         between requests of the same salt (vLLM's: one per tenant, so that no tenant can time
-        another's cached prompts); its Result's cached_tokens counts the prompt tokens the cache gave."""
+        another's cached prompts); its Result's cached_tokens counts the prompt tokens the cache gave.
+        priority: with the engine's schedule_policy "priority", lower values are admitted first and
+        preempted last (vLLM's; ties: first come, first served); other policies ignore it."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, structured_output=structured_output,
-                            cache_salt=cache_salt).rid
+                            cache_salt=cache_salt, priority=priority).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -116,7 +119,8 @@ class Frontend:
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 structured_output: StructuredOutput | None = None, cache_salt: str | None = None) -> list[Result]:
+                 structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
+                 priority: int = 0) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -127,7 +131,8 @@ class Frontend:
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
                        ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                       presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt)
+                       presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt,
+                       priority=priority)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

@@ -78,6 +78,7 @@ class Request:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of a token in the output
     structured_output: StructuredOutput | None = None  # what the output must match (mixserve/grammar.py)
     cache_salt: str | None = None  # prefix-cache pages are shared only between requests of one salt (vLLM's)
+    priority: int = 0  # schedule_policy "priority": lower first, and preempted last (vLLM's)
     out: list[int] = dataclasses.field(default_factory=list)
     out_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # beside out, if asked
     # prompt_logprobs: those of prompt[1:], in order, as prefill computes them (a prefix at a time)
@@ -336,6 +337,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
                 f"{req.min_p}")
     if req.cache_salt is not None and not (isinstance(req.cache_salt, str) and req.cache_salt):
         return f"cache_salt must be None or a non-empty string, got {req.cache_salt!r}"
+    if not isinstance(req.priority, (int, np.integer)) or isinstance(req.priority, bool):
+        return f"priority must be an integer (lower is served first), got {req.priority!r}"
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
         return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else int(req.max_new_tokens))  # numpy ints would wrap

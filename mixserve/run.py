@@ -101,8 +101,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the KV pages evicted from the pool, e.g. 64MiB, for a later equal prefix to copy back instead of "
                         "prefilling; default: none. With --disaggregate, the prefill engine's")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
-                   help="admission order of waiting requests: first come, first served, or the longest cached "
-                        "prefix first (SGLang's lpm; first come, first served past 128 waiting)")
+                   help="admission order of waiting requests: first come, first served, the longest cached "
+                        "prefix first (SGLang's lpm; first come, first served past 128 waiting), or each request's "
+                        "priority, lower first, which also preempts the highest first (vLLM's; the server's "
+                        "`priority` field: this command's prompts all have 0)")
     p.add_argument("--prefill-chunk", type=counted(1), default=64, help="most tokens of one request per prefill call")
     p.add_argument("--prefill-calls-per-step", type=counted(0), default=1,
                    help="prefill calls per engine step before its decode step (chunked prefill: running requests "

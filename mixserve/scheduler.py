@@ -321,8 +321,12 @@ class PageManager:
         self.counters.stale_cache_entries += len(gone)
 
 
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 LPM_MAX_WAITING = 128  # past this many waiting requests, "lpm" orders them first come, first served (SGLang's rule)
+
+
+def _priority_order(req: Request) -> tuple[int, int]:
+    return req.priority, req.rid
 
 
 class Scheduler:
@@ -331,7 +335,9 @@ class Scheduler:
             raise ValueError(f"schedule policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
         self.page_manager, self.max_batch, self.counters = page_manager, max_batch, counters
         # Admission order: "fcfs" first come, first served; "lpm" the longest cached prefix first
-        # (SGLang's longest prefix match: a cached history is used before other admissions evict it).
+        # (SGLang's longest prefix match: a cached history is used before other admissions evict it);
+        # "priority" the lowest Request.priority first, then first come, and preemption takes the
+        # highest (vLLM's priority scheduling).
         self.policy = policy
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -350,6 +356,8 @@ class Scheduler:
         indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
         if self.policy == "lpm" and free_slots and len(self.waiting) > 1:
             self._longest_prefix_first()
+        if self.policy == "priority":  # preempted requests among the others: by priority, then by arrival
+            self.waiting = collections.deque(sorted(self.waiting, key=_priority_order))
         deferred = []  # lpm: requests passed over this time for a prefix that a prefill is caching
         while self.waiting and free_slots and len(batch) < max_rows:
             req = self.waiting[0]
@@ -438,7 +446,8 @@ class Scheduler:
         return sorted(set(range(self.max_batch)) - {r.slot for r in self.running})
 
     def make_room_for_decode(self) -> None:
-        """Each running request needs a page for the token it decodes next; preempt the youngest if not."""
+        """Each running request needs a page for the token it decodes next; preempt the youngest if not
+        (under "priority": the youngest of the highest priority value)."""
         for req in sorted(self.running, key=lambda r: r.rid):
             if req.result is not None or req.slot is None:
                 continue
@@ -446,7 +455,8 @@ class Scheduler:
                 if not self._short_of(1):
                     self.page_manager.allocate(req, 1)  # if refused, the resynced counts decide again
                     continue
-                victim = max((r for r in self.running if r.slot is not None and r.result is None), key=lambda r: r.rid)
+                order = _priority_order if self.policy == "priority" else (lambda r: r.rid)  # rids count arrivals
+                victim = max((r for r in self.running if r.slot is not None and r.result is None), key=order)
                 self.page_manager.release(victim)
                 self.running.remove(victim)
                 self.waiting.appendleft(victim)  # recomputed from prompt + generated tokens when readmitted

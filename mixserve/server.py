@@ -54,7 +54,7 @@ SAMPLING_FIELDS = {
     "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
     "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
     "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
-    "cache_salt": ("cache_salt", None),
+    "cache_salt": ("cache_salt", None), "priority": ("priority", 0),
 }
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
