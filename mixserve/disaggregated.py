@@ -38,6 +38,7 @@ from mixserve import kv_transfer
 from mixserve.engine import Engine
 from mixserve.frontend import Frontend
 from mixserve.request import Request
+from mixserve.scheduler import priority_order
 
 
 @dataclasses.dataclass
@@ -134,6 +135,8 @@ class DisaggregatedEngine(Frontend):
         ready = self._checked(p.scheduler.live())  # prefilled, not finished: oldest first
         if not ready:
             return  # most steps: no host round trip
+        if d.scheduler.policy == "priority":
+            ready.sort(key=priority_order)
         src_table, src_ids, moved = np.asarray(p.table.pages_BN), [], []
         for req in ready:
             src_slot, n = req.slot, req.num_pages

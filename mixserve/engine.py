@@ -204,7 +204,8 @@ class Engine(Frontend):
     def _reject_reason(self, req: Request) -> str | None:
         return reject_reason(req, vocab_size=self.cfg.vocab_size, max_seq_len=self.max_seq_len,
                              page_size=self.page_size, num_pages=self.num_pages, max_logprobs=self.max_logprobs,
-                             has_tokenizer=self.tokenizer is not None, prompt_only=self.prefill_only)
+                             has_tokenizer=self.tokenizer is not None, prompt_only=self.prefill_only,
+                             schedule_policy=self.scheduler.policy)
 
     def _enqueue(self, req: Request) -> None:
         self.scheduler.waiting.append(req)

@@ -51,7 +51,10 @@ class StructuredOutput:
     def __hash__(self) -> int:  # all but a schema given as a dict (unhashable): equal outputs, equal hashes
         schema = self.json_schema if isinstance(self.json_schema, (str, bool, type(None))) else dict
         choice = tuple(self.choice) if isinstance(self.choice, list) else self.choice
-        return hash((schema, self.json_object, self.regex, choice, self.grammar, self.after, self.opens))
+        try:
+            return hash((schema, self.json_object, self.regex, choice, self.grammar, self.after, self.opens))
+        except TypeError:  # fields of the wrong types (reason() says which): one hash for all of them
+            return hash(StructuredOutput)
 
     def reason(self) -> str | None:
         """Why this is no structured output (None: it is one); a grammar's own errors come from

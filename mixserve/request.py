@@ -293,10 +293,12 @@ def logit_bias_reason(bias, vocab_size: int) -> str | None:
 
 
 def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size: int, num_pages: int,
-                  max_logprobs: int, has_tokenizer: bool, prompt_only: bool = False) -> str | None:
+                  max_logprobs: int, has_tokenizer: bool, prompt_only: bool = False,
+                  schedule_policy: str = "fcfs") -> str | None:
     """Why this request can never be served (None if it can): checked before it is queued.
     has_tokenizer: the model can decode its output (stop strings need it). prompt_only: the
-    engine only prefills (disaggregated), so only the prompt must fit."""
+    engine only prefills (disaggregated), so only the prompt must fit. schedule_policy: the
+    engine's (a priority other than 0 needs "priority", as in vLLM)."""
     p = req.prompt
     if not isinstance(p, list) or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p):
         return "prompt must be a list of integer token ids"
@@ -339,6 +341,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"cache_salt must be None or a non-empty string, got {req.cache_salt!r}"
     if not isinstance(req.priority, (int, np.integer)) or isinstance(req.priority, bool):
         return f"priority must be an integer (lower is served first), got {req.priority!r}"
+    if req.priority != 0 and schedule_policy != "priority":
+        return f"priority {req.priority} needs schedule_policy 'priority' (this engine's is {schedule_policy!r})"
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
         return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else int(req.max_new_tokens))  # numpy ints would wrap

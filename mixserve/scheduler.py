@@ -9,8 +9,10 @@ prefix, now or later (a shared system prompt, the next turn of a chat), reuses t
 `Scheduler` admits waiting requests while a batch slot and their pages are free, to prefill beside
 those still prefilling (a request that would share a prefix page still being prefilled waits
 until that prefill is done), and before each decode step makes room for every running request's
-next token, preempting the youngest when the pool is full: the victim (mid-prefill or decoding)
-is requeued and recomputed from its prompt plus what it generated, so nothing is dropped. Pages a
+next token, preempting the youngest (under "priority": of the highest priority value) when the
+pool is full: the victim (mid-prefill or decoding) is requeued and recomputed from its prompt
+plus what it generated, so nothing is dropped. The prefix cache's host tier
+(mixserve/host_cache.py) keeps what eviction drops, for an admission to copy back. Pages a
 request holds past its tokens (taken for speculative drafts, then rejected) go back first.
 """
 
@@ -325,7 +327,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 LPM_MAX_WAITING = 128  # past this many waiting requests, "lpm" orders them first come, first served (SGLang's rule)
 
 
-def _priority_order(req: Request) -> tuple[int, int]:
+def priority_order(req: Request) -> tuple[int, int]:
     return req.priority, req.rid
 
 
@@ -350,42 +352,45 @@ class Scheduler:
         most max_rows of them, to prefill beside those still prefilling. A request with a full prompt
         page that a prefilling one will index waits, so that it is admitted after that prefill and
         shares the page (unless it wants prompt logprobs, which only computing the prompt gives):
-        under fcfs the requests behind it wait too, under lpm they go on."""
+        the requests behind it wait too (fcfs and priority keep their order), but under lpm those
+        behind a new request go on."""
         free_slots = self._free_slots()
         batch = []
         indexing = set().union(*(self.page_manager.unindexed_prefix(r) for r in self.prefilling()))
         if self.policy == "lpm" and free_slots and len(self.waiting) > 1:
             self._longest_prefix_first()
         if self.policy == "priority":  # preempted requests among the others: by priority, then by arrival
-            self.waiting = collections.deque(sorted(self.waiting, key=_priority_order))
-        deferred = []  # lpm: requests passed over this time for a prefix that a prefill is caching
-        while self.waiting and free_slots and len(batch) < max_rows:
-            req = self.waiting[0]
-            new_pages = self.page_manager.unindexed_prefix(req)
-            # Prompt logprobs come from computing the prompt: such a request shares no cached page.
-            computes_all = req.wants_prompt_logprobs
-            if new_pages & indexing and not computes_all:
-                if self.policy != "lpm":  # first come, first served: the rest wait behind it
-                    break
-                deferred.append(self.waiting.popleft())
-                continue
-            shared = [] if computes_all else self.page_manager.shared_prefix(req)
-            restored = 0 if computes_all else self.page_manager.host_prefix(req, len(shared))
-            fresh = self.page_manager.pages_for(len(req.tokens)) - len(shared)
-            need = fresh + self.page_manager.idle(shared)  # shared pages only the cache holds stop being evictable
-            if self._short_of(need):
-                if why := self._never_fits(need):
-                    self.waiting.popleft().finish("aborted", why)
-                    self.counters.aborts += 1
+            self.waiting = collections.deque(sorted(self.waiting, key=priority_order))
+        deferred = []  # lpm: new requests passed over this time for a prefix that a prefill is caching
+        try:
+            while self.waiting and free_slots and len(batch) < max_rows:
+                req = self.waiting[0]
+                new_pages = self.page_manager.unindexed_prefix(req)
+                # Prompt logprobs come from computing the prompt: such a request shares no cached page.
+                computes_all = req.wants_prompt_logprobs
+                if new_pages & indexing and not computes_all:
+                    if self.policy != "lpm" or req.cache_hit_tokens is not None:  # preempted ones stay first
+                        break
+                    deferred.append(self.waiting.popleft())
                     continue
-                break
-            if not self.page_manager.take(req, free_slots.pop(0), shared, fresh, restored):
-                break  # the bookkeeping was resynced: the next step tries again
-            self.waiting.popleft()
-            self.running.append(req)
-            batch.append(req)
-            indexing |= new_pages
-        self.waiting.extendleft(reversed(deferred))
+                shared = [] if computes_all else self.page_manager.shared_prefix(req)
+                restored = 0 if computes_all else self.page_manager.host_prefix(req, len(shared))
+                fresh = self.page_manager.pages_for(len(req.tokens)) - len(shared)
+                need = fresh + self.page_manager.idle(shared)  # shared pages only the cache holds stop being evictable
+                if self._short_of(need):
+                    if why := self._never_fits(need):
+                        self.waiting.popleft().finish("aborted", why)
+                        self.counters.aborts += 1
+                        continue
+                    break
+                if not self.page_manager.take(req, free_slots.pop(0), shared, fresh, restored):
+                    break  # the bookkeeping was resynced: the next step tries again
+                self.waiting.popleft()
+                self.running.append(req)
+                batch.append(req)
+                indexing |= new_pages
+        finally:
+            self.waiting.extendleft(reversed(deferred))
         return batch
 
     def _longest_prefix_first(self) -> None:
@@ -409,9 +414,12 @@ class Scheduler:
         """Take a request prefilled elsewhere (disaggregated serving): a slot, and pages for its
         req.cached tokens, sharing its indexed prompt prefix. Returns how many of its pages were
         shared (the rest await their KV), or None, changing nothing, when there is no room or a
-        request this scheduler preempted is waiting (it goes first)."""
+        request this scheduler preempted is waiting (it goes first; under "priority", if it comes
+        first by priority)."""
         free_slots = self._free_slots()
-        if self.waiting or not free_slots:
+        waits_ahead = any(priority_order(w) < priority_order(req) for w in self.waiting) \
+            if self.policy == "priority" else self.waiting
+        if waits_ahead or not free_slots:
             return None
         cached, (shared, need) = req.cached, self._adoption(req)
         if self._short_of(need):
@@ -455,7 +463,7 @@ class Scheduler:
                 if not self._short_of(1):
                     self.page_manager.allocate(req, 1)  # if refused, the resynced counts decide again
                     continue
-                order = _priority_order if self.policy == "priority" else (lambda r: r.rid)  # rids count arrivals
+                order = priority_order if self.policy == "priority" else (lambda r: r.rid)  # rids count arrivals
                 victim = max((r for r in self.running if r.slot is not None and r.result is None), key=order)
                 self.page_manager.release(victim)
                 self.running.remove(victim)

@@ -383,3 +383,44 @@ def test_bf16_prefill_pages_reach_a_tiled_decode_pool_as_a_tiled_engine_stores_t
     tiled = kv_bytes_per_token(model.config, kv_format("fp8_ds_mla", None))
     assert dis.counters.pages_sent > 0 and dis.counters.bytes_sent == dis.counters.pages_sent * PAGE * tiled
     assert_all_pages_returned(dis)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_prefilled_requests_reach_a_one_slot_decode_engine_in_priority_order(policy):
+    """A decode engine of one slot decodes X while L (priority 2) and then H (priority 1) are
+    prefilled and wait on the prefill side: under "priority" H is handed over first, under fcfs
+    (all 0) L; the tokens are one engine's either way."""
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    ps = prompts(8, lengths=(5, 6, 7))
+    want = Engine(model, num_pages=64, **CFG).generate(ps, max_new_tokens=8)
+    dis = pair(model, decode_kw=dict(max_batch=1), schedule_policy=policy)
+    level = (lambda pr: pr) if policy == "priority" else (lambda pr: 0)
+    finished, out, rids = [], {}, []
+    for p, pr in zip(ps, (0, 2, 1)):  # X, then L a step later, then H
+        rids.append(dis.submit(p, max_new_tokens=8, priority=level(pr)))
+        for u in dis.step():
+            out.setdefault(u.rid, []).extend(u.new_tokens)
+    assert dis.decode.scheduler.running[0].rid == rids[0] and len(dis.prefill.scheduler.live()) == 2
+    while dis.has_work():
+        for u in dis.step():
+            out.setdefault(u.rid, []).extend(u.new_tokens)
+            finished += [u.rid] if u.result is not None else []
+    assert finished == ([rids[0], rids[2], rids[1]] if policy == "priority" else rids)
+    assert [out[r] for r in rids] == [r.tokens for r in want]
+    assert_all_pages_returned(dis)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_preempted_request_waiting_on_the_decode_side_goes_first_only_by_its_priority(policy):
+    """The decode side's waiting (preempted) request of priority 5 holds back a hand-over under
+    fcfs, but not one of priority 0 under "priority"; one of priority 7 waits behind it there too."""
+    from mixserve.request import Request
+    model = mixserve.load("tiny-glm4", dtype="float32")
+    decode = Engine(model, num_pages=64, **{**CFG, "schedule_policy": policy})
+    preempted = Request(10, [1, 2, 3], 2, 0.0, 1.0, 0, priority=5)
+    preempted.cache_hit_tokens = 0
+    decode.scheduler.waiting.append(preempted)
+    for rid, priority, taken in ((11, 0, policy == "priority"), (12, 7, False)):
+        req = Request(rid, [4, 5, 6, 7, 8], 2, 0.0, 1.0, 0, priority=priority)
+        req.cached = 5  # prefilled elsewhere
+        assert (decode.scheduler.adopt(req) is not None) == taken, (rid, policy)

@@ -912,14 +912,16 @@ def test_a_logit_bias_moves_greedy_and_sampled_picks_and_leaves_logprobs_the_mod
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_priority_admits_lower_values_first_and_preempts_the_highest(policy):
     """One slot, four requests queued with priorities 3, 1, 3, 0: "priority" admits them 0, 1,
-    then the two 3s in arrival order; "fcfs" ignores priority. Then a pool of 5 pages of 4 for two
-    requests of 2 + 16 tokens: when one must go, fcfs preempts the younger, "priority" the older
-    of priority 1 over the younger of priority 0, which then finishes first. Every output is a
-    roomy engine's; a priority that is not an integer is that request's rejection."""
+    then the two 3s in arrival order; "fcfs" (all 0: it refuses others, as vLLM) in arrival order.
+    Then a pool of 5 pages of 4 for two requests of 2 + 16 tokens: when one must go, fcfs preempts
+    the younger, "priority" the older of priority 1 over the younger of priority 0, which then
+    finishes first. Every output is a roomy engine's; a priority that is not an integer (or not 0
+    under fcfs) is that request's rejection."""
     model = mixserve.load("tiny-glm4", dtype="float32")
     e = engine(model, max_batch=1, schedule_policy=policy)
     queued = prompts(3)
-    rids = [e.submit(p, max_new_tokens=2, priority=pr) for p, pr in zip(queued, (3, 1, 3, 0))]
+    level = (lambda pr: pr) if policy == "priority" else (lambda pr: 0)  # fcfs refuses any other
+    rids = [e.submit(p, max_new_tokens=2, priority=level(pr)) for p, pr in zip(queued, (3, 1, 3, 0))]
     admitted, results = [], {}
     while e.has_work():
         for u in e.step():
@@ -930,7 +932,7 @@ def test_priority_admits_lower_values_first_and_preempts_the_highest(policy):
     rng = np.random.default_rng(7)
     pa, pb = ([int(t) for t in rng.integers(0, 256, 2)] for _ in range(2))
     e = engine(model, num_pages=5, schedule_policy=policy)
-    old, young = e.submit(pa, max_new_tokens=16, priority=1), e.submit(pb, max_new_tokens=16, priority=0)
+    old, young = e.submit(pa, max_new_tokens=16, priority=level(1)), e.submit(pb, max_new_tokens=16, priority=0)
     finished = {}
     while e.has_work():
         finished |= {u.rid: u.result.tokens for u in e.step() if u.result is not None and u.result.status == "ok"}
@@ -938,5 +940,6 @@ def test_priority_admits_lower_values_first_and_preempts_the_highest(policy):
     roomy = engine(model, num_pages=64)
     assert [finished[old], finished[young]] == [roomy.generate([p], max_new_tokens=16)[0].tokens for p in (pa, pb)]
     assert e.free_pages == e.num_pages
-    [bad] = e.generate([pa], max_new_tokens=2, priority=1.5)
-    assert bad.status == "rejected" and "priority must be an integer" in bad.reason
+    [bad] = e.generate([pa], max_new_tokens=2, priority=1.5 if policy == "priority" else 1)
+    assert bad.status == "rejected" and ("priority must be an integer" if policy == "priority" else
+                                         "priority 1 needs schedule_policy 'priority'") in bad.reason

@@ -650,6 +650,7 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"prompt": "x", "model": "gpt-4"}, 404, "`gpt-4` does not exist"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature must be a finite number"),
     ({"prompt": "x", "priority": "high"}, 400, "priority must be an integer"),
+    ({"prompt": "x", "priority": -2}, 400, "priority -2 needs schedule_policy 'priority'"),
     ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),
     ({"prompt": [1, True]}, 400, "list of integer token ids"),
     ({"prompt": "x", "max_tokens": 600}, 400, "exceeds the context limit 512"),
@@ -783,7 +784,7 @@ def test_a_repeated_prompt_reports_its_cached_tokens_per_cache_salt_until_a_rese
     prompt = [int(t) for t in np.random.default_rng(12).integers(0, 256, 13)]  # no other test's pages
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
     cached = []
-    for extra in ({}, {"priority": -2}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}):
+    for extra in ({}, {"priority": 0}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}):
         status, reply = post(srv, {**body, **extra})
         assert status == 200, reply
         cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
