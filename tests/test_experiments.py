@@ -64,6 +64,17 @@ def test_structured_outputs_script_runs(tmp_path):
     assert (tmp_path / "g.md").read_text() in out
 
 
+def test_scheduling_script_runs(tmp_path):
+    """8 requests (2 urgent), 2 slots, a pool of 9 pages of 4: both policies serve the burst (the
+    order itself is tested in test_engine), and the pool is small enough to preempt."""
+    out = run("scheduling.py", "--requests", "8", "--repeats", "1", "--new-tokens", "8", "--prompt-len", "16",
+              "--page-size", "4", "--concurrency", "2", "--out", str(tmp_path / "s.md"))
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith("| fcfs") or line.startswith("| priority")}
+    assert set(rows) == {"fcfs", "priority"} and all(int(cells[4]) > 0 for cells in rows.values()), rows
+    assert "a pool of 9 pages of 4" in out and (tmp_path / "s.md").read_text() in out
+
+
 def test_prefix_cache_script_runs(tmp_path):
     """Two conversations of two turns (16 user tokens, 4-token replies, pages of 4): turn 2's
     prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation.
