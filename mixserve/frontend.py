@@ -71,7 +71,7 @@ class Frontend:
         between requests of the same salt (vLLM's: one per tenant, so that no tenant can time
         another's cached prompts); its Result's cached_tokens counts the prompt tokens the cache gave.
         priority: with the engine's schedule_policy "priority", lower values are admitted first and
-        preempted last (vLLM's; ties: first come, first served); other policies ignore it."""
+        preempted last (vLLM's; ties: first come, first served); other policies refuse any but 0."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,

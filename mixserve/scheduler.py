@@ -165,8 +165,9 @@ class PageManager:
             pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
             self.host.load(keys[:restored], pages)
             req.cached = (len(shared) + restored) * self.page_size
-            self.register_prefix(req)
-        self._touch(req)  # a hit is a use
+            self.register_prefix(req)  # which marks its cached pages used, as below
+        else:
+            self._touch(req)  # a hit is a use
         if req.cache_hit_tokens is None:  # its first admission: what it asked the cache and got
             req.cache_hit_tokens = (len(shared) + restored) * self.page_size
             looked_up = self.prefix_caching and not req.wants_prompt_logprobs
