@@ -34,10 +34,15 @@ import time
 
 import numpy as np
 
-from experiments.report import publish
+from experiments.report import interleaved, publish
 import mixserve
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, kv_format
+
+
+def pages_bytes(model, tokens: int, page_size: int, kv_dtype: str) -> int:
+    """Bytes of the whole pages that hold `tokens` tokens in a kv_dtype pool."""
+    return -(-tokens // page_size) * page_size * bytes_per_token(model.config, kv_format(kv_dtype, model.dtype))
 
 
 def converse(engine: Engine, conversations: int, turns: int, user_len: int, reply_len: int, seed: int) -> dict:
@@ -81,10 +86,7 @@ def on_off_table(model, conversations: int, turns: int, user_len: int, reply_len
                           stop_tokens=(), prefix_caching=on) for on in (True, False)}
     for e in engines.values():  # warm-up: compile the shapes the runs use
         converse(e, conversations, turns, user_len, reply_len, 99)
-    runs = {on: [] for on in engines}
-    for r in range(repeats):
-        for on in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[on].append(converse(engines[on], conversations, turns, user_len, reply_len, r))
+    runs = interleaved(engines, repeats, lambda e, r: converse(e, conversations, turns, user_len, reply_len, r))
     rows = ["| prefix cache | prompt tokens prefilled | cache hits (tokens) | later turns' TTFT, median (ms) | "
             "wall (s), median |", "|---|---|---|---|---|"]
     for on, name in ((False, "off"), (True, "on")):
@@ -106,7 +108,7 @@ def fp8_table(model, conversation_counts: list[int], concurrency: int, turns: in
               fit: int, page_size: int) -> list[str]:
     """Same bytes for both pools: BF16 holds `fit` conversations' full histories, FP8 twice that."""
     history = turns * (user_len + reply_len)
-    budget = fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("bfloat16", None))
+    budget = fit * pages_bytes(model, history, page_size, "bfloat16")
     engines = {kv: Engine(model, kv_dtype=kv, kv_memory_bytes=budget, page_size=page_size, max_batch=concurrency,
                           stop_tokens=()) for kv in ("bfloat16", "fp8_e4m3")}
     rows = ["| conversations | BF16: cache hit rate | prompt tokens prefilled | pages evicted | "
@@ -158,17 +160,13 @@ def miss_table(model, requests: int, concurrency: int, prompt_len: int, reply_le
     2 x concurrency requests, so once it is full every admission evicts (with a host tier: and
     copies the evicted pages to host memory, which holds them all)."""
     pages = 2 * concurrency * -(-(prompt_len + reply_len) // page_size)
-    host_bytes = requests * -(-(prompt_len + reply_len) // page_size) * page_size * bytes_per_token(
-        model.config, kv_format("auto", model.dtype))
+    host_bytes = requests * pages_bytes(model, prompt_len + reply_len, page_size, "auto")
     variants = {"off": dict(prefix_caching=False), "on": {}, "on + host": dict(host_kv_bytes=host_bytes)}
     engines = {name: Engine(model, num_pages=pages, page_size=page_size, max_batch=concurrency, stop_tokens=(), **kw)
                for name, kw in variants.items()}
     for e in engines.values():
         converse(e, requests, 1, prompt_len, reply_len, 99)
-    runs = {name: [] for name in engines}
-    for r in range(repeats):
-        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            runs[name].append(converse(engines[name], requests, 1, prompt_len, reply_len, r))
+    runs = interleaved(engines, repeats, lambda e, r: converse(e, requests, 1, prompt_len, reply_len, r))
     hot = runs["on"][0]
     ratio = lambda a, b: statistics.median(x["wall"] / y["wall"] for x, y in zip(runs[a], runs[b]))
     wall = lambda name: statistics.median(x["wall"] for x in runs[name])
@@ -185,8 +183,8 @@ def host_table(model, conversation_counts: list[int], concurrency: int, turns: i
     """FP8 pools at fp8_table's budget (BF16 holds `fit` full histories), without and with a host
     tier that holds `host_fit` more full histories in FP8 pages."""
     history = turns * (user_len + reply_len)
-    budget = fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("bfloat16", None))
-    host_bytes = host_fit * -(-history // page_size) * page_size * bytes_per_token(model.config, kv_format("fp8_e4m3", None))
+    budget = fit * pages_bytes(model, history, page_size, "bfloat16")
+    host_bytes = host_fit * pages_bytes(model, history, page_size, "fp8_e4m3")
     engines = {host: Engine(model, kv_dtype="fp8_e4m3", kv_memory_bytes=budget, page_size=page_size,
                             max_batch=concurrency, stop_tokens=(), host_kv_bytes=host)
                for host in (0, host_bytes)}
@@ -195,10 +193,7 @@ def host_table(model, conversation_counts: list[int], concurrency: int, turns: i
     rows = ["| conversations | device only: hit rate | prompt tokens prefilled | + host: hit rate | from the host "
             "(tokens) | prompt tokens prefilled | later turns' TTFT, + host / device only |", "|---|---|---|---|---|---|---|"]
     for n in conversation_counts:
-        runs = {host: [] for host in engines}
-        for r in range(repeats):
-            for host in (engines if r % 2 == 0 else list(engines)[::-1]):
-                runs[host].append(converse(engines[host], n, turns, user_len, reply_len, 0))
+        runs = interleaved(engines, repeats, lambda e, r: converse(e, n, turns, user_len, reply_len, 0))
         cells = []
         for host in engines:
             x = runs[host][0]

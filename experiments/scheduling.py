@@ -23,7 +23,7 @@ import statistics
 
 import numpy as np
 
-from experiments.report import publish
+from experiments.report import interleaved, publish
 import mixserve
 from mixserve.engine import Engine
 
@@ -56,10 +56,7 @@ def priority_table(model, requests: int, concurrency: int, prompt_len: int, new_
                               schedule_policy=policy, prefix_caching=False) for policy in ("fcfs", "priority")}
     for e in engines.values():  # warm-up: compile the shapes the runs use
         burst(e, requests, prompt_len, new_tokens, 99)
-    runs = {policy: [] for policy in engines}
-    for r in range(repeats):
-        for policy in (engines if r % 2 == 0 else list(engines)[::-1]):
-            runs[policy].append(burst(engines[policy], requests, prompt_len, new_tokens, r))
+    runs = interleaved(engines, repeats, lambda e, r: burst(e, requests, prompt_len, new_tokens, r))
 
     def median(policy: str, cls: str, which: int) -> float:
         return statistics.median(statistics.median(run[cls][which]) for run in runs[policy])
