@@ -37,6 +37,7 @@ class Result:
     # between tokens; 0 between tokens of one speculative step, which arrive together
     token_latencies_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: float | None = None  # submit to finish (None if rejected)
+    queue_s: float | None = None  # submit to its first admission, a batch slot and pages (None: never admitted)
     seed: int | None = None  # the sampling seed (drawn when none was given): pass it again to reproduce
     logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked (logprobs=n)
     # prompt_logprobs=n: one per prompt token, None for the first (nothing precedes it), as vLLM
@@ -108,6 +109,7 @@ class Request:
     # with its tokens; and the tokens its first admission found cached (None: not admitted yet)
     page_keys: dict = dataclasses.field(default_factory=dict, repr=False)
     cache_hit_tokens: int | None = None
+    queue_s: float | None = None  # submit to that first admission
 
     @property
     def tokens(self) -> list[int]:
@@ -228,7 +230,7 @@ class Request:
                              token_latencies_s=list(self.latencies), latency_s=time.perf_counter() - self.t_submit,
                              seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
                              prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason,
-                             cached_tokens=self.cache_hit_tokens or 0)
+                             cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s)
 
 
 class TokenCounts:

@@ -392,7 +392,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "requests": [
             {"prompt_tokens": len(p), "cached_tokens": r.cached_tokens, "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
-             "latency_s": r.latency_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
+             "latency_s": r.latency_s, "queue_s": r.queue_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
              "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs]}
             for p, r in zip(prompts, results)
         ],

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import hashlib
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +171,7 @@ class PageManager:
             self._touch(req)  # a hit is a use
         if req.cache_hit_tokens is None:  # its first admission: what it asked the cache and got
             req.cache_hit_tokens = (len(shared) + restored) * self.page_size
+            req.queue_s = time.perf_counter() - req.t_submit
             looked_up = self.prefix_caching and not req.wants_prompt_logprobs
             self.counters.prefix_cache_queries += len(req.tokens) if looked_up else 0
             self.counters.prefix_cache_hits += len(shared) * self.page_size

@@ -9,7 +9,8 @@
   GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
   GET  /health          200 while the engine loop runs, 503 once it has stopped
-  GET  /metrics         the engine's gauges and counters, for Prometheus (vLLM's names, under mixserve:)
+  GET  /metrics         the engine's gauges and counters, and per-request latency histograms, for
+                        Prometheus (vLLM's names, under mixserve:; mixserve/metrics.py)
 
 One thread runs the engine (`EngineLoop`): it is the only one that touches it. Each HTTP request
 has a thread of its own (the standard library's ThreadingHTTPServer), which hands its prompts to
@@ -39,9 +40,9 @@ from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
-from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
+from mixserve.metrics import RequestMetrics, prometheus
 from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream, forced_calls_schema
 from mixserve.request import Result, TokenLogprobs, Update
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
@@ -199,6 +200,7 @@ class EngineLoop:
     def __init__(self, engine: Frontend):
         self.engine = engine
         self.cancelled = 0  # requests cancelled unfinished: their client gone, a prompt beside them rejected
+        self.requests = RequestMetrics()  # each finished request's latencies and lengths, for /metrics
         self.error: BaseException | None = None  # what stopped the loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # a Call to submit, a Cancel, or None: stop
         self._routes: dict[int, tuple[Call, int]] = {}  # rid -> its Call and prompt index
@@ -288,6 +290,7 @@ class EngineLoop:
             call.updates.put((index, update))
             if update.result is not None:
                 del self._routes[update.rid]
+                self.requests.observe(len(call.requests[index][0]), update.result)
 
     def stopped(self) -> BadRequest:
         return BadRequest(f"the engine has stopped: {self.error!r}", 503, "server_error")
@@ -750,7 +753,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path == "/tokenizer_info":
             self.send_json(200, tokenizer_info(self.server.served))
         elif self.path == "/metrics":
-            payload = prometheus(self.server.loop).encode()
+            loop = self.server.loop
+            payload = prometheus(loop.engine, loop.requests, loop.cancelled).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(payload)))
@@ -906,63 +910,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 class ClientGone(Exception):
     pass
-
-
-# What /metrics reports of each engine (a disaggregated pair: of each side), read between its steps.
-ENGINE_METRICS = (
-    ("num_requests_running", "gauge", "requests holding a batch slot, prefilling or decoding",
-     lambda e: len(e.scheduler.running)),
-    ("num_requests_waiting", "gauge", "requests waiting for a slot and pages, new or preempted",
-     lambda e: len(e.scheduler.waiting)),
-    ("kv_pages_used", "gauge", "KV pool pages held by requests", lambda e: e.pages_in_use),
-    ("kv_pages_cached", "gauge", "KV pool pages only the prefix cache holds (free to evict)", lambda e: e.cached_pages),
-    ("prefix_cache_queries_total", "counter", "prompt tokens looked up in the prefix cache at admission",
-     lambda e: e.counters.prefix_cache_queries),
-    ("prefix_cache_hits_total", "counter", "of those, tokens the device's prefix cache held (not prefilled)",
-     lambda e: e.counters.prefix_cache_hits),
-    ("prefix_cache_host_hits_total", "counter", "of those, tokens whose KV came back from the host tier instead (not prefilled)",
-     lambda e: e.counters.host_restored_tokens),
-    ("kv_host_pages", "gauge", "KV pages the prefix cache's host tier holds", lambda e: 0 if e.host_cache is None else len(e.host_cache)),
-    ("prefix_cache_evicted_pages_total", "counter", "cached pages freed for allocations",
-     lambda e: e.counters.evicted_pages),
-    ("prefix_cache_stale_pages_total", "counter", "cached pages a hit found freed or reallocated (refused, recomputed)",
-     lambda e: e.counters.stale_cache_entries),
-    ("kv_pages_total", "gauge", "KV pool pages", lambda e: e.num_pages),
-    ("prompt_tokens_total", "counter", "prompt tokens prefilled (recomputed after a preemption included)",
-     lambda e: e.counters.prefill_tokens),
-    ("generation_tokens_total", "counter", "tokens decoded", lambda e: e.counters.decode_tokens),
-    ("decode_steps_total", "counter", "decode steps", lambda e: e.counters.steps),
-    ("preemptions_total", "counter", "requests preempted for pages (recomputed later)",
-     lambda e: e.counters.preemptions),
-    ("integrity_aborts_total", "counter", "requests aborted by a failed KV integrity check (or a pool leaked after one)",
-     lambda e: e.counters.aborts),
-    ("grammar_mask_seconds_total", "counter", "host seconds computing structured outputs' token masks before steps",
-     lambda e: e.grammars.mask_s),
-)
-
-
-def prometheus(loop: EngineLoop) -> str:
-    """The engine's gauges and counters in Prometheus' text format, named as vLLM names its own
-    (vllm:num_requests_running, ...) under mixserve:, with a role label: engine, or prefill and decode."""
-    engine = loop.engine
-    pair = isinstance(engine, DisaggregatedEngine)
-    parts = {"prefill": engine.prefill, "decode": engine.decode} if pair else {"engine": engine}
-    lines = []
-
-    def metric(name: str, kind: str, text: str, values: dict[str, float]) -> None:
-        lines.extend([f"# HELP mixserve:{name} {text}", f"# TYPE mixserve:{name} {kind}"])
-        lines.extend(f'mixserve:{name}{{role="{role}"}} {value}' for role, value in values.items())
-
-    for name, kind, text, read in ENGINE_METRICS:
-        metric(name, kind, text, {role: read(e) for role, e in parts.items()})
-    metric("rejections_total", "counter", "requests rejected as bad input", {"engine": engine.counters.rejections})
-    metric("cancelled_total", "counter", "requests cancelled unfinished (their client gone, a prompt beside them "
-           "rejected)", {"engine": loop.cancelled})
-    if pair:
-        metric("handovers_total", "counter", "requests handed from prefill to decode", {"engine": engine.counters.handovers})
-        metric("kv_bytes_sent_total", "counter", "KV page bytes sent from prefill to decode",
-               {"engine": engine.counters.bytes_sent})
-    return "\n".join(lines) + "\n"
 
 
 def usage(choices: list[Choice], n: int) -> dict:

@@ -780,6 +780,41 @@ def test_metrics_count_what_the_engine_did(srv):
     assert after["kv_pages_total"] == srv.loop.engine.num_pages and after["integrity_aborts_total"] == 0
 
 
+def test_the_servers_histograms_count_each_finished_request(srv):
+    """Two requests of 5 prompt tokens: one to max_tokens, one to a stop token of the first's
+    output; /metrics' histograms grow by them, their buckets cumulative, +Inf equal to the count.
+    The second computes its prompt anew (a salt of its own): the prefix cache's page would compute
+    its last prompt token in another chunk, whose float32 roundoff can flip a near-tie."""
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 256, 5)]
+    before = metrics(srv)
+    status, first = post(srv, {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                                "ignore_eos": True})
+    assert status == 200, first
+    tokens = first["choices"][0]["token_ids"]
+    status, second = post(srv, {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                                "ignore_eos": True, "stop_token_ids": [tokens[2]], "cache_salt": str(prompt)})
+    assert status == 200, second
+    stopped = len(second["choices"][0]["token_ids"])
+    assert stopped == tokens.index(tokens[2]) + 1
+    after = metrics(srv)
+    grew = {name: after[name] - before.get(name, 0) for name in after}
+
+    def hist(name, part):
+        return grew[f"{name}_{part}"]  # metrics() drops a lone role label
+
+    assert grew['request_success_total{role="engine",finished_reason="length"}'] == 1
+    assert grew['request_success_total{role="engine",finished_reason="stop"}'] == 1
+    assert grew['request_success_total{role="engine",finished_reason="abort"}'] == 0
+    assert hist("request_prompt_tokens", "sum") == 10 and hist("request_prompt_tokens", "count") == 2
+    assert hist("request_generation_tokens", "sum") == 6 + stopped
+    assert hist("inter_token_latency_seconds", "count") == 5 + stopped - 1  # one decode step per token here
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert hist(name, "count") == 2 and hist(name, "sum") > 0
+        buckets = [after[k] for k in after if k.startswith(f'{name}_bucket{{')]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count"]
+
+
 def test_a_repeated_prompt_reports_its_cached_tokens_per_cache_salt_until_a_reset(srv):
     prompt = [int(t) for t in np.random.default_rng(12).integers(0, 256, 13)]  # no other test's pages
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
