@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 import mixserve
 import pallas_kernels
@@ -387,6 +388,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "prefill_tok_per_s": pc.prefill_tokens / pc.prefill_s if pc.prefill_s else None,
         "decode_tok_per_s": c.decode_tokens / c.decode_s if c.decode_s else None,
         "wall_s": wall,
+        "latency_s": latency_percentiles(results),
         "counters": vars(c),
         "grammar_mask_s": decoder.grammars.mask_s + (prefiller.grammars.mask_s if args.disaggregate else 0.0),
         "requests": [
@@ -455,6 +457,11 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
             print(f"    prompt: {perplexity(r['prompt_logprobs'][1:])} over its last {len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:
             print(f"    generated: {perplexity(r['logprobs'])}, ranks {[lp['rank'] for lp in r['logprobs']]}")
+    lat = report["latency_s"]
+    if lat["ttft"]:
+        ms = {name: " / ".join(f"{q * 1e3:.1f}" for q in qs.values()) if qs else "-" for name, qs in lat.items()}
+        print(f"latency (ms, median / p99; includes compilation): time to first token {ms['ttft']}, "
+              f"between steps {ms['inter_token']}, queued {ms['queue']}")
     print(f"prefill: {pc.prefill_tokens} tokens in {pc.prefill_s:.2f} s ({report['prefill_tok_per_s'] or 0:.1f} tok/s, includes compilation)")
     print(f"decode:  {c.decode_tokens} tokens in {c.decode_s:.2f} s ({report['decode_tok_per_s'] or 0:.1f} tok/s, {c.steps} steps, includes compilation)")
     if args.speculative_tokens:
@@ -481,6 +488,16 @@ def output_text(tokenizer, result) -> str:
     """The generated text, cut before the stop string that ended it (vLLM's default)."""
     text = tokenizer.decode(result.tokens)
     return text[:text.find(result.stop_reason)] if isinstance(result.stop_reason, str) else text
+
+
+def latency_percentiles(results) -> dict[str, dict[str, float]]:
+    """Median and p99 of the requests' time to first token, gaps between the steps that gave them
+    tokens (a speculative step's later tokens, 0 apart, are not gaps), and queue time ({}: none)."""
+    samples = {"ttft": [r.ttft_s for r in results if r.ttft_s is not None],
+               "inter_token": [g for r in results for g in r.token_latencies_s if g > 0],
+               "queue": [r.queue_s for r in results if r.queue_s is not None]}
+    return {name: {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99))} if xs else {}
+            for name, xs in samples.items()}
 
 
 def perplexity(logprobs: list[dict]) -> str:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mixserve import run
@@ -21,6 +22,9 @@ def test_default_run_reports_fp8_capacity_and_serves_everything(capsys):
     cap = report["pool_tokens_at_same_memory"]
     assert cap["fp8_e4m3"] >= 1.98 * cap["bfloat16"]
     assert len(report["weight_sets"]) == 1
+    lat, reqs = out["latency_s"], report["requests"]  # per request: the median and p99 of what each reports
+    assert lat["ttft"]["p50"] == pytest.approx(np.median([r["ttft_s"] for r in reqs]), rel=1e-12) and lat["queue"]["p99"] <= lat["ttft"]["p99"]
+    assert lat["ttft"]["p99"] <= max(r["ttft_s"] for r in reqs) and lat["inter_token"]["p50"] > 0
 
 
 @pytest.mark.parametrize("decode, shown", [("int4", "experts=int4-g32"), ("nvfp4", "experts=nvfp4")])
