@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from mixserve import kv_transfer
-from mixserve.engine import Engine
+from mixserve.engine import Engine, check_running
+from mixserve.model import Model
 from mixserve.frontend import Frontend
 from mixserve.request import Request
 from mixserve.scheduler import priority_order
@@ -89,6 +90,15 @@ class DisaggregatedEngine(Frontend):
     def reset_prefix_cache(self) -> int:
         """Evict both pools' cached pages that no request maps; returns how many pages that freed."""
         return self.prefill.reset_prefix_cache() + self.decode.reset_prefix_cache()
+
+    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute") -> int:
+        """Engine.update_weights on both sides: the prefill engine takes model, the decode engine
+        decode_model (None: model too); both checked before either changes."""
+        check_running(running)
+        prefill, decode = self.prefill.weights_like(model), self.decode.weights_like(decode_model or model)
+        self.prefill.runner.model, self.prefill.runner.decode_model = prefill
+        self.decode.runner.model, self.decode.runner.decode_model = decode
+        return self.prefill._restart(running) + self.decode._restart(running)
 
     def _reject_reason(self, req: Request) -> str | None:
         for name, engine in (("prefill", self.prefill), ("decode", self.decode)):

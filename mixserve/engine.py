@@ -38,7 +38,7 @@ from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
 from mixserve.host_cache import HostKVCache
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
-from mixserve.model import Model
+from mixserve.model import Model, placed_like
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
@@ -46,7 +46,8 @@ from mixserve.scheduler import Counters, PageManager, Scheduler
 __all__ = ["Counters", "Engine", "Result", "TokenLogprobs", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
-DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
+DRAFTS = ("mtp", "ngram")
+RESTARTS = ("recompute", "abort")  # what update_weights does with the running requests  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
 
 
 class Engine(Frontend):
@@ -192,6 +193,43 @@ class Engine(Frontend):
         between benchmark runs), and empty the host tier; returns how many pages that freed."""
         return self.page_manager.reset_prefix_cache()
 
+    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute") -> int:
+        """Serve new weights of the same model in the same formats (an RL trainer's latest policy,
+        a fine-tune's checkpoint), between two steps; nothing compiles again (model.placed_like).
+        An engine of two weight sets (decode_model at construction) takes both. KV computed with
+        the old weights is never read with the new: the prefix cache and its host tier are
+        emptied, and each running request is, by `running`,
+          "recompute": preempted, and recomputed from its prompt and output so far when
+                       readmitted (it keeps those tokens: they came from the old weights);
+          "abort":     finished "aborted" with the reason, its pages freed.
+        Waiting requests hold no KV and run on the new weights. The FP8 KV scales stay.
+        Returns how many requests it recomputes or aborts. All or nothing: a ValueError changes
+        nothing."""
+        check_running(running)
+        self.runner.model, self.runner.decode_model = self.weights_like(model, decode_model)
+        return self._restart(running)
+
+    def weights_like(self, model: Model, decode_model: Model | None = None) -> tuple[Model, Model]:
+        """The (prefill, decode) weight sets update_weights would swap in, checked and placed."""
+        two_sets = self.runner.decode_model is not self.runner.model
+        if two_sets != (decode_model is not None):
+            raise ValueError("this engine serves two weight sets: give decode_model too" if two_sets else
+                             "this engine serves one weight set for prefill and decode: give no decode_model")
+        new = placed_like(self.runner.model, model)
+        return new, new if decode_model is None else placed_like(self.runner.decode_model, decode_model, "decode_model")
+
+    def _restart(self, running: str) -> int:
+        """The running requests' KV is the old weights': recompute or abort them, and empty the cache."""
+        if running == "abort":
+            reqs = [r for r in self.scheduler.running if r.result is None]
+            for req in reqs:
+                req.finish("aborted", "the weights were updated")
+            self.scheduler.retire_finished()
+        else:
+            reqs = self.scheduler.preempt_all()
+        self.page_manager.reset_prefix_cache()
+        return len(reqs)
+
     @property
     def table(self) -> pt.PageTable:
         return self.page_manager.table
@@ -329,6 +367,11 @@ class Engine(Frontend):
             why = why or self.integrity_failures(reqs)  # the call's check said which rows; this says why
             self.abort(req, "KV integrity check failed: " + why[i])
         return passed
+
+
+def check_running(running: str) -> None:
+    if running not in RESTARTS:
+        raise ValueError(f"running must be one of {RESTARTS}, got {running!r}")
 
 
 def _check_context_parallel(cfg, mesh, page_size: int, attention_backend: str) -> None:

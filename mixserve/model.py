@@ -78,6 +78,34 @@ class Model:
         return nn.get_partition_spec(boxed)
 
 
+def placed_like(served: Model, new: Model, name: str = "model") -> Model:
+    """served with new's weights, each array placed where served's is: what an engine swaps in
+    to serve new weights (Engine.update_weights) without compiling anything again. new must be
+    the same model in the same formats and precision, array for array; a ValueError names the
+    first difference. The rest of served (tokenizer, chat template, KV scales) stays."""
+    for field in ("config", "plan", "mtp_plan", "dtype", "backend"):
+        a, b = getattr(served, field), getattr(new, field)
+        if a != b:
+            if field == "config":
+                field = next(f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name))
+                a, b = getattr(served.config, field), getattr(new.config, field)
+            elif field == "dtype":
+                a, b = jnp.dtype(a).name, jnp.dtype(b).name
+            raise ValueError(f"{name}: its {field} is {b!r}, the served model's {a!r}: weights are swapped only "
+                             "for the same model in the same formats")
+    old, old_def = jax.tree_util.tree_flatten_with_path(served.params)
+    leaves, new_def = jax.tree_util.tree_flatten(new.params)
+    if new_def != old_def:
+        raise ValueError(f"{name}: its parameters are another tree than the served model's")
+    for (path, a), b in zip(old, leaves):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"{name}: {jax.tree_util.keystr(path)} is {b.dtype}{list(b.shape)}, the served "
+                             f"model's {a.dtype}{list(a.shape)}")
+    # committed or not as served's: jit's cache keys on it (an uncommitted array may move)
+    placed = [jax.device_put(b, a.sharding if a.committed else None) for (_, a), b in zip(old, leaves)]
+    return dataclasses.replace(served, params=jax.tree_util.tree_unflatten(old_def, placed))
+
+
 def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int, mtp_plan: WeightPlan | None = None):
     variables = _jitted_init(Transformer(config, plan, dtype, mtp_plan=mtp_plan))(jax.random.key(seed))
     return nn.unbox(variables["params"])

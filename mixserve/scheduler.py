@@ -475,6 +475,16 @@ class Scheduler:
                 if victim is req:
                     break
 
+    def preempt_all(self) -> list[Request]:
+        """Preempt every running request: its pages go back, and it waits first, in its order, to
+        be recomputed from its prompt and output (Engine.update_weights: KV of other weights)."""
+        victims = [r for r in self.running if r.result is None]
+        for req in victims:
+            self.page_manager.release(req)
+            self.running.remove(req)
+        self.waiting.extendleft(reversed(victims))
+        return victims
+
     def _short_of(self, need: int) -> bool:
         """Whether fewer than `need` pages are free or evictable, once the pages running requests
         hold past their tokens (drafts' pages, kept after a rejection) are taken back: nobody waits

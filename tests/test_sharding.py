@@ -83,6 +83,17 @@ for preset, tp in CASES:
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
     assert_no_weight_gathered(split, preset)
+# New weights swap in place (Engine.update_weights): each array stays on its devices, nothing
+# compiles again, and the tokens are a one-device engine's on the new weights.
+glm, other = (mixserve.load("tiny-glm4", dtype="float32", seed=s) for s in (0, 1))
+split = Engine(glm, mesh=mesh_for(2), **kw)
+split.generate(prompts, max_new_tokens=6)
+shardings, compiled = [x.sharding for x in jax.tree.leaves(split.runner.model.params)], split.runner.decode_step._cache_size()
+split.update_weights(other)
+want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=6)]
+assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want
+assert [x.sharding for x in jax.tree.leaves(split.runner.model.params)] == shardings
+assert split.runner.decode_step._cache_size() == compiled
 # A structured output's mask (replicated, [rows, W] words) over the vocabulary-split logits: the same sample.
 from mixserve.grammar import StructuredOutput
 from mixserve.tokenizer import ByteTokenizer
@@ -356,7 +367,8 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
     (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
-    per-device bytes. A structured output samples the same at TP2."""
+    per-device bytes. A structured output samples the same at TP2. New weights swapped in at TP2
+    keep their placement and compiled steps and serve the one-device tokens."""
     run_on_8_devices(XLA_PATH)
 
 
