@@ -313,14 +313,7 @@ class Setup:
 
 def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
     """Load the model, convert its weight sets and build the engine, as the flags say."""
-    # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
-    model = mixserve.load(args.model, progress=progress, backend=backend, mesh=prefill_mesh,
-                          expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations,
-                          mtp=args.speculative_tokens > 0 and args.draft == "mtp")  # unused weights stay on disk
-    if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
-        model = dataclasses.replace(model, tokenizer=ByteTokenizer())
-    prefill_model = with_weights(model, args.prefill_weights)
-    decode_model = prefill_model if args.decode_weights == args.prefill_weights else with_weights(model, args.decode_weights)
+    model, prefill_model, decode_model = weight_sets(args, args.model, backend, prefill_mesh, progress)
     common = dict(page_size=args.page_size, kv_memory_bytes=args.kv_memory, max_batch=args.concurrency,
                   integrity=args.integrity, attention_backend=backend, max_seq_len=args.max_seq_len,
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
@@ -338,6 +331,20 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                     decode_context_parallel=args.decode_context_parallel,
                     decode_model=None if decode_model is prefill_model else decode_model)
     return Setup(model, prefill_model, decode_model, engine, engine, engine)
+
+
+def weight_sets(args, path: str, backend: str, mesh, progress: bool) -> tuple[Model, Model, Model]:
+    """The model at path as the flags load it, and its prefill and decode weight sets (one
+    object when the flags give both one format)."""
+    # Placed on the (prefill) mesh as it is read; copies converted from it (--*-weights) are placed by the engine.
+    model = mixserve.load(path, progress=progress, backend=backend, mesh=mesh,
+                          expert_parallel=args.expert_parallel, nvfp4_activations=args.nvfp4_activations,
+                          mtp=args.speculative_tokens > 0 and args.draft == "mtp")  # unused weights stay on disk
+    if model.tokenizer is None:  # no tokenizer files (the tiny presets): text as UTF-8 bytes
+        model = dataclasses.replace(model, tokenizer=ByteTokenizer())
+    prefill_model = with_weights(model, args.prefill_weights)
+    decode_model = prefill_model if args.decode_weights == args.prefill_weights else with_weights(model, args.decode_weights)
+    return model, prefill_model, decode_model
 
 
 def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:

@@ -5,6 +5,8 @@
   POST /v1/chat/completions  the same for a conversation (OpenAI's messages), through the model's chat
                         template (mixserve/chat.py), or --chat-template's; the reply read for its
                         reasoning and tool calls (mixserve/replies.py)
+  POST /update_weights_from_disk  SGLang's: serve the weights of another checkpoint of the model
+                        (an RL trainer's step), swapped in between two engine steps
   POST /tokenize, /detokenize  text (or messages) <-> token ids, as the completion endpoints encode them
   GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hmac
 import http.server
 import json
@@ -767,14 +770,45 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
             self.read_body()  # whatever it holds: left unread, it would be read as the next request
             self.send_json(200, {"freed_pages": self.server.loop.between_steps(lambda e: e.reset_prefix_cache())})
+        elif self.path == "/update_weights_from_disk":
+            self.send_json(200, self.update_weights(self.read_json()))
         elif self.path in TOKENIZER_POSTS:
             self.send_json(200, TOKENIZER_POSTS[self.path](self.read_json(), self.server.served))
         elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         else:
             raise BadRequest(f"no POST {self.path}: this server serves POST "
-                             f"{', '.join([*PARSERS, *TOKENIZER_POSTS, '/reset_prefix_cache'])}",
+                             f"{', '.join([*PARSERS, *TOKENIZER_POSTS, '/reset_prefix_cache', '/update_weights_from_disk'])}",
                              404)
+
+    def update_weights(self, body: dict) -> dict:
+        """SGLang's /update_weights_from_disk: the checkpoint at model_path, loaded as the server's
+        flags load one (on this thread, while the engine steps), then swapped in between two steps
+        (Engine.update_weights); running requests are recomputed, or aborted with abort_all_requests."""
+        if unknown := sorted(set(body) - {"model_path", "abort_all_requests"}):
+            raise BadRequest(f"unknown fields {unknown}: /update_weights_from_disk takes model_path and abort_all_requests")
+        path, abort = body.get("model_path"), body.get("abort_all_requests", False)
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise BadRequest(f"model_path must be a checkpoint directory on the server, got {path!r}")
+        if not isinstance(abort, bool):
+            raise BadRequest(f"abort_all_requests must be a boolean, got {abort!r}")
+        if self.server.reload is None:
+            raise BadRequest("this server was built without a way to load weights", 501, "server_error")
+        try:
+            weights = self.server.reload(path)
+        except (ValueError, OSError) as e:
+            raise BadRequest(f"{path}: {e}") from e
+        running = "abort" if abort else "recompute"
+
+        def swap(engine: Frontend) -> int:
+            try:
+                return engine.update_weights(*weights, running=running)
+            except ValueError as e:
+                raise BadRequest(f"{path}: {e}") from e
+
+        n = self.server.loop.between_steps(swap)
+        return {"success": True, "message": f"serving the weights of {path}; {n} running requests "
+                                            f"{'aborted' if abort else 'recomputed'}", "num_running_requests": n}
 
     def send_response(self, code, message=None):
         self.responded = True
@@ -930,10 +964,12 @@ class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, reload: Callable[[str], tuple] | None = None):
         super().__init__(address, Handler)
         self.loop = EngineLoop(engine)
         self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
+        # checkpoint path -> the engine's weight sets, as update_weights takes them (None: no reloads)
+        self.reload = reload
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # else: its client went away
@@ -984,7 +1020,7 @@ def make_server(argv=None) -> Server:
     args = parser.parse_args(argv)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template}: no such file")
-    _, _, setup = run.start(parser, args, progress=True)
+    backend, _, setup = run.start(parser, args, progress=True)
     template = setup.model.chat_template
     if args.chat_template is not None:
         template = ChatTemplate.from_file(args.chat_template, args.model if os.path.isdir(args.model) else None)
@@ -993,7 +1029,16 @@ def make_server(argv=None) -> Server:
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
                     min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
-    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key)
+    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
+                  reload=functools.partial(reloaded, args, backend, setup))
+
+
+def reloaded(args, backend: str, setup: run.Setup, path: str) -> tuple:
+    """The checkpoint at path as update_weights takes it, loaded as the flags loaded the served one:
+    (prefill set, decode set), the decode set None where one set serves both on one engine."""
+    _, prefill, decode = run.weight_sets(args, path, backend, setup.prefiller.mesh, progress=False)
+    one_set = setup.prefiller is setup.decoder and decode is prefill
+    return prefill, None if one_set else decode
 
 
 def reply_format(args, template: ChatTemplate | None) -> ReplyFormat:

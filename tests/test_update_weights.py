@@ -3,6 +3,7 @@ compiled again and no KV of the old weights read with the new (the HTTP endpoint
 tests/test_server.py)."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -11,8 +12,10 @@ import pytest
 import mixserve
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.quantize import plan_for, quantize_model
+from mixserve import run, server
 from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
+from test_server import PROMPT, post, serving
 
 NEW = 6
 
@@ -134,3 +137,51 @@ def test_an_engine_of_two_weight_sets_takes_both(kimi):
     e.update_weights(new_sets[0], decode_model=new_sets[1])
     want = engine(new_sets[0], decode_model=new_sets[1]).generate(prompts, max_new_tokens=NEW)
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [r.tokens for r in want]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two checkpoints of one tiny Kimi (seeds 0 and 1) and one of a tiny GLM, as transformers saves them."""
+    import hf_reference
+
+    dirs = {}
+    for key, name, seed in (("a", "kimi-yarn-groups", 0), ("b", "kimi-yarn-groups", 1), ("glm", "glm4-plain", 0)):
+        dirs[key] = str(tmp_path_factory.mktemp(key))
+        hf_reference.save(hf_reference.build(name, seed, vocab_size=320), dirs[key])  # byte tokens are ids < 256
+    return dirs
+
+
+def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_model(checkpoints):
+    """SGLang's endpoint: after it, a completion is what mixserve.run serves on the new checkpoint
+    with the same flags, and the prompt the cache held before is computed anew. A missing
+    directory, an unknown field, a bad type and another model's checkpoint are 400s that change
+    nothing."""
+    flags = ["--page-size", "4", "--concurrency", "2"]
+    new = run.main(["--model", checkpoints["b"], *flags, "--prompt", PROMPT, "--max-new-tokens", "6", "--ignore-eos",
+                    "--json"])["requests"][0]["tokens"]
+    s = serving(server.make_server(["--model", checkpoints["a"], *flags, "--port", "0"]))
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+        def complete():
+            status, reply = post(s, body)
+            assert status == 200, reply
+            return reply["choices"][0]["token_ids"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        old, _ = complete()
+        assert complete() == (old, 12) and old != new  # 3 pages of 4 cached
+        status, reply = post(s, {"model_path": checkpoints["b"]}, "/update_weights_from_disk")
+        assert status == 200 and reply["success"] and reply["num_running_requests"] == 0, reply
+        assert complete() == (new, 0)
+        for fields, message in (({"model_path": "/nowhere"}, "must be a checkpoint directory"),
+                                ({"model_path": checkpoints["a"], "flush_cache": True}, r"unknown fields \['flush_cache'\]"),
+                                ({"model_path": checkpoints["a"], "abort_all_requests": "yes"}, "must be a boolean"),
+                                ({"model_path": checkpoints["glm"]}, "its family is 'glm4_moe'")):
+            status, error = post(s, fields, "/update_weights_from_disk")
+            assert status == 400 and re.search(message, error["error"]["message"]), error
+        assert complete() == (new, 12)
+        status, reply = post(s, {"model_path": checkpoints["a"], "abort_all_requests": True}, "/update_weights_from_disk")
+        assert status == 200 and "aborted" in reply["message"]
+        assert complete() == (old, 0)
+    finally:
+        s.close()
