@@ -96,8 +96,8 @@ class DisaggregatedEngine(Frontend):
         decode_model (None: model too); both checked before either changes."""
         check_running(running)
         prefill, decode = self.prefill.weights_like(model), self.decode.weights_like(decode_model or model)
-        self.prefill.runner.model, self.prefill.runner.decode_model = prefill
-        self.decode.runner.model, self.decode.runner.decode_model = decode
+        self.prefill._swap_in(prefill)
+        self.decode._swap_in(decode)
         return self.prefill._restart(running) + self.decode._restart(running)
 
     def _reject_reason(self, req: Request) -> str | None:

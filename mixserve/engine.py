@@ -23,6 +23,7 @@ mixserve/disaggregated.py hands the request's pages to a decode engine.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -38,7 +39,7 @@ from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
 from mixserve.host_cache import HostKVCache
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
-from mixserve.model import Model, placed_like
+from mixserve.model import Model, committed, placed_like
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
@@ -46,8 +47,8 @@ from mixserve.scheduler import Counters, PageManager, Scheduler
 __all__ = ["Counters", "Engine", "Result", "TokenLogprobs", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
-DRAFTS = ("mtp", "ngram")
-RESTARTS = ("recompute", "abort")  # what update_weights does with the running requests  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
+DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
+RESTARTS = ("recompute", "abort")  # what update_weights does with the requests that ran on the old weights
 
 
 class Engine(Frontend):
@@ -140,6 +141,8 @@ class Engine(Frontend):
         if mesh is not None:
             model = sharding.shard_model(model, mesh, expert_parallel)
             decode_model = None if decode_model is None else sharding.shard_model(decode_model, mesh, expert_parallel)
+        else:  # as update_weights places new weights: jit's cache keys on it
+            model, decode_model = committed(model), decode_model and committed(decode_model)
         # fault_hook(table, decode_step) -> table runs before each decode step: tests and notebooks
         # use it with mixserve.faults to corrupt the bookkeeping on purpose.
         self.fault_hook = fault_hook
@@ -198,36 +201,63 @@ class Engine(Frontend):
         a fine-tune's checkpoint), between two steps; nothing compiles again (model.placed_like).
         An engine of two weight sets (decode_model at construction) takes both. KV computed with
         the old weights is never read with the new: the prefix cache and its host tier are
-        emptied, and each running request is, by `running`,
-          "recompute": preempted, and recomputed from its prompt and output so far when
-                       readmitted (it keeps those tokens: they came from the old weights);
-          "abort":     finished "aborted" with the reason, its pages freed.
-        Waiting requests hold no KV and run on the new weights. The FP8 KV scales stay.
-        Returns how many requests it recomputes or aborts. All or nothing: a ValueError changes
-        nothing."""
+        emptied, and each request that ran on the old weights is, by `running`,
+          "recompute": preempted if running, and recomputed from its prompt and output so far when
+                       (re)admitted (it keeps those tokens: they came from the old weights);
+          "abort":     finished "aborted" with the reason (running, or preempted and waiting),
+                       its pages freed.
+        Requests not yet admitted run on the new weights alone. Where the pools hold the served
+        checkpoint's calibrated FP8 KV scales, the new weights' own replace them (they must ship
+        some); other scales stay. The tokenizer and chat template stay. Returns how many requests
+        it recomputes or aborts. All or nothing: a ValueError changes nothing."""
         check_running(running)
-        self.runner.model, self.runner.decode_model = self.weights_like(model, decode_model)
+        self._swap_in(self.weights_like(model, decode_model))
         return self._restart(running)
 
-    def weights_like(self, model: Model, decode_model: Model | None = None) -> tuple[Model, Model]:
-        """The (prefill, decode) weight sets update_weights would swap in, checked and placed."""
+    def weights_like(self, model: Model, decode_model: Model | None = None) -> tuple[Model, Model, tuple | None]:
+        """What update_weights swaps in, checked and placed as the served weights are: the prefill
+        and decode weight sets, and the pools' new FP8 KV scales (None: they stay)."""
         two_sets = self.runner.decode_model is not self.runner.model
         if two_sets != (decode_model is not None):
             raise ValueError("this engine serves two weight sets: give decode_model too" if two_sets else
                              "this engine serves one weight set for prefill and decode: give no decode_model")
+        if self.mesh is not None:  # split (quantized scales re-blocked to the shares) as at construction
+            expert_parallel = self.runner.model.expert_parallel
+            model = sharding.shard_model(model, self.mesh, expert_parallel)
+            decode_model = decode_model and sharding.shard_model(decode_model, self.mesh, expert_parallel)
         new = placed_like(self.runner.model, model)
-        return new, new if decode_model is None else placed_like(self.runner.decode_model, decode_model, "decode_model")
+        decode = new if decode_model is None else placed_like(self.runner.decode_model, decode_model, "decode_model")
+        scales = None
+        if self.kv_scales_from_checkpoint:
+            if model.kv_scales is None:
+                raise ValueError("the pools hold the served checkpoint's calibrated FP8 KV scales, and the new "
+                                 "weights ship none")
+            scales = self.runner.placed_scales(*self._layer_scales(model.kv_scales))
+        return new, decode, scales
+
+    def _layer_scales(self, kv_scales) -> tuple:
+        """A checkpoint's (k, v) scales, one per cache layer, as the pools take them."""
+        return tuple(layer_scales(x[:, None], name, self.cfg, self.mtp_drafts)
+                     for x, name in zip(kv_scales, ("k_scale", "v_scale")))
+
+    def _swap_in(self, weights: tuple[Model, Model, tuple | None]) -> None:
+        self.runner.model, self.runner.decode_model, scales = weights
+        if scales is not None:
+            self.runner.scales = scales
 
     def _restart(self, running: str) -> int:
-        """The running requests' KV is the old weights': recompute or abort them, and empty the cache."""
+        """KV and tokens of the old weights: recompute or abort the requests that hold them, and
+        forget the cache."""
+        s = self.scheduler
         if running == "abort":
-            reqs = [r for r in self.scheduler.running if r.result is None]
+            reqs = [r for r in s.running if r.result is None] + [r for r in s.waiting if r.cache_hit_tokens is not None]
             for req in reqs:
                 req.finish("aborted", "the weights were updated")
-            self.scheduler.retire_finished()
+            s.waiting = collections.deque(r for r in s.waiting if r.result is None)
+            s.retire_finished()
         else:
-            reqs = self.scheduler.preempt_all()
-        self.page_manager.reset_prefix_cache()
+            reqs = s.preempt_all()
+        self.page_manager.forget_cache()
         return len(reqs)
 
     @property

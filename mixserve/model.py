@@ -79,8 +79,9 @@ class Model:
 
 
 def placed_like(served: Model, new: Model, name: str = "model") -> Model:
-    """served with new's weights, each array placed where served's is: what an engine swaps in
-    to serve new weights (Engine.update_weights) without compiling anything again. new must be
+    """served with new's weights, each array placed where served's is (which must be committed:
+    `committed`): what an engine swaps in to serve new weights (Engine.update_weights) without
+    compiling anything again. new must be
     the same model in the same formats and precision, array for array; a ValueError names the
     first difference. The rest of served (tokenizer, chat template, KV scales) stays."""
     for field in ("config", "plan", "mtp_plan", "dtype", "backend"):
@@ -101,9 +102,19 @@ def placed_like(served: Model, new: Model, name: str = "model") -> Model:
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: {jax.tree_util.keystr(path)} is {b.dtype}{list(b.shape)}, the served "
                              f"model's {a.dtype}{list(a.shape)}")
-    # committed or not as served's: jit's cache keys on it (an uncommitted array may move)
-    placed = [jax.device_put(b, a.sharding if a.committed else None) for (_, a), b in zip(old, leaves)]
+    # jit's cache keys on each argument's sharding, committedness and weak type: all as served's
+    placed = [jax.device_put(b, a.sharding) for (_, a), b in zip(old, leaves)]
+    placed = [jax.lax.convert_element_type(b, a.dtype) if b.weak_type and not a.weak_type else b
+              for (_, a), b in zip(old, placed)]
     return dataclasses.replace(served, params=jax.tree_util.tree_unflatten(old_def, placed))
+
+
+def committed(model: Model) -> Model:
+    """model with each parameter committed to the device it is on (no copy; a host array: to the
+    default device), as placed_like places new weights."""
+    device = jax.devices()[0]
+    return dataclasses.replace(model, params=jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding if isinstance(x, jax.Array) else device), model.params))
 
 
 def init_params(config: ModelConfig, plan: WeightPlan, dtype, seed: int, mtp_plan: WeightPlan | None = None):

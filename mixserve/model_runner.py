@@ -139,10 +139,15 @@ class ModelRunner:
         self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
         self.speculative_step = decode_steps.speculative
         self.pick_step = decode_steps.pick
-        self.scales = (cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
-        if cfg.mesh is not None:  # placed as the steps leave them, and the scales on every device
+        self.scales = self.placed_scales(cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
+        if cfg.mesh is not None:  # placed as the steps leave them
             self.pools = jax.device_put(self.pools, sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots))
-            self.scales = jax.device_put(self.scales, NamedSharding(cfg.mesh, PartitionSpec()))
+
+    def placed_scales(self, k_scale, v_scale) -> tuple:
+        """The pools' FP8 KV scales as the steps take them: on every device of a mesh."""
+        if self.cfg.mesh is None:
+            return k_scale, v_scale
+        return jax.device_put((k_scale, v_scale), NamedSharding(self.cfg.mesh, PartitionSpec()))
 
     def read_pages(self, page_ids: list[int]) -> list[list[dict[str, np.ndarray]]]:
         """Pages page_ids on the host (the prefix cache's host tier, mixserve/host_cache.py): per

@@ -312,6 +312,20 @@ class PageManager:
             self.host.clear()
         return self.free_pages - before
 
+    def forget_cache(self) -> int:
+        """Empty the prefix cache, device and host, whatever maps its pages (new weights:
+        Engine.update_weights): reset_prefix_cache, then the cache gives up its hold on any page
+        a request still maps (the page goes back with that request). Returns the pages freed."""
+        freed = self.reset_prefix_cache()
+        held = list(self._cache.values())
+        self._cache.clear()
+        for i in range(0, len(held), self.max_pages_per_seq):
+            part = held[i:i + self.max_pages_per_seq]
+            self.table, *counts = _uncache_jit(self.table, self._padded([p for p, _ in part]),
+                                               self._padded([t for _, t in part], np.uint32), jnp.int32(len(part)))
+            self._mirror(counts)
+        return freed
+
     def _forget_stale(self, shared: list[tuple[int, int]]) -> None:
         """Drop the cache entries among `shared` whose page no longer holds what was cached (freed,
         or reallocated with a new tag), as a failed `share` found them: never served, they are

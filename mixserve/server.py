@@ -7,6 +7,7 @@
                         reasoning and tool calls (mixserve/replies.py)
   POST /update_weights_from_disk  SGLang's: serve the weights of another checkpoint of the model
                         (an RL trainer's step), swapped in between two engine steps
+  GET  /get_weight_version  SGLang's: the weight_version the last update named
   POST /tokenize, /detokenize  text (or messages) <-> token ids, as the completion endpoints encode them
   GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
@@ -186,12 +187,28 @@ class Cancel:
     call: Call
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class Between:
     """An inbox item: run fn(engine) between two steps, on the engine's thread; its result (or
-    the exception it raised) goes to `done`."""
+    the exception it raised) goes to `done`. One its caller stopped waiting for before the loop
+    started it is never run (`start` says False)."""
     fn: Callable
     done: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    state: str = "queued"  # "started" or "dropped" once decided, under `lock`
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def start(self) -> bool:
+        with self.lock:
+            if self.state == "queued":
+                self.state = "started"
+            return self.state == "started"
+
+    def drop(self) -> bool:
+        """Give up on it, if the loop has not started it (True); once started, it runs to the end."""
+        with self.lock:
+            if self.state == "queued":
+                self.state = "dropped"
+            return self.state == "dropped"
 
 
 class EngineLoop:
@@ -232,7 +249,9 @@ class EngineLoop:
         try:
             result = item.done.get(timeout=timeout_s)
         except queue.Empty:
-            raise BadRequest(f"the engine did not get to it within {timeout_s:.0f} s", 503, "server_error")
+            if item.drop():  # never to run: a client told it failed must not find it done later
+                raise BadRequest(f"the engine did not get to it within {timeout_s:.0f} s", 503, "server_error")
+            result = item.done.get()  # begun just now: it finishes
         if isinstance(result, BaseException):
             raise result
         return result
@@ -273,6 +292,8 @@ class EngineLoop:
             self.cancelled += sum(self.engine.cancel(rid) for rid in item.call.rids)
             return
         if isinstance(item, Between):
+            if not item.start():
+                return
             try:
                 item.done.put(item.fn(self.engine))
             except Exception as e:  # noqa: BLE001 - its caller's failure, not the loop's
@@ -753,6 +774,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200, {"object": "list", "data": [{
                 "id": self.server.served.model_name, "object": "model", "created": self.server.started,
                 "owned_by": "mixserve", "max_model_len": self.server.served.max_model_len}]})
+        elif self.path == "/get_weight_version":  # SGLang's: the weight_version of the last update
+            self.send_json(200, {"weight_version": self.server.weight_version})
         elif self.path == "/tokenizer_info":
             self.send_json(200, tokenizer_info(self.server.served))
         elif self.path == "/metrics":
@@ -764,7 +787,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         else:
-            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info or /metrics", 404)
+            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info, /get_weight_version or "
+                             "/metrics", 404)
 
     def post(self) -> None:
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
@@ -784,20 +808,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def update_weights(self, body: dict) -> dict:
         """SGLang's /update_weights_from_disk: the checkpoint at model_path, loaded as the server's
         flags load one (on this thread, while the engine steps), then swapped in between two steps
-        (Engine.update_weights); running requests are recomputed, or aborted with abort_all_requests."""
-        if unknown := sorted(set(body) - {"model_path", "abort_all_requests"}):
-            raise BadRequest(f"unknown fields {unknown}: /update_weights_from_disk takes model_path and abort_all_requests")
+        (Engine.update_weights); the requests that ran on the old weights are recomputed, or aborted
+        with abort_all_requests. One update at a time, in the order they came."""
+        fields = {"model_path", "abort_all_requests", "weight_version", "load_format", "flush_cache"}
+        if unknown := sorted(set(body) - fields):
+            raise BadRequest(f"unknown fields {unknown}: /update_weights_from_disk takes {sorted(fields)}")
         path, abort = body.get("model_path"), body.get("abort_all_requests", False)
+        version = body.get("weight_version")
         if not isinstance(path, str) or not os.path.isdir(path):
             raise BadRequest(f"model_path must be a checkpoint directory on the server, got {path!r}")
-        if not isinstance(abort, bool):
-            raise BadRequest(f"abort_all_requests must be a boolean, got {abort!r}")
+        for field, ok, what in (("abort_all_requests", isinstance(abort, bool), "a boolean"),
+                                ("weight_version", version is None or isinstance(version, str), "a string"),
+                                ("load_format", body.get("load_format") in (None, "auto"), "auto (safetensors)"),
+                                ("flush_cache", body.get("flush_cache", True) is True,
+                                 "true: KV of the old weights is never read with the new")):
+            if not ok:
+                raise BadRequest(f"{field} must be {what}, got {body[field]!r}")
         if self.server.reload is None:
             raise BadRequest("this server was built without a way to load weights", 501, "server_error")
-        try:
-            weights = self.server.reload(path)
-        except (ValueError, OSError) as e:
-            raise BadRequest(f"{path}: {e}") from e
         running = "abort" if abort else "recompute"
 
         def swap(engine: Frontend) -> int:
@@ -806,9 +834,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except ValueError as e:
                 raise BadRequest(f"{path}: {e}") from e
 
-        n = self.server.loop.between_steps(swap)
-        return {"success": True, "message": f"serving the weights of {path}; {n} running requests "
-                                            f"{'aborted' if abort else 'recomputed'}", "num_running_requests": n}
+        with self.server.updating:
+            try:
+                weights = self.server.reload(path)
+            except (ValueError, OSError) as e:
+                raise BadRequest(f"{path}: {e}") from e
+            n = self.server.loop.between_steps(swap, timeout_s=600.0)
+            self.server.weight_version = version or self.server.weight_version
+        return {"success": True, "message": f"serving the weights of {path}; {n} requests "
+                                            f"{'aborted' if abort else 'recomputed'}", "num_requests": n}
 
     def send_response(self, code, message=None):
         self.responded = True
@@ -970,6 +1004,8 @@ class Server(http.server.ThreadingHTTPServer):
         self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
         # checkpoint path -> the engine's weight sets, as update_weights takes them (None: no reloads)
         self.reload = reload
+        self.updating = threading.Lock()  # one weight update at a time: each loads a whole weight set
+        self.weight_version = "default"  # SGLang's name for the weights served, set by an update
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # else: its client went away
@@ -1030,15 +1066,16 @@ def make_server(argv=None) -> Server:
                     min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
     return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
-                  reload=functools.partial(reloaded, args, backend, setup))
+                  reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
+                                           setup.prefiller is setup.decoder))
 
 
-def reloaded(args, backend: str, setup: run.Setup, path: str) -> tuple:
-    """The checkpoint at path as update_weights takes it, loaded as the flags loaded the served one:
-    (prefill set, decode set), the decode set None where one set serves both on one engine."""
-    _, prefill, decode = run.weight_sets(args, path, backend, setup.prefiller.mesh, progress=False)
-    one_set = setup.prefiller is setup.decoder and decode is prefill
-    return prefill, None if one_set else decode
+def reloaded(args, backend: str, mesh, one_engine: bool, path: str) -> tuple:
+    """The checkpoint at path as update_weights takes it, loaded as the flags loaded the served one
+    (onto the prefill mesh): (prefill set, decode set), the decode set None where one set serves both
+    on one engine. (Only what it reads is bound: the served weights are not kept alive.)"""
+    _, prefill, decode = run.weight_sets(args, path, backend, mesh, progress=False)
+    return prefill, None if one_engine and decode is prefill else decode
 
 
 def reply_format(args, template: ChatTemplate | None) -> ReplyFormat:

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import types
+import uuid
 
 import jax.numpy as jnp
 import numpy as np
@@ -272,9 +273,11 @@ def test_n_samples_are_the_requests_seeded_one_apart(srv):
 
 def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
     encode = ByteTokenizer().encode
-    status, body = post(srv, chat(return_token_ids=True, logprobs=True, top_logprobs=2), CHAT)
+    # salts of their own: both compute the whole prompt (cached FP8 pages would move logprobs by ~1e-3)
+    status, body = post(srv, chat(return_token_ids=True, logprobs=True, top_logprobs=2, cache_salt=str(uuid.uuid4())),
+                        CHAT)
     assert status == 200, body
-    _, plain = post(srv, greedy(prompt=encode(RENDERED), return_token_ids=True, logprobs=2))
+    _, plain = post(srv, greedy(prompt=encode(RENDERED), return_token_ids=True, logprobs=2, cache_salt=str(uuid.uuid4())))
     (choice,), (expected,) = body["choices"], plain["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected["text"]}
     assert choice["prompt_token_ids"] == encode(RENDERED) and choice["token_ids"] == expected["token_ids"]
@@ -319,8 +322,9 @@ def test_response_format_and_structured_outputs_hold_the_reply(srv, stream):
 
 
 def test_a_streamed_chat_reply_adds_up_to_the_whole_one(srv):
-    _, whole = post(srv, chat(), CHAT)
-    got = events(srv, chat(stream_options={"include_usage": True}), CHAT)
+    # salts of their own: neither finds the other's (or an earlier test's) pages cached, so their usages agree
+    _, whole = post(srv, chat(cache_salt=str(uuid.uuid4())), CHAT)
+    got = events(srv, chat(stream_options={"include_usage": True}, cache_salt=str(uuid.uuid4())), CHAT)
     assert got[-1] == "[DONE]"
     *chunks, usage = got[:-1]
     deltas = [c["choices"][0]["delta"] for c in chunks]

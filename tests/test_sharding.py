@@ -117,6 +117,13 @@ for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
     assert all(not x.sharding.is_fully_replicated for x in down.stored), fmt
     assert_no_weight_gathered(split, str(fmt))
     assert_no_weight_gathered(split, str(fmt), prefill=True)
+    # new weights in this format are split and re-blocked as the served ones were, then swapped in
+    other, _ = quantize_model(mixserve.load("tiny-kimi", dtype="float32", seed=1), plan_for(fmt, "all"))
+    compiled = split.runner.decode_step._cache_size()
+    split.update_weights(other)
+    want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=3)]
+    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
+    assert split.runner.decode_step._cache_size() == compiled
 with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
 # What 3 devices do not divide stays whole on each, and is named (the flattened widths of the axes).
@@ -367,8 +374,9 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
     (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
-    per-device bytes. A structured output samples the same at TP2. New weights swapped in at TP2
-    keep their placement and compiled steps and serve the one-device tokens."""
+    per-device bytes. A structured output samples the same at TP2. New weights swapped in (GLM-4 at
+    TP2; INT4 and FP8-block Kimi at TP4, re-blocked) keep their placement and compiled steps and
+    serve the one-device tokens."""
     run_on_8_devices(XLA_PATH)
 
 

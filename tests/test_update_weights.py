@@ -2,10 +2,14 @@
 compiled again and no KV of the old weights read with the new (the HTTP endpoint:
 tests/test_server.py)."""
 
+import contextlib
 import dataclasses
+import http.client
+import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,7 +19,7 @@ from mixserve.quantize import plan_for, quantize_model
 from mixserve import run, server
 from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
-from test_server import PROMPT, post, serving
+from test_server import PROMPT, Scripted, get, post, serving
 
 NEW = 6
 
@@ -41,13 +45,19 @@ def test_new_weights_serve_as_a_fresh_engine_and_compile_nothing(kimi):
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [greedy_reference(old, p, NEW) for p in prompts]
     e.generate(fresh_prompts((14, 14, 14, 14)), max_new_tokens=NEW)  # pushes some of prompts' pages to the host
     assert e.cached_pages > 0 and len(e.host_cache) > 0
-    compiled = e.runner.decode_step._cache_size()
-    assert e.update_weights(new) == 0  # nothing was running
-    assert e.cached_pages == 0 and len(e.host_cache) == 0
+    compiled = [f._cache_size() for f in (e.runner.decode_step, e.runner.prefill_step)]
+    # as a trainer may hand them over: committed to a device, and a leaf of weak type
+    handed = jax.device_put(new.params, jax.devices()[0])
+    norm = handed["norm"]["scale"]
+    assert np.all(np.asarray(norm) == 1)  # initialized to ones: the same values, made of a Python scalar
+    handed["norm"]["scale"] = jax.device_put(jnp.broadcast_to(jnp.array(1.0), norm.shape), jax.devices()[0])
+    assert handed["norm"]["scale"].weak_type and handed["norm"]["scale"].committed
+    assert e.update_weights(dataclasses.replace(new, params=handed)) == 0  # nothing was running
+    assert e.cached_pages == 0 and len(e.host_cache) == 0 and e.page_manager.cached == 0
     results = e.generate(prompts, max_new_tokens=NEW)
     assert [r.tokens for r in results] == [greedy_reference(new, p, NEW) for p in prompts]
     assert [r.cached_tokens for r in results] == [0, 0, 0]
-    assert e.runner.decode_step._cache_size() == compiled
+    assert [f._cache_size() for f in (e.runner.decode_step, e.runner.prefill_step)] == compiled
     assert all(x.sharding == y.sharding for x, y in zip(jax.tree.leaves(e.runner.model.params),
                                                          jax.tree.leaves(old.params)))
 
@@ -56,17 +66,24 @@ def pair(model, **kw):
     return DisaggregatedEngine(engine(model, prefill_only=True, **kw), engine(model, **kw))
 
 
-@pytest.mark.parametrize("kind", ["engine", "pair"])
+@pytest.fixture(scope="module")
+def kimi_mtp():
+    return tuple(mixserve.load("tiny-kimi", dtype="float32", seed=seed, mtp=True) for seed in (0, 1))
+
+
+@pytest.mark.parametrize("kind", ["engine", "pair", "mtp"])
 @pytest.mark.parametrize("running", ["recompute", "abort"])
-def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_new_weights(kimi, kind, running):
+def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_new_weights(kimi, kimi_mtp, kind,
+                                                                                            running):
     """Two slots, three requests, two steps: two run with tokens of the old weights and the third
-    waits (a pair's prefill side has begun it: it runs there, with KV of the old weights).
+    waits (a pair's prefill side has begun it: it runs there, with KV of the old weights). With MTP
+    drafts their greedy tokens are the same, and the drafts of the old MTP layer are dropped.
     "recompute" keeps each running request's tokens and continues it greedily under the new
     weights from its prompt and output so far; "abort" ends it with the reason and the tokens it
     had. A request that was not running is the new weights' alone."""
-    old, new = kimi
-    e = engine(old, max_batch=2) if kind == "engine" else pair(old, max_batch=2)
-    sides = [e] if kind == "engine" else [e.prefill, e.decode]
+    old, new = kimi_mtp if kind == "mtp" else kimi  # mtp: the MTP layer drafts 2 tokens a step
+    e = pair(old, max_batch=2) if kind == "pair" else engine(old, max_batch=2, speculative_tokens=2 * (kind == "mtp"))
+    sides = [e.prefill, e.decode] if kind == "pair" else [e]
     prompts = fresh_prompts()
     rids = [e.submit(p, max_new_tokens=NEW) for p in prompts]
     got = {rid: [] for rid in rids}
@@ -92,6 +109,32 @@ def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_
         else:
             assert results[rid].status == "ok"
             assert got[rid] == kept + greedy_reference(new, prompt + kept, NEW - len(kept))
+
+
+def test_abort_ends_a_preempted_request_too_and_the_cache_lets_go_of_mapped_pages(kimi):
+    """A request preempted before the update waits with tokens of the old weights: "abort" ends
+    it like the running ones. forget_cache drops entries whose pages a request still maps (its
+    hold given up, the page freed with the request: no page leaks)."""
+    old, new = kimi
+    e = engine(old, max_batch=2)
+    prompts = fresh_prompts()
+    rids = [e.submit(p, max_new_tokens=NEW) for p in prompts]
+    for _ in range(3):
+        e.step()
+    [first, second] = e.scheduler.running
+    assert e.page_manager.cached > 0  # their full prompt pages, mapped and cached
+    e.page_manager.forget_cache()
+    assert e.page_manager.cached == 0
+    e.scheduler.preempt_all()  # as make_room_for_decode would preempt them for pages
+    assert e.scheduler.admit(1) == [first]  # readmitted; the second waits with its tokens, the third new
+    assert e.update_weights(new, running="abort") == 2
+    assert e.page_manager.cached == 0
+    results = {}
+    while e.has_work():
+        results.update({u.rid: u.result for u in e.step() if u.result is not None})
+    assert [results[r].status for r in rids] == ["aborted", "aborted", "ok"] and first.out and second.out
+    assert results[rids[2]].tokens == greedy_reference(new, prompts[2], NEW)
+    assert e.free_pages == e.num_pages  # cached pages (the third's) count free: none leaked
 
 
 def test_weights_of_another_model_format_or_shape_are_refused_and_change_nothing(kimi):
@@ -121,7 +164,6 @@ def test_weights_of_another_model_format_or_shape_are_refused_and_change_nothing
     while e.has_work():
         results.update({u.rid: u.result for u in e.step() if u.result is not None})
     assert results[rid].tokens == greedy_reference(old, prompt, NEW)
-    assert e.runner.model.params is old.params
 
 
 def test_an_engine_of_two_weight_sets_takes_both(kimi):
@@ -139,6 +181,28 @@ def test_an_engine_of_two_weight_sets_takes_both(kimi):
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [r.tokens for r in want]
 
 
+def test_the_new_weights_calibrated_fp8_kv_scales_replace_the_served_checkpoints():
+    """A GQA model whose checkpoint ships FP8 KV scales writes its pools with them; new weights
+    bring their own (all KV is recomputed), as a fresh engine on them would use, or are refused
+    without any."""
+    glm = [mixserve.load("tiny-glm4", dtype="float32", seed=seed) for seed in (0, 1)]
+    layers = glm[0].config.num_layers
+    rng = np.random.default_rng()
+    old, new = (dataclasses.replace(m, kv_scales=tuple(rng.uniform(0.01, 0.05, layers).astype(np.float32)
+                                                       for _ in range(2))) for m in glm)
+    e = engine(old, kv_dtype="fp8_e4m3")
+    assert e.kv_scales_from_checkpoint
+    with pytest.raises(ValueError, match="the new weights ship none"):
+        e.update_weights(glm[1])
+    e.update_weights(new)
+    fresh = engine(new, kv_dtype="fp8_e4m3")
+    for mine, want in zip(e.runner.scales, fresh.runner.scales):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(want))
+    prompts = fresh_prompts()
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == \
+        [r.tokens for r in fresh.generate(prompts, max_new_tokens=NEW)]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Two checkpoints of one tiny Kimi (seeds 0 and 1) and one of a tiny GLM, as transformers saves them."""
@@ -147,15 +211,17 @@ def checkpoints(tmp_path_factory):
     dirs = {}
     for key, name, seed in (("a", "kimi-yarn-groups", 0), ("b", "kimi-yarn-groups", 1), ("glm", "glm4-plain", 0)):
         dirs[key] = str(tmp_path_factory.mktemp(key))
-        hf_reference.save(hf_reference.build(name, seed, vocab_size=320), dirs[key])  # byte tokens are ids < 256
+        # byte tokens are ids < 256; room for a request that runs until an update aborts it
+        hf_reference.save(hf_reference.build(name, seed, vocab_size=320, max_position_embeddings=4096), dirs[key])
     return dirs
 
 
 def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_model(checkpoints):
     """SGLang's endpoint: after it, a completion is what mixserve.run serves on the new checkpoint
     with the same flags, and the prompt the cache held before is computed anew. A missing
-    directory, an unknown field, a bad type and another model's checkpoint are 400s that change
-    nothing."""
+    directory, an unknown field, bad values and another model's checkpoint are 400s that change
+    nothing. With abort_all_requests a streamed request running on the old weights ends with an
+    error event; weight_version is reported."""
     flags = ["--page-size", "4", "--concurrency", "2"]
     new = run.main(["--model", checkpoints["b"], *flags, "--prompt", PROMPT, "--max-new-tokens", "6", "--ignore-eos",
                     "--json"])["requests"][0]["tokens"]
@@ -168,20 +234,51 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
             assert status == 200, reply
             return reply["choices"][0]["token_ids"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+        def update(**fields):
+            return post(s, fields, "/update_weights_from_disk")
+
         old, _ = complete()
         assert complete() == (old, 12) and old != new  # 3 pages of 4 cached
-        status, reply = post(s, {"model_path": checkpoints["b"]}, "/update_weights_from_disk")
-        assert status == 200 and reply["success"] and reply["num_running_requests"] == 0, reply
+        status, reply = update(model_path=checkpoints["b"], weight_version="step-1", load_format="auto")
+        assert status == 200 and reply["success"] and reply["num_requests"] == 0, reply
+        assert get(s, "/get_weight_version") == (200, {"weight_version": "step-1"})
         assert complete() == (new, 0)
         for fields, message in (({"model_path": "/nowhere"}, "must be a checkpoint directory"),
-                                ({"model_path": checkpoints["a"], "flush_cache": True}, r"unknown fields \['flush_cache'\]"),
+                                ({"model_path": checkpoints["a"], "strict": True}, r"unknown fields \['strict'\]"),
                                 ({"model_path": checkpoints["a"], "abort_all_requests": "yes"}, "must be a boolean"),
+                                ({"model_path": checkpoints["a"], "flush_cache": False}, "flush_cache must be true"),
+                                ({"model_path": checkpoints["a"], "load_format": "pt"}, "load_format must be auto"),
                                 ({"model_path": checkpoints["glm"]}, "its family is 'glm4_moe'")):
-            status, error = post(s, fields, "/update_weights_from_disk")
+            status, error = update(**fields)
             assert status == 400 and re.search(message, error["error"]["message"]), error
         assert complete() == (new, 12)
-        status, reply = post(s, {"model_path": checkpoints["a"], "abort_all_requests": True}, "/update_weights_from_disk")
-        assert status == 200 and "aborted" in reply["message"]
+        assert get(s, "/get_weight_version")[1] == {"weight_version": "step-1"}
+        with contextlib.closing(http.client.HTTPConnection(*s.server_address[:2], timeout=120)) as c:
+            c.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 4000, "stream": True}))
+            stream = c.getresponse()
+            assert stream.status == 200
+            while not (line := stream.readline()).startswith(b"data:"):  # its first chunk: it runs
+                assert line, "the stream ended before its first chunk"
+            status, reply = update(model_path=checkpoints["a"], abort_all_requests=True)
+            assert status == 200 and reply["num_requests"] == 1 and "aborted" in reply["message"], reply
+            rest = stream.read().decode()
+        assert "the weights were updated" in rest and rest.rstrip().endswith("data: [DONE]")
         assert complete() == (old, 0)
     finally:
         s.close()
+
+
+def test_a_between_steps_call_given_up_on_never_runs():
+    """A call the HTTP thread stopped waiting for (its client told it failed) is skipped by the
+    loop; one the loop has started cannot be given up on."""
+    loop, ran = server.EngineLoop(Scripted("x")), []
+    try:
+        given_up = server.Between(lambda e: ran.append("given up"))
+        assert given_up.drop()
+        loop.submit(given_up)
+        loop.between_steps(lambda e: ran.append("next"))  # after it in the inbox
+        assert ran == ["next"]
+        started = server.Between(lambda e: None)
+        assert started.start() and not started.drop()
+    finally:
+        loop.close()
