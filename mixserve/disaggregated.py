@@ -77,15 +77,19 @@ class DisaggregatedEngine(Frontend):
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()
-        p_cfg, d_cfg = prefill.runner.cfg, decode.runner.cfg
-        self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)
-        self._convert = kv_transfer.needs_conversion(prefill.kv_format, self._src_scales, decode.kv_format,
-                                                     self._dst_scales)
+        self._transfer_scales()
         self._dst_layout = kv_transfer.layout(decode.runner.pools)
         # Where the pages land: the decode pools' devices and sharding (GQA: split by KV head).
         self._dst_shardings = jax.tree.map(lambda pool: pool.sharding, decode.runner.pools)
         # Committed there from the start, as a step's output is: else the first import compiles twice.
         decode.runner.pools = jax.device_put(decode.runner.pools, self._dst_shardings)
+
+    def _transfer_scales(self) -> None:
+        """Each pool's FP8 KV scales (unplaced, per cache layer), which the hand-over converts pages by."""
+        p_cfg, d_cfg = self.prefill.runner.cfg, self.decode.runner.cfg
+        self._src_scales, self._dst_scales = (p_cfg.k_scale, p_cfg.v_scale), (d_cfg.k_scale, d_cfg.v_scale)
+        self._convert = kv_transfer.needs_conversion(self.prefill.kv_format, self._src_scales, self.decode.kv_format,
+                                                     self._dst_scales)
 
     def reset_prefix_cache(self) -> int:
         """Evict both pools' cached pages that no request maps; returns how many pages that freed."""
@@ -98,6 +102,7 @@ class DisaggregatedEngine(Frontend):
         prefill, decode = self.prefill.weights_like(model), self.decode.weights_like(decode_model or model)
         self.prefill._swap_in(prefill)
         self.decode._swap_in(decode)
+        self._transfer_scales()  # a side's scales may have changed with its weights
         return self.prefill._restart(running) + self.decode._restart(running)
 
     def _reject_reason(self, req: Request) -> str | None:

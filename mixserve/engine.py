@@ -24,6 +24,7 @@ mixserve/disaggregated.py hands the request's pages to a decode engine.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 
@@ -81,6 +82,7 @@ class Engine(Frontend):
             raise ValueError("host_kv_bytes is the prefix cache's host tier: it needs prefix_caching")
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
+        decode_model = None if decode_model is model else decode_model  # one set, held once
         _check_speculative(speculative_tokens, draft, model, decode_model)
         # Speculative decoding (mixserve/speculative.py): each decode step verifies up to this many
         # tokens guessed by the checkpoint's MTP layer ("mtp": its KV cache is one more layer in the
@@ -208,15 +210,18 @@ class Engine(Frontend):
                        its pages freed.
         Requests not yet admitted run on the new weights alone. Where the pools hold the served
         checkpoint's calibrated FP8 KV scales, the new weights' own replace them (they must ship
-        some); other scales stay. The tokenizer and chat template stay. Returns how many requests
-        it recomputes or aborts. All or nothing: a ValueError changes nothing."""
+        some); other scales stay. The tokenizer and chat template stay. Arrays already placed as
+        the served ones are served as they are, not copied: a trainer that donates or deletes
+        them afterwards deletes the served weights. Returns how many requests it recomputes or
+        aborts. All or nothing: a ValueError changes nothing."""
         check_running(running)
         self._swap_in(self.weights_like(model, decode_model))
         return self._restart(running)
 
     def weights_like(self, model: Model, decode_model: Model | None = None) -> tuple[Model, Model, tuple | None]:
         """What update_weights swaps in, checked and placed as the served weights are: the prefill
-        and decode weight sets, and the pools' new FP8 KV scales (None: they stay)."""
+        and decode weight sets, and the pools' new FP8 KV scales, one per cache layer (None: they
+        stay)."""
         two_sets = self.runner.decode_model is not self.runner.model
         if two_sets != (decode_model is not None):
             raise ValueError("this engine serves two weight sets: give decode_model too" if two_sets else
@@ -232,7 +237,7 @@ class Engine(Frontend):
             if model.kv_scales is None:
                 raise ValueError("the pools hold the served checkpoint's calibrated FP8 KV scales, and the new "
                                  "weights ship none")
-            scales = self.runner.placed_scales(*self._layer_scales(model.kv_scales))
+            scales = self._layer_scales(model.kv_scales)
         return new, decode, scales
 
     def _layer_scales(self, kv_scales) -> tuple:
@@ -242,8 +247,9 @@ class Engine(Frontend):
 
     def _swap_in(self, weights: tuple[Model, Model, tuple | None]) -> None:
         self.runner.model, self.runner.decode_model, scales = weights
-        if scales is not None:
-            self.runner.scales = scales
+        if scales is not None:  # the config keeps them unplaced (a disaggregated pair's hand-over reads them)
+            self.runner.cfg = dataclasses.replace(self.runner.cfg, k_scale=scales[0], v_scale=scales[1])
+            self.runner.scales = self.runner.placed_scales(*scales)
 
     def _restart(self, running: str) -> int:
         """KV and tokens of the old weights: recompute or abort the requests that hold them, and

@@ -142,6 +142,8 @@ class ModelRunner:
         self.scales = self.placed_scales(cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
         if cfg.mesh is not None:  # placed as the steps leave them
             self.pools = jax.device_put(self.pools, sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots))
+        else:  # committed, as the params are and as the steps return them: one compiled entry per shape
+            self.pools = jax.device_put(self.pools, jax.tree.leaves(model.params)[0].sharding)
 
     def placed_scales(self, k_scale, v_scale) -> tuple:
         """The pools' FP8 KV scales as the steps take them: on every device of a mesh."""

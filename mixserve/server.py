@@ -298,6 +298,9 @@ class EngineLoop:
                 item.done.put(item.fn(self.engine))
             except Exception as e:  # noqa: BLE001 - its caller's failure, not the loop's
                 item.done.put(e)
+            except BaseException as e:  # the loop's end too: its caller must not wait forever
+                item.done.put(BadRequest(f"the engine stopped: {e!r}", 503, "server_error"))
+                raise
             return
         try:
             for i, (prompt, options) in enumerate(item.requests):

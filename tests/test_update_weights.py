@@ -62,6 +62,23 @@ def test_new_weights_serve_as_a_fresh_engine_and_compile_nothing(kimi):
                                                          jax.tree.leaves(old.params)))
 
 
+def test_each_shape_compiles_once_before_and_after_an_update(kimi):
+    """A fresh engine's pools and params are committed as its steps return them, so the second
+    call of a shape finds the first's program, and new weights change nothing of that."""
+    old, new = kimi
+    e, prompts = engine(old, num_pages=40), fresh_prompts()
+
+    def sizes():
+        e.generate(prompts, max_new_tokens=NEW)
+        e.reset_prefix_cache()  # the same shapes each time: whole prompts
+        return [f._cache_size() for f in (e.runner.prefill_step, e.runner.decode_step)]
+
+    first = sizes()
+    assert sizes() == first
+    e.update_weights(new)
+    assert sizes() == first
+
+
 def pair(model, **kw):
     return DisaggregatedEngine(engine(model, prefill_only=True, **kw), engine(model, **kw))
 
@@ -175,30 +192,42 @@ def test_an_engine_of_two_weight_sets_takes_both(kimi):
     e = engine(old_sets[0], decode_model=old_sets[1])
     with pytest.raises(ValueError, match="give decode_model too"):
         e.update_weights(new_sets[0])
+    same = engine(old, decode_model=old)  # one set, given twice: held once, and taken alone
+    assert same.runner.decode_model is same.runner.model and same.update_weights(new) == 0
     prompts = fresh_prompts()
     e.update_weights(new_sets[0], decode_model=new_sets[1])
     want = engine(new_sets[0], decode_model=new_sets[1]).generate(prompts, max_new_tokens=NEW)
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [r.tokens for r in want]
 
 
-def test_the_new_weights_calibrated_fp8_kv_scales_replace_the_served_checkpoints():
-    """A GQA model whose checkpoint ships FP8 KV scales writes its pools with them; new weights
-    bring their own (all KV is recomputed), as a fresh engine on them would use, or are refused
-    without any."""
+@pytest.mark.parametrize("kind", ["engine", "pair"])
+def test_the_new_weights_calibrated_fp8_kv_scales_replace_the_served_checkpoints(kind):
+    """A GQA model whose checkpoint ships FP8 KV scales writes its FP8 pools with them; new
+    weights bring their own (all KV is recomputed), as a fresh engine on them would use, or are
+    refused without any. A pair (BF16 prefill pool, FP8 decode pool: the seed's split) converts
+    the pages it hands over by the new scales too."""
     glm = [mixserve.load("tiny-glm4", dtype="float32", seed=seed) for seed in (0, 1)]
     layers = glm[0].config.num_layers
     rng = np.random.default_rng()
     old, new = (dataclasses.replace(m, kv_scales=tuple(rng.uniform(0.01, 0.05, layers).astype(np.float32)
                                                        for _ in range(2))) for m in glm)
-    e = engine(old, kv_dtype="fp8_e4m3")
-    assert e.kv_scales_from_checkpoint
+
+    def build(model):
+        if kind == "engine":
+            return engine(model, kv_dtype="fp8_e4m3")
+        return DisaggregatedEngine(engine(model, kv_dtype="bfloat16", prefill_only=True),
+                                   engine(model, kv_dtype="fp8_e4m3"))
+
+    e, prompts = build(old), fresh_prompts()
+    e.generate(prompts, max_new_tokens=NEW)
     with pytest.raises(ValueError, match="the new weights ship none"):
         e.update_weights(glm[1])
     e.update_weights(new)
-    fresh = engine(new, kv_dtype="fp8_e4m3")
-    for mine, want in zip(e.runner.scales, fresh.runner.scales):
+    fresh = build(new)
+    decoders = (e, fresh) if kind == "engine" else (e.decode, fresh.decode)
+    assert decoders[0].kv_scales_from_checkpoint
+    for mine, want in zip(decoders[0].runner.scales, decoders[1].runner.scales):
         np.testing.assert_array_equal(np.asarray(mine), np.asarray(want))
-    prompts = fresh_prompts()
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == \
         [r.tokens for r in fresh.generate(prompts, max_new_tokens=NEW)]
 
@@ -270,7 +299,7 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
 
 def test_a_between_steps_call_given_up_on_never_runs():
     """A call the HTTP thread stopped waiting for (its client told it failed) is skipped by the
-    loop; one the loop has started cannot be given up on."""
+    loop; one the loop has started cannot be given up on; one that ends the loop tells its caller."""
     loop, ran = server.EngineLoop(Scripted("x")), []
     try:
         given_up = server.Between(lambda e: ran.append("given up"))
@@ -280,5 +309,13 @@ def test_a_between_steps_call_given_up_on_never_runs():
         assert ran == ["next"]
         started = server.Between(lambda e: None)
         assert started.start() and not started.drop()
+
+        def stop(e):
+            raise SystemExit("stop")
+
+        with pytest.raises(server.BadRequest, match="the engine stopped: SystemExit"):  # its caller is told
+            loop.between_steps(stop)
+        loop.join()
+        assert not loop.alive
     finally:
         loop.close()
