@@ -119,7 +119,23 @@ class DisaggregatedEngine(Frontend):
         self.prefill._drop(req)  # waiting, prefilling, or prefilled and waiting for the decode side
         self.decode._drop(req)
 
+    @property
+    def sleeping(self) -> bool:
+        return self.prefill.sleeping
+
+    def sleep(self) -> int:
+        """Engine.sleep on both sides: both pools freed, or neither (refused while either works)."""
+        if busy := [name for name, e in (("prefill", self.prefill), ("decode", self.decode)) if e.scheduler.has_work()]:
+            raise RuntimeError(f"the {' and '.join(busy)} engine has unfinished requests: sleep between them")
+        return self.prefill.sleep() + self.decode.sleep()
+
+    def wake_up(self) -> None:
+        self.prefill.wake_up()
+        self.decode.wake_up()
+
     def _advance(self) -> None:
+        if self.sleeping:
+            return
         self.prefill._advance()  # prefill only: prefilled requests wait, holding their pages
         self._hand_over()
         self.prefill.scheduler.retire_finished()  # those it aborted free their pages now, not a step later

@@ -267,6 +267,35 @@ class Engine(Frontend):
         return len(reqs)
 
     @property
+    def sleeping(self) -> bool:
+        return self.runner.pools is None
+
+    def sleep(self) -> int:
+        """Free the KV pools' device memory between rollouts, for a trainer that shares the
+        devices (vLLM's sleep, SGLang's release_memory_occupation). The prefix cache's pages go
+        to its host tier if it has one (else they are dropped); the weights stay (a JAX trainer
+        holds them too; update_weights swaps new ones in, asleep or not). Requests submitted
+        while it sleeps wait for wake_up. Refused while requests are unfinished. Returns the
+        pool bytes freed (over all devices; 0 if already asleep)."""
+        if self.sleeping:
+            return 0
+        if self.scheduler.has_work():
+            raise RuntimeError(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are "
+                               "unfinished: sleep between them (or cancel them)")
+        self.page_manager.evict_all()
+        pools, self.runner.pools = jax.tree.leaves(self.runner.pools), None
+        freed = sum(x.nbytes for x in pools)
+        for x in pools:
+            x.delete()
+        return freed
+
+    def wake_up(self) -> None:
+        """Allocate the KV pools again (zeroed: nothing is read before it is written); waiting
+        requests go on at the next step."""
+        if self.sleeping:
+            self.runner.pools = self.runner.new_pools()
+
+    @property
     def table(self) -> pt.PageTable:
         return self.page_manager.table
 
@@ -290,7 +319,7 @@ class Engine(Frontend):
     def _advance(self) -> None:
         """Admit what fits and run up to prefill_calls_per_step prefill calls, one decode step over
         the requests whose prefill is done (none with prefill_only), retire the finished."""
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() and not self.sleeping:
             self._prefill()
             if self.scheduler.running and not self.prefill_only:
                 self.scheduler.make_room_for_decode()

@@ -92,6 +92,11 @@ class Frontend:
         self._drop(req)
         return True
 
+    @property
+    def sleeping(self) -> bool:
+        """Whether its KV pools are freed (Engine.sleep): steps run nothing until wake_up."""
+        return False
+
     def has_work(self) -> bool:
         """Whether a submitted request has not yet been reported finished by `step`."""
         return bool(self._unreported)

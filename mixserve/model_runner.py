@@ -131,7 +131,6 @@ class ModelRunner:
 
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig, grammars: Grammars):
         self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
-        self.pools = init_pools(model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
                         cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.num_pages, cfg.kv_format,
                         cfg.max_batch)
@@ -140,10 +139,16 @@ class ModelRunner:
         self.speculative_step = decode_steps.speculative
         self.pick_step = decode_steps.pick
         self.scales = self.placed_scales(cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
-        if cfg.mesh is not None:  # placed as the steps leave them
-            self.pools = jax.device_put(self.pools, sharding.pool_shardings(self.pools, cfg.mesh, cfg.split_slots))
-        else:  # committed, as the params are and as the steps return them: one compiled entry per shape
-            self.pools = jax.device_put(self.pools, jax.tree.leaves(model.params)[0].sharding)
+        self.pools = self.new_pools()
+
+    def new_pools(self) -> list[dict]:
+        """Zeroed KV pools, placed as the steps leave them: split over a mesh, or committed to the
+        params' device (as the steps return them: one compiled entry per shape)."""
+        cfg = self.cfg
+        pools = init_pools(self.model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
+        if cfg.mesh is not None:
+            return jax.device_put(pools, sharding.pool_shardings(pools, cfg.mesh, cfg.split_slots))
+        return jax.device_put(pools, jax.tree.leaves(self.model.params)[0].sharding)
 
     def placed_scales(self, k_scale, v_scale) -> tuple:
         """The pools' FP8 KV scales as the steps take them: on every device of a mesh."""

@@ -312,6 +312,11 @@ class PageManager:
             self.host.clear()
         return self.free_pages - before
 
+    def evict_all(self) -> None:
+        """Evict every cached page no request maps, into the host tier if there is one (the pools
+        are about to be freed: Engine.sleep)."""
+        self._evict(len(self._cache))
+
     def forget_cache(self) -> int:
         """Empty the prefix cache, device and host, whatever maps its pages (new weights:
         Engine.update_weights): reset_prefix_cache, then the cache gives up its hold on any page

@@ -8,6 +8,8 @@
   POST /update_weights_from_disk  SGLang's: serve the weights of another checkpoint of the model
                         (an RL trainer's step), swapped in between two engine steps
   GET  /get_weight_version  SGLang's: the weight_version the last update named
+  POST /sleep, /wake_up; GET /is_sleeping  vLLM's: free the KV pools' device memory for a trainer
+                        (completions wait), and allocate them again
   POST /tokenize, /detokenize  text (or messages) <-> token ids, as the completion endpoints encode them
   GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
@@ -266,13 +268,15 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while True:
-                item = self._inbox.get() if not self.engine.has_work() else self._next_item()
+                # nothing to step (asleep: requests wait for wake_up): block until something comes in
+                idle = not self.engine.has_work() or self.engine.sleeping
+                item = self._inbox.get() if idle else self._next_item()
                 while item is not False:  # everything handed over by now, then one step
                     if item is None:
                         return
                     self._take(item)
                     item = self._next_item()
-                if self.engine.has_work():
+                if self.engine.has_work() and not self.engine.sleeping:
                     self._route(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - every waiting client must learn of it
             self.error = e
@@ -777,6 +781,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_json(200, {"object": "list", "data": [{
                 "id": self.server.served.model_name, "object": "model", "created": self.server.started,
                 "owned_by": "mixserve", "max_model_len": self.server.served.max_model_len}]})
+        elif self.path == "/is_sleeping":  # vLLM's
+            self.send_json(200, {"is_sleeping": self.server.loop.engine.sleeping})
         elif self.path == "/get_weight_version":  # SGLang's: the weight_version of the last update
             self.send_json(200, {"weight_version": self.server.weight_version})
         elif self.path == "/tokenizer_info":
@@ -790,13 +796,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         else:
-            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info, /get_weight_version or "
-                             "/metrics", 404)
+            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info, /get_weight_version, "
+                             "/is_sleeping or /metrics", 404)
 
     def post(self) -> None:
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
             self.read_body()  # whatever it holds: left unread, it would be read as the next request
             self.send_json(200, {"freed_pages": self.server.loop.between_steps(lambda e: e.reset_prefix_cache())})
+        elif self.path in ("/sleep", "/wake_up"):  # vLLM's: free the KV pools for a trainer, and take them back
+            self.read_body()
+            if self.path == "/sleep":
+                try:
+                    freed = self.server.loop.between_steps(lambda e: e.sleep())
+                except RuntimeError as e:
+                    raise BadRequest(str(e), 409, "conflict") from e
+                self.send_json(200, {"freed_bytes": freed})
+            else:
+                self.server.loop.between_steps(lambda e: e.wake_up())
+                self.send_json(200, {})
         elif self.path == "/update_weights_from_disk":
             self.send_json(200, self.update_weights(self.read_json()))
         elif self.path in TOKENIZER_POSTS:
@@ -804,9 +821,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         else:
-            raise BadRequest(f"no POST {self.path}: this server serves POST "
-                             f"{', '.join([*PARSERS, *TOKENIZER_POSTS, '/reset_prefix_cache', '/update_weights_from_disk'])}",
-                             404)
+            served = [*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up"]
+            raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join(served)}", 404)
 
     def update_weights(self, body: dict) -> dict:
         """SGLang's /update_weights_from_disk: the checkpoint at model_path, loaded as the server's
