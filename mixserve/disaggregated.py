@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from mixserve import kv_transfer
-from mixserve.engine import Engine, check_running
+from mixserve.engine import Engine, EngineBusy, check_running
 from mixserve.model import Model
 from mixserve.frontend import Frontend
 from mixserve.request import Request
@@ -121,12 +121,12 @@ class DisaggregatedEngine(Frontend):
 
     @property
     def sleeping(self) -> bool:
-        return self.prefill.sleeping
+        return self.prefill.sleeping or self.decode.sleeping  # half awake (a wake_up that failed): asleep
 
     def sleep(self) -> int:
         """Engine.sleep on both sides: both pools freed, or neither (refused while either works)."""
         if busy := [name for name, e in (("prefill", self.prefill), ("decode", self.decode)) if e.scheduler.has_work()]:
-            raise RuntimeError(f"the {' and '.join(busy)} engine has unfinished requests: sleep between them")
+            raise EngineBusy(f"the {' and '.join(busy)} engine has unfinished requests: sleep between them")
         return self.prefill.sleep() + self.decode.sleep()
 
     def wake_up(self) -> None:

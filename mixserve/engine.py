@@ -45,7 +45,7 @@ from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
-__all__ = ["Counters", "Engine", "Result", "TokenLogprobs", "Update"]
+__all__ = ["Counters", "Engine", "EngineBusy", "Result", "TokenLogprobs", "Update"]
 
 _verify_jit = jax.jit(pt.verify)
 DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
@@ -275,16 +275,16 @@ class Engine(Frontend):
         devices (vLLM's sleep, SGLang's release_memory_occupation). The prefix cache's pages go
         to its host tier if it has one (else they are dropped); the weights stay (a JAX trainer
         holds them too; update_weights swaps new ones in, asleep or not). Requests submitted
-        while it sleeps wait for wake_up. Refused while requests are unfinished. Returns the
-        pool bytes freed (over all devices; 0 if already asleep)."""
+        while it sleeps wait for wake_up. Refused (EngineBusy) while requests are unfinished.
+        Returns the pool bytes freed, summed over the devices (0 if already asleep)."""
         if self.sleeping:
             return 0
         if self.scheduler.has_work():
-            raise RuntimeError(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are "
-                               "unfinished: sleep between them (or cancel them)")
+            raise EngineBusy(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are "
+                             "unfinished: sleep between them (or cancel them)")
         self.page_manager.evict_all()
         pools, self.runner.pools = jax.tree.leaves(self.runner.pools), None
-        freed = sum(x.nbytes for x in pools)
+        freed = sum(shard.data.nbytes for x in pools for shard in x.addressable_shards)  # a replica on each device
         for x in pools:
             x.delete()
         return freed
@@ -328,6 +328,8 @@ class Engine(Frontend):
 
     def lowered_decode_text(self) -> str:
         """The decode step's lowered HLO text (to show that integrity='off' traces no check)."""
+        if self.sleeping:
+            raise RuntimeError("the engine is asleep: wake_up() first")
         return self.runner.lowered_decode_text(self.page_manager.table)
 
     def integrity_failures(self, reqs: list[Request]) -> list[str | None]:
@@ -432,6 +434,10 @@ class Engine(Frontend):
             why = why or self.integrity_failures(reqs)  # the call's check said which rows; this says why
             self.abort(req, "KV integrity check failed: " + why[i])
         return passed
+
+
+class EngineBusy(RuntimeError):
+    """Engine.sleep refused: requests are unfinished."""
 
 
 def check_running(running: str) -> None:

@@ -129,6 +129,8 @@ class Frontend:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
+        if self.sleeping:  # nothing would ever step it
+            raise RuntimeError("the engine is asleep: wake_up() before generate()")
         if self._unreported:
             raise RuntimeError(f"{len(self._unreported)} submitted requests are unfinished: step() until "
                                "has_work() is False before generate(), which would swallow their updates")

@@ -287,11 +287,12 @@ class PageManager:
                                                       self._padded([t for _, (_, t) in part], np.uint32),
                                                       np.int32(len(part)), np.int32(n - len(gone)))
             [evicted] = self._mirror(counts, evicted)
-            gone += [h for (h, _), out in zip(part, evicted) if out]
+            out = [h for (h, _), out in zip(part, evicted) if out]
+            if offload and self.host is not None and out:  # a part at a time: a device copy of N pages at most
+                self.host.store(out, [self._cache[h][0] for h in out])
+            gone += out
             if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
                 break
-        if offload and self.host is not None and gone:
-            self.host.store(gone, [self._cache[h][0] for h in gone])
         for h in gone:
             del self._cache[h]
         self.counters.evicted_pages += len(gone)

@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
+from mixserve.engine import EngineBusy
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
@@ -276,7 +277,7 @@ class EngineLoop:
                         return
                     self._take(item)
                     item = self._next_item()
-                if self.engine.has_work() and not self.engine.sleeping:
+                if self.engine.has_work():  # asleep, a step only reports (a rejection, a cancellation)
                     self._route(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - every waiting client must learn of it
             self.error = e
@@ -808,7 +809,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if self.path == "/sleep":
                 try:
                     freed = self.server.loop.between_steps(lambda e: e.sleep())
-                except RuntimeError as e:
+                except EngineBusy as e:
                     raise BadRequest(str(e), 409, "conflict") from e
                 self.send_json(200, {"freed_bytes": freed})
             else:

@@ -83,6 +83,12 @@ for preset, tp in CASES:
     else:
         assert pool.sharding.is_fully_replicated and split.num_pages == single.num_pages
     assert_no_weight_gathered(split, preset)
+# Asleep, MLA's replicated pools free a copy on each of the mesh's 8 devices; awake, the same tokens.
+pools = jax.tree.leaves(split.runner.pools)
+assert all(x.sharding.is_fully_replicated for x in pools) and split.mesh.size == 8
+assert split.sleep() == 8 * sum(x.nbytes for x in pools)
+split.wake_up()
+assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # New weights swap in place (Engine.update_weights): each array stays on its devices, nothing
 # compiles again, and the tokens are a one-device engine's on the new weights.
 glm, other = (mixserve.load("tiny-glm4", dtype="float32", seed=s) for s in (0, 1))

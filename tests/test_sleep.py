@@ -12,6 +12,7 @@ import pytest
 import mixserve
 from mixserve import server
 from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import EngineBusy
 from test_engine import engine, greedy_reference
 from test_server import FLAGS, get, post, serving
 from test_update_weights import NEW, fresh_prompts
@@ -72,9 +73,29 @@ def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi)
         [greedy_reference(new, p, NEW) for p in prompts]
     pair.submit(prompts[0], max_new_tokens=NEW)
     pair.step()  # prefilled, waiting for the decode side or decoding
-    with pytest.raises(RuntimeError, match="engine has unfinished requests"):
+    with pytest.raises(EngineBusy, match="engine has unfinished requests"):
         pair.sleep()
     assert not pair.prefill.sleeping and not pair.decode.sleeping
+    while pair.has_work():
+        pair.step()
+    # a wake_up that fails on one side (out of memory: a trainer still holds it) leaves the pair
+    # asleep, its steps doing nothing, until a wake_up that succeeds
+    pair.sleep()
+    make = pair.decode.runner.new_pools
+    pair.decode.runner.new_pools = lambda: (_ for _ in ()).throw(MemoryError("held by the trainer"))
+    with pytest.raises(MemoryError):
+        pair.wake_up()
+    assert pair.sleeping and not pair.prefill.sleeping
+    rid = pair.submit(prompts[1], max_new_tokens=NEW)
+    assert pair.step() == [] and pair.has_work()
+    with pytest.raises(RuntimeError, match="asleep: wake_up"):
+        pair.generate(prompts, max_new_tokens=NEW)
+    pair.decode.runner.new_pools = make
+    pair.wake_up()
+    results = {}
+    while pair.has_work():
+        results.update({u.rid: u.result for u in pair.step() if u.result is not None})
+    assert results[rid].tokens == greedy_reference(new, prompts[1], NEW)
 
 
 def test_the_servers_sleep_holds_completions_until_wake_up():
@@ -95,6 +116,10 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
         assert post(s, {}, "/wake_up") == (200, {})
         waiter.join(timeout=60)
         assert got["status"] == 200 and got["reply"]["choices"][0]["text"] == awake["choices"][0]["text"]
+        assert post(s, {}, "/sleep")[0] == 200
+        status, error = post(s, {**body, "prompt": [5, 6, 99999]})  # asleep, bad input is still a 400 at once
+        assert status == 400 and "99999" in error["error"]["message"], error
+        assert post(s, {}, "/wake_up") == (200, {})
         with contextlib.closing(http.client.HTTPConnection(*s.server_address[:2], timeout=60)) as c:
             c.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 400, "ignore_eos": True,
                                                              "stream": True}))
