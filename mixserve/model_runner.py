@@ -124,6 +124,13 @@ class StepSpec:
     max_batch: int
 
 
+@functools.lru_cache(maxsize=32)
+def _pool_maker(config, num_pages: int, page_size: int, kv_format, mtp: bool, where: tuple, where_def):
+    """init_pools jitted to make its zeros in place (out_shardings): one compile per pool spec."""
+    return jax.jit(functools.partial(init_pools, config, num_pages, page_size, kv_format, mtp),
+                   out_shardings=jax.tree.unflatten(where_def, where))
+
+
 class ModelRunner:
     # Decode builds the sampling inputs (grammar masks included) while its forward runs; False:
     # before dispatching it (an ablation: experiments/structured_outputs.py)
@@ -142,13 +149,19 @@ class ModelRunner:
         self.pools = self.new_pools()
 
     def new_pools(self) -> list[dict]:
-        """Zeroed KV pools, placed as the steps leave them: split over a mesh, or committed to the
-        params' device (as the steps return them: one compiled entry per shape)."""
+        """Zeroed KV pools, made where the steps leave them: split over a mesh (each device makes
+        only its share; made whole on one device first, a GQA pool at TP8 would be eight devices'
+        budgets there), or committed to the params' device (as the steps return them: one
+        compiled entry per shape)."""
         cfg = self.cfg
-        pools = init_pools(self.model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, mtp=cfg.mtp_drafts)
+        args = (self.model.config, cfg.num_pages, cfg.page_size, cfg.kv_format, cfg.mtp_drafts)
+        shapes = jax.eval_shape(functools.partial(init_pools, *args))
         if cfg.mesh is not None:
-            return jax.device_put(pools, sharding.pool_shardings(pools, cfg.mesh, cfg.split_slots))
-        return jax.device_put(pools, jax.tree.leaves(self.model.params)[0].sharding)
+            where = sharding.pool_shardings(shapes, cfg.mesh, cfg.split_slots)
+        else:
+            where = jax.tree.map(lambda _: jax.tree.leaves(self.model.params)[0].sharding, shapes)
+        leaves, tree = jax.tree.flatten(where)
+        return _pool_maker(*args, tuple(leaves), tree)()
 
     def placed_scales(self, k_scale, v_scale) -> tuple:
         """The pools' FP8 KV scales as the steps take them: on every device of a mesh."""
