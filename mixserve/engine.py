@@ -23,7 +23,6 @@ mixserve/disaggregated.py hands the request's pages to a decode engine.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import time
@@ -254,16 +253,11 @@ class Engine(Frontend):
     def _restart(self, running: str) -> int:
         """KV and tokens of the old weights: recompute or abort the requests that hold them, and
         forget the cache."""
-        s = self.scheduler
         if running == "abort":
-            reqs = [r for r in s.running if r.result is None] + [r for r in s.waiting if r.cache_hit_tokens is not None]
-            for req in reqs:
-                req.finish("aborted", "the weights were updated")
-            s.waiting = collections.deque(r for r in s.waiting if r.result is None)
-            s.retire_finished()
+            reqs = self.scheduler.abort_admitted("the weights were updated")
         else:
-            reqs = s.preempt_all()
-        self.page_manager.forget_cache()
+            reqs = self.scheduler.preempt_all()
+        self.page_manager.forget_cache()  # after preempt_all, whose releases cache the pages once more
         return len(reqs)
 
     @property

@@ -58,7 +58,7 @@ TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50
 class Histogram:
     """A Prometheus histogram: how many observations fell at or under each bound, their sum and count."""
     bounds: tuple[float, ...]
-    counts: list[int] = dataclasses.field(default_factory=list)  # per bucket, not cumulative; the last: +Inf
+    counts: list[int] = dataclasses.field(init=False)  # per bucket, not cumulative; the last: +Inf
     total: float = 0.0
 
     def __post_init__(self):
@@ -115,9 +115,8 @@ class RequestMetrics:
             h["request_decode_time_seconds"].observe(result.latency_s - result.ttft_s)
             if result.queue_s is not None:
                 h["request_prefill_time_seconds"].observe(result.ttft_s - result.queue_s)
-        for gap in result.token_latencies_s:
-            if gap > 0:  # 0: a later token of the same step
-                h["inter_token_latency_seconds"].observe(gap)
+        for gap in result.step_gaps_s():
+            h["inter_token_latency_seconds"].observe(gap)
 
 
 def prometheus(engine: Frontend, requests: RequestMetrics, cancelled: int) -> str:

@@ -81,9 +81,9 @@ class Model:
 def placed_like(served: Model, new: Model, name: str = "model") -> Model:
     """served with new's weights, each array placed where served's is (which must be committed:
     `committed`): what an engine swaps in to serve new weights (Engine.update_weights) without
-    compiling anything again. new must be
-    the same model in the same formats and precision, array for array; a ValueError names the
-    first difference. The rest of served (tokenizer, chat template, KV scales) stays."""
+    compiling anything again. new must be the same model in the same formats and precision,
+    array for array; a ValueError names the first difference. The rest of served (tokenizer,
+    chat template, KV scales) stays."""
     for field in ("config", "plan", "mtp_plan", "dtype", "backend"):
         a, b = getattr(served, field), getattr(new, field)
         if a != b:

@@ -159,7 +159,8 @@ class ModelRunner:
         if cfg.mesh is not None:
             where = sharding.pool_shardings(shapes, cfg.mesh, cfg.split_slots)
         else:
-            where = jax.tree.map(lambda _: jax.tree.leaves(self.model.params)[0].sharding, shapes)
+            device = jax.tree.leaves(self.model.params)[0].sharding
+            where = jax.tree.map(lambda _: device, shapes)
         leaves, tree = jax.tree.flatten(where)
         return _pool_maker(*args, tuple(leaves), tree)()
 

@@ -45,6 +45,11 @@ class Result:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: the length)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at its admission (not prefilled)
 
+    def step_gaps_s(self) -> list[float]:
+        """The gaps between the steps that gave it tokens (a speculative step's later tokens, 0
+        apart, are not gaps)."""
+        return [gap for gap in self.token_latencies_s if gap > 0]
+
 
 @dataclasses.dataclass
 class Update:

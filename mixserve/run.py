@@ -499,9 +499,9 @@ def output_text(tokenizer, result) -> str:
 
 def latency_percentiles(results) -> dict[str, dict[str, float]]:
     """Median and p99 of the requests' time to first token, gaps between the steps that gave them
-    tokens (a speculative step's later tokens, 0 apart, are not gaps), and queue time ({}: none)."""
+    tokens (Result.step_gaps_s), and queue time ({}: none)."""
     samples = {"ttft": [r.ttft_s for r in results if r.ttft_s is not None],
-               "inter_token": [g for r in results for g in r.token_latencies_s if g > 0],
+               "inter_token": [g for r in results for g in r.step_gaps_s()],
                "queue": [r.queue_s for r in results if r.queue_s is not None]}
     return {name: {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99))} if xs else {}
             for name, xs in samples.items()}

@@ -318,11 +318,11 @@ class PageManager:
         are about to be freed: Engine.sleep)."""
         self._evict(len(self._cache))
 
-    def forget_cache(self) -> int:
+    def forget_cache(self) -> None:
         """Empty the prefix cache, device and host, whatever maps its pages (new weights:
         Engine.update_weights): reset_prefix_cache, then the cache gives up its hold on any page
-        a request still maps (the page goes back with that request). Returns the pages freed."""
-        freed = self.reset_prefix_cache()
+        a request still maps (the page goes back with that request)."""
+        self.reset_prefix_cache()
         held = list(self._cache.values())
         self._cache.clear()
         for i in range(0, len(held), self.max_pages_per_seq):
@@ -330,7 +330,6 @@ class PageManager:
             self.table, *counts = _uncache_jit(self.table, self._padded([p for p, _ in part]),
                                                self._padded([t for _, t in part], np.uint32), jnp.int32(len(part)))
             self._mirror(counts)
-        return freed
 
     def _forget_stale(self, shared: list[tuple[int, int]]) -> None:
         """Drop the cache entries among `shared` whose page no longer holds what was cached (freed,
@@ -494,6 +493,16 @@ class Scheduler:
                 self.counters.preemptions += 1
                 if victim is req:
                     break
+
+    def abort_admitted(self, reason: str) -> list[Request]:
+        """Finish "aborted" every request ever admitted (running, or preempted and waiting): what
+        ran on weights since replaced (Engine.update_weights); running ones' pages go back."""
+        reqs = [r for r in self.running if r.result is None] + [r for r in self.waiting if r.cache_hit_tokens is not None]
+        for req in reqs:
+            req.finish("aborted", reason)
+        self.waiting = collections.deque(r for r in self.waiting if r.result is None)
+        self.retire_finished()
+        return reqs
 
     def preempt_all(self) -> list[Request]:
         """Preempt every running request: its pages go back, and it waits first, in its order, to
