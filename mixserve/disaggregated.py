@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from mixserve import kv_transfer
-from mixserve.engine import Engine, EngineBusy, check_running
+from mixserve.engine import SLEEP_TAGS, Engine, EngineBusy, WeightsDiscarded, check_running, check_sleep, free_arrays
 from mixserve.model import Model
 from mixserve.frontend import Frontend
 from mixserve.request import Request
@@ -120,18 +120,30 @@ class DisaggregatedEngine(Frontend):
         self.decode._drop(req)
 
     @property
+    def asleep(self) -> frozenset[str]:
+        return self.prefill.asleep | self.decode.asleep  # half awake (a wake_up that failed): asleep
+
+    @property
     def sleeping(self) -> bool:
-        return self.prefill.sleeping or self.decode.sleeping  # half awake (a wake_up that failed): asleep
+        return bool(self.asleep)
 
-    def sleep(self) -> int:
-        """Engine.sleep on both sides: both pools freed, or neither (refused while either works)."""
-        if busy := [name for name, e in (("prefill", self.prefill), ("decode", self.decode)) if e.scheduler.has_work()]:
+    def sleep(self, level: int = 1, tags=SLEEP_TAGS) -> int:
+        """Engine.sleep on both sides: both freed, or neither (refused while either works)."""
+        tags = check_sleep(level, tags)
+        busy = [name for name, e in (("prefill", self.prefill), ("decode", self.decode)) if e.scheduler.has_work()]
+        if busy and not self.sleeping:
             raise EngineBusy(f"the {' and '.join(busy)} engine has unfinished requests: sleep between them")
-        return self.prefill.sleep() + self.decode.sleep()
+        made = {}  # one host copy of an array both sides serve
+        return free_arrays(self.prefill._release(level, tags, made) + self.decode._release(level, tags, made))
 
-    def wake_up(self) -> None:
-        self.prefill.wake_up()
-        self.decode.wake_up()
+    def wake_up(self, tags=SLEEP_TAGS) -> None:
+        """Engine.wake_up on both sides; weights discarded on either are refused before either wakes."""
+        tags = check_sleep(1, tags)
+        if "weights" in tags and (self.prefill.weights_discarded or self.decode.weights_discarded):
+            raise WeightsDiscarded()
+        made = {}  # an array both sides served, placed once
+        self.prefill._wake(tags, made)
+        self.decode._wake(tags, made)
 
     def _advance(self) -> None:
         if self.sleeping:

@@ -39,16 +39,17 @@ from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
 from mixserve.host_cache import HostKVCache
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
-from mixserve.model import Model, committed, placed_like
+from mixserve.model import Model, buffers, committed, on_host, placed_like, skeleton
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
-__all__ = ["Counters", "Engine", "EngineBusy", "Result", "TokenLogprobs", "Update"]
+__all__ = ["Counters", "Engine", "EngineBusy", "Result", "SLEEP_TAGS", "TokenLogprobs", "Update", "WeightsDiscarded"]
 
 _verify_jit = jax.jit(pt.verify)
 DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
 RESTARTS = ("recompute", "abort")  # what update_weights does with the requests that ran on the old weights
+SLEEP_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up takes back (vLLM's and SGLang's names)
 
 
 class Engine(Frontend):
@@ -162,6 +163,8 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft), self.grammars)
+        self._weights_asleep = False  # sleep deleted the weights (runner.model's params: their skeleton)
+        self._host_weights: tuple[Model, Model] | None = None  # sleep level 1's copies of the weight sets
         # The prefix cache's host tier (mixserve/host_cache.py): evicted pages wait in host
         # memory, up to host_kv_bytes, for a prefix to bring them back; 0: none.
         if host_kv_bytes:
@@ -246,6 +249,7 @@ class Engine(Frontend):
 
     def _swap_in(self, weights: tuple[Model, Model, tuple | None]) -> None:
         self.runner.model, self.runner.decode_model, scales = weights
+        self._weights_asleep, self._host_weights = False, None  # weights asleep are awake now: the new ones
         if scales is not None:  # the config keeps them unplaced (a disaggregated pair's hand-over reads them)
             self.runner.cfg = dataclasses.replace(self.runner.cfg, k_scale=scales[0], v_scale=scales[1])
             self.runner.scales = self.runner.placed_scales(*scales)
@@ -261,32 +265,79 @@ class Engine(Frontend):
         return len(reqs)
 
     @property
-    def sleeping(self) -> bool:
-        return self.runner.pools is None
+    def asleep(self) -> frozenset[str]:
+        """What sleep freed and neither wake_up nor update_weights has taken back (SLEEP_TAGS)."""
+        freed = (self._weights_asleep, self.runner.pools is None)
+        return frozenset(tag for tag, asleep in zip(SLEEP_TAGS, freed) if asleep)
 
-    def sleep(self) -> int:
-        """Free the KV pools' device memory between rollouts, for a trainer that shares the
-        devices (vLLM's sleep, SGLang's release_memory_occupation). The prefix cache's pages go
-        to its host tier if it has one (else they are dropped); the weights stay (a JAX trainer
-        holds them too; update_weights swaps new ones in, asleep or not). Requests submitted
-        while it sleeps wait for wake_up. Refused (EngineBusy) while requests are unfinished.
-        Returns the pool bytes freed, summed over the devices (0 if already asleep)."""
-        if self.sleeping:
-            return 0
-        if self.scheduler.has_work():
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    @property
+    def weights_discarded(self) -> bool:
+        """Asleep at level 2: no weights to wake until update_weights brings some."""
+        return "weights" in self.asleep and self._host_weights is None
+
+    def sleep(self, level: int = 1, tags=SLEEP_TAGS) -> int:
+        """Free device memory between rollouts for a trainer that shares the devices (vLLM's
+        sleep; SGLang's release_memory_occupation). tags: what to free,
+          "kv_cache": the KV pools; the prefix cache's pages go to its host tier if it has one,
+                      else they are dropped;
+          "weights":  every weight set (the MTP layer's too), by level: 1, copied to host memory
+                      (wake_up puts them back); 2, discarded (update_weights brings new ones).
+        The freed arrays are deleted, whoever else holds them: a JAX trainer whose parameters are
+        the served arrays keeps them by sleeping with tags=("kv_cache",). Asleep, submitted
+        requests wait for wake_up, and update_weights places new weights, waking those. Refused
+        (EngineBusy) while requests are unfinished. Sleeping deeper is allowed (level 2 after 1
+        drops the host copy). Returns the device bytes freed, summed over the devices."""
+        tags = check_sleep(level, tags)
+        if self.scheduler.has_work() and not self.sleeping:  # asleep, submitted requests only wait
             raise EngineBusy(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are "
                              "unfinished: sleep between them (or cancel them)")
-        self.page_manager.evict_all()
-        pools, self.runner.pools = jax.tree.leaves(self.runner.pools), None
-        freed = sum(shard.data.nbytes for x in pools for shard in x.addressable_shards)  # a replica on each device
-        for x in pools:
-            x.delete()
+        return free_arrays(self._release(level, tags, {}))
+
+    def _release(self, level: int, tags: frozenset[str], made: dict) -> list[jax.Array]:
+        """sleep's work but the deleting: the arrays it frees (a pair deletes both sides' at once,
+        as they may share some); made: the host copies, as model.copied's."""
+        freed = []
+        if "kv_cache" in tags - self.asleep:
+            self.page_manager.evict_all()
+            freed += jax.tree.leaves(self.runner.pools)
+            self.runner.pools = None
+        if "weights" in tags:
+            if "weights" not in self.asleep:
+                served = (self.runner.model, self.runner.decode_model)
+                freed += jax.tree.leaves([m.params for m in served])
+                if level == 1:
+                    host = on_host(served[0], made)
+                    self._host_weights = (host, host if served[1] is served[0] else on_host(served[1], made))
+                self.runner.model = skeleton(served[0])
+                self.runner.decode_model = self.runner.model if served[1] is served[0] else skeleton(served[1])
+                self._weights_asleep = True
+            if level == 2:
+                self._host_weights = None
         return freed
 
-    def wake_up(self) -> None:
-        """Allocate the KV pools again (zeroed: nothing is read before it is written); waiting
-        requests go on at the next step."""
-        if self.sleeping:
+    def wake_up(self, tags=SLEEP_TAGS) -> None:
+        """Take back what sleep freed, of tags: the weights from their host copy, and the KV
+        pools, allocated again (zeroed: nothing is read before it is written). Waiting requests
+        go on at the next step once nothing is asleep. Weights discarded at level 2 are refused
+        (WeightsDiscarded), and nothing is woken: update_weights brings new ones first (vLLM
+        wakes empty weight buffers for a reload to fill; JAX arrays are replaced, not filled)."""
+        tags = check_sleep(1, tags)
+        if "weights" in tags and self.weights_discarded:
+            raise WeightsDiscarded()
+        self._wake(tags, {})
+
+    def _wake(self, tags: frozenset[str], made: dict) -> None:
+        if "weights" in tags & self.asleep:
+            host, host_decode = self._host_weights
+            model = placed_like(self.runner.model, host, made=made)
+            decode = model if host_decode is host else placed_like(self.runner.decode_model, host_decode,
+                                                                   "decode_model", made)
+            self._swap_in((model, decode, None))
+        if "kv_cache" in tags & self.asleep:
             self.runner.pools = self.runner.new_pools()
 
     @property
@@ -432,6 +483,32 @@ class Engine(Frontend):
 
 class EngineBusy(RuntimeError):
     """Engine.sleep refused: requests are unfinished."""
+
+
+class WeightsDiscarded(RuntimeError):
+    """Engine.wake_up refused: sleep level 2 discarded the weights, and no update_weights since."""
+
+    def __init__(self):
+        super().__init__("the weights were discarded (sleep level 2): update_weights first, then wake_up")
+
+
+def check_sleep(level: int, tags) -> frozenset[str]:
+    tags = frozenset([tags] if isinstance(tags, str) else tags)
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
+    if not tags or not tags <= set(SLEEP_TAGS):
+        raise ValueError(f"tags must be some of {SLEEP_TAGS}, got {sorted(tags)}")
+    return tags
+
+
+def free_arrays(arrays: list[jax.Array]) -> int:
+    """Delete arrays, each buffer once (arrays may share them); returns their bytes, each
+    device's replica counted."""
+    unique = list({buffers(x): x for x in arrays if not x.is_deleted()}.values())
+    freed = sum(shard.data.nbytes for x in unique for shard in x.addressable_shards)
+    for x in unique:
+        x.delete()
+    return freed
 
 
 def check_running(running: str) -> None:

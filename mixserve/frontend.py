@@ -94,7 +94,7 @@ class Frontend:
 
     @property
     def sleeping(self) -> bool:
-        """Whether its KV pools are freed (Engine.sleep): steps run nothing until wake_up."""
+        """Whether sleep freed its KV pools or weights (Engine.sleep): steps run nothing until wake_up."""
         return False
 
     def has_work(self) -> bool:

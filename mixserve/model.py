@@ -78,12 +78,12 @@ class Model:
         return nn.get_partition_spec(boxed)
 
 
-def placed_like(served: Model, new: Model, name: str = "model") -> Model:
+def placed_like(served: Model, new: Model, name: str = "model", made: dict | None = None) -> Model:
     """served with new's weights, each array placed where served's is (which must be committed:
     `committed`): what an engine swaps in to serve new weights (Engine.update_weights) without
     compiling anything again. new must be the same model in the same formats and precision,
     array for array; a ValueError names the first difference. The rest of served (tokenizer,
-    chat template, KV scales) stays."""
+    chat template, KV scales) stays. made: arrays placed by earlier calls, reused (see `copied`)."""
     for field in ("config", "plan", "mtp_plan", "dtype", "backend"):
         a, b = getattr(served, field), getattr(new, field)
         if a != b:
@@ -102,11 +102,44 @@ def placed_like(served: Model, new: Model, name: str = "model") -> Model:
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(f"{name}: {jax.tree_util.keystr(path)} is {b.dtype}{list(b.shape)}, the served "
                              f"model's {a.dtype}{list(a.shape)}")
-    # jit's cache keys on each argument's sharding, committedness and weak type: all as served's
-    placed = [jax.device_put(b, a.sharding) for (_, a), b in zip(old, leaves)]
-    placed = [jax.lax.convert_element_type(b, a.dtype) if b.weak_type and not a.weak_type else b
-              for (_, a), b in zip(old, placed)]
+
+    def place(a, b):  # jit's cache keys on each argument's sharding, committedness and weak type: all as a's
+        b = jax.device_put(b, a.sharding)
+        return jax.lax.convert_element_type(b, a.dtype) if b.weak_type and not a.weak_type else b
+
+    placed = [copied(lambda b: place(a, b), b, made, (id(b), a.sharding)) for (_, a), b in zip(old, leaves)]
     return dataclasses.replace(served, params=jax.tree_util.tree_unflatten(old_def, placed))
+
+
+def copied(copy, x, made: dict | None, key):
+    """copy(x), or the copy made before of what key names: two engines of a disaggregated pair
+    on one device may serve the same buffers, and keep sharing them through sleep's host copies
+    and wake_up's placement."""
+    if made is None:
+        return copy(x)
+    if key not in made:
+        made[key] = (x, copy(x))  # x held: its id is not reused while the key stands
+    return made[key][1]
+
+
+def skeleton(model: Model) -> Model:
+    """model with each parameter replaced by its shape, dtype and placement (a ShapeDtypeStruct):
+    enough for placed_like to place weights as these were, once these are deleted (Engine.sleep)."""
+    return dataclasses.replace(model, params=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type), model.params))
+
+
+def on_host(model: Model, made: dict | None = None) -> Model:
+    """model with each parameter copied to host memory, whole (a split one gathered): a copy, not
+    a view of the device buffer, so it outlives the device array. made: as `copied`'s."""
+    return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(np.array, x, made, buffers(x)),
+                                                          model.params))
+
+
+def buffers(x: jax.Array) -> tuple:
+    """Which device buffers x is: two Array objects may share them (an uncommitted array and
+    its device_put to the same device are two objects over one buffer)."""
+    return tuple((shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards)
 
 
 def committed(model: Model) -> Model:

@@ -8,8 +8,9 @@
   POST /update_weights_from_disk  SGLang's: serve the weights of another checkpoint of the model
                         (an RL trainer's step), swapped in between two engine steps
   GET  /get_weight_version  SGLang's: the weight_version the last update named
-  POST /sleep, /wake_up; GET /is_sleeping  vLLM's: free the KV pools' device memory for a trainer
-                        (completions wait), and allocate them again
+  POST /sleep?level=1|2, /wake_up?tags=weights&tags=kv_cache; GET /is_sleeping  vLLM's: free the
+                        weights' and KV pools' device memory for a trainer (completions wait), and
+                        take it back (Engine.sleep)
   POST /tokenize, /detokenize  text (or messages) <-> token ids, as the completion endpoints encode them
   GET  /tokenizer_info  the special tokens and chat template (with the two above: lm-eval's remote tokenizer)
   GET  /v1/models       the one model served
@@ -41,12 +42,13 @@ import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import uuid
 from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
-from mixserve.engine import EngineBusy
+from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded, check_sleep
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
@@ -759,6 +761,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """handle() the request, if authorized: a BadRequest is its 4xx, any other failure (a bug)
         its 500 (or its stream cut), and the server goes on."""
         self.responded = False
+        self.path, _, query = self.path.partition("?")
+        self.query = urllib.parse.parse_qs(query, keep_blank_values=True)
         if not self.authorized():
             return
         try:
@@ -804,17 +808,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
             self.read_body()  # whatever it holds: left unread, it would be read as the next request
             self.send_json(200, {"freed_pages": self.server.loop.between_steps(lambda e: e.reset_prefix_cache())})
-        elif self.path in ("/sleep", "/wake_up"):  # vLLM's: free the KV pools for a trainer, and take them back
+        elif self.path in ("/sleep", "/wake_up"):  # vLLM's: free memory for a trainer, and take it back
             self.read_body()
-            if self.path == "/sleep":
-                try:
-                    freed = self.server.loop.between_steps(lambda e: e.sleep())
-                except EngineBusy as e:
-                    raise BadRequest(str(e), 409, "conflict") from e
-                self.send_json(200, {"freed_bytes": freed})
-            else:
-                self.server.loop.between_steps(lambda e: e.wake_up())
-                self.send_json(200, {})
+            self.send_json(200, self.sleep_or_wake())
         elif self.path == "/update_weights_from_disk":
             self.send_json(200, self.update_weights(self.read_json()))
         elif self.path in TOKENIZER_POSTS:
@@ -824,6 +820,28 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             served = [*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up"]
             raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join(served)}", 404)
+
+    def sleep_or_wake(self) -> dict:
+        """vLLM's /sleep?level=N (what Engine.sleep frees: tags too, as SGLang's release takes
+        them) and /wake_up?tags=T&tags=U (every tag if none)."""
+        fields = {"/sleep": {"level", "tags"}, "/wake_up": {"tags"}}[self.path]
+        if unknown := sorted(set(self.query) - fields):
+            raise BadRequest(f"unknown query parameters {unknown}: {self.path} takes {sorted(fields)}")
+        level, tags = self.query.get("level", ["1"]), self.query.get("tags", SLEEP_TAGS)
+        try:
+            if len(level) != 1 or not level[0].isdigit():
+                raise ValueError(f"level must be one integer, got {level}")
+            level = int(level[0])
+            check_sleep(level, tags)
+        except ValueError as e:
+            raise BadRequest(str(e)) from e
+        try:
+            if self.path == "/sleep":
+                return {"freed_bytes": self.server.loop.between_steps(lambda e: e.sleep(level, tags), 600.0)}
+            self.server.loop.between_steps(lambda e: e.wake_up(tags), 600.0)
+            return {}
+        except (EngineBusy, WeightsDiscarded) as e:
+            raise BadRequest(str(e), 409, "conflict") from e
 
     def update_weights(self, body: dict) -> dict:
         """SGLang's /update_weights_from_disk: the checkpoint at model_path, loaded as the server's

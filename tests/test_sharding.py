@@ -86,7 +86,7 @@ for preset, tp in CASES:
 # Asleep, MLA's replicated pools free a copy on each of the mesh's 8 devices; awake, the same tokens.
 pools = jax.tree.leaves(split.runner.pools)
 assert all(x.sharding.is_fully_replicated for x in pools) and split.mesh.size == 8
-assert split.sleep() == 8 * sum(x.nbytes for x in pools)
+assert split.sleep(tags="kv_cache") == 8 * sum(x.nbytes for x in pools)
 split.wake_up()
 assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # New weights swap in place (Engine.update_weights): each array stays on its devices, nothing
@@ -128,6 +128,13 @@ for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
     compiled = split.runner.decode_step._cache_size()
     split.update_weights(other)
     want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=3)]
+    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
+    assert split.runner.decode_step._cache_size() == compiled
+    # asleep, the shares go to host memory whole; awake, each is split again as it was
+    shardings = [x.sharding for x in jax.tree.leaves(split.runner.model.params)]
+    split.sleep()
+    split.wake_up()
+    assert [x.sharding for x in jax.tree.leaves(split.runner.model.params)] == shardings
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
     assert split.runner.decode_step._cache_size() == compiled
 with pytest.raises(ValueError, match="needs a 'model' axis"):
@@ -382,7 +389,7 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
     per-device bytes. A structured output samples the same at TP2. New weights swapped in (GLM-4 at
     TP2; INT4 and FP8-block Kimi at TP4, re-blocked) keep their placement and compiled steps and
-    serve the one-device tokens."""
+    serve the one-device tokens, and so do those woken from host memory after sleep."""
     run_on_8_devices(XLA_PATH)
 
 

@@ -1,18 +1,24 @@
-"""Engine.sleep / wake_up: the KV pools' device memory freed between rollouts for a trainer on
-the same devices, and taken back, with nothing lost and nothing compiled again."""
+"""Engine.sleep / wake_up: the KV pools' and weights' device memory freed between rollouts for a
+trainer on the same devices, and taken back, with nothing lost and nothing compiled again."""
 
 import contextlib
+import dataclasses
 import http.client
 import json
+import re
 import threading
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import mixserve
 from mixserve import server
 from mixserve.disaggregated import DisaggregatedEngine
-from mixserve.engine import EngineBusy
+from mixserve.engine import EngineBusy, WeightsDiscarded
+from mixserve.model import buffers
+from mixserve.quantize import plan_for, quantize_model
+from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
 from test_server import FLAGS, get, post, serving
 from test_update_weights import NEW, fresh_prompts
@@ -27,6 +33,22 @@ def live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays())
 
 
+def copy_of(model):
+    """model on arrays of its own: sleeping with the weights deletes the served arrays."""
+    return dataclasses.replace(model, params=jax.tree.map(jnp.copy, model.params))
+
+
+def compiled(e) -> list[int]:
+    return [f._cache_size() for f in (e.runner.prefill_step, e.runner.decode_step)]
+
+
+def outputs(e, rids) -> dict:
+    results = {}
+    while e.has_work():
+        results.update({u.rid: u.result for u in e.step() if u.result is not None})
+    return {rid: results[rid].tokens for rid in rids}
+
+
 def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     """Asleep, the pools are deleted (their bytes leave the live arrays), a request submitted
     waits, and sleeping again or with work is refused or a no-op; awake, the waiting request is
@@ -36,23 +58,21 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     e, prompts = engine(old, host_kv_bytes=1 << 20), fresh_prompts()
     e.generate(prompts, max_new_tokens=NEW)
     e.generate(fresh_prompts((7,)), max_new_tokens=NEW)  # the waiting request's shapes below
-    compiled = [f._cache_size() for f in (e.runner.prefill_step, e.runner.decode_step)]
+    compiled_before = compiled(e)
     pools, before = jax.tree.leaves(e.runner.pools), live_bytes()
-    freed = e.sleep()
+    freed = e.sleep(tags=("kv_cache",))  # the weights stay: they are the fixture's arrays
     assert freed == sum(x.nbytes for x in pools) > 0 and all(x.is_deleted() for x in pools)
-    assert before - live_bytes() >= freed and e.sleeping and e.sleep() == 0
+    assert before - live_bytes() >= freed and e.asleep == {"kv_cache"} and e.sleep(tags="kv_cache") == 0
+    assert not any(x.is_deleted() for x in jax.tree.leaves(old.params))
     assert e.page_manager.cached == 0 and len(e.host_cache) > 0  # the cached prompt pages went to the host
     waiting = fresh_prompts((7,))[0]
     rid = e.submit(waiting, max_new_tokens=NEW)
     for _ in range(3):
         assert e.step() == [] and e.has_work()
     e.wake_up()
-    results = {}
-    while e.has_work():
-        results.update({u.rid: u.result for u in e.step() if u.result is not None})
-    assert results[rid].tokens == greedy_reference(old, waiting, NEW)
+    assert outputs(e, [rid]) == {rid: greedy_reference(old, waiting, NEW)}
     e.generate(fresh_prompts(), max_new_tokens=NEW)  # the first call's shapes
-    assert [f._cache_size() for f in (e.runner.prefill_step, e.runner.decode_step)] == compiled
+    assert compiled(e) == compiled_before
     again = e.generate(prompts, max_new_tokens=NEW)
     assert [r.tokens for r in again] == [greedy_reference(old, p, NEW) for p in prompts]
     assert all(r.cached_tokens > 0 for r in again) and e.counters.host_restored_tokens > 0
@@ -61,13 +81,91 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
         e.sleep()
 
 
-def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi):
+def test_level_1_puts_the_weights_in_host_memory_and_level_2_discards_them(kimi):
+    """Level 1 deletes the weights and pools (the caller's arrays too: they were the served ones),
+    and wake_up serves the same tokens from the host copy, a part at a time, compiling nothing;
+    level 2 drops the host copy, wake_up is refused (nothing woken) until update_weights places
+    new weights, whose tokens are then served."""
     old, new = kimi
-    pair = DisaggregatedEngine(engine(old, prefill_only=True), engine(old))
+    served = copy_of(old)
+    e, prompts = engine(served), fresh_prompts()
+    e.generate(prompts, max_new_tokens=NEW)
+    compiled_before = compiled(e)
+    weights, pools = jax.tree.leaves(served.params), jax.tree.leaves(e.runner.pools)
+    before = live_bytes()
+    freed = e.sleep()
+    assert freed == sum(x.nbytes for x in weights + pools) and all(x.is_deleted() for x in weights + pools)
+    assert before - live_bytes() >= freed and e.asleep == {"weights", "kv_cache"} and e.sleep() == 0
+    rid = e.submit(prompts[1], max_new_tokens=NEW)
+    e.wake_up("kv_cache")
+    assert e.asleep == {"weights"} and e.step() == [] and e.has_work()
+    with pytest.raises(RuntimeError, match="asleep: wake_up"):
+        e.lowered_decode_text()
+    e.wake_up()
+    assert outputs(e, [rid]) == {rid: greedy_reference(old, prompts[1], NEW)} and compiled(e) == compiled_before
+    assert e.sleep(tags=["weights"]) == sum(x.nbytes for x in weights)
+    assert e.sleep(level=2) == sum(x.nbytes for x in pools)  # the weights went before; their host copy goes now
+    with pytest.raises(WeightsDiscarded, match="update_weights first"):
+        e.wake_up()
+    with pytest.raises(WeightsDiscarded):
+        e.wake_up(["weights"])
+    assert e.asleep == {"weights", "kv_cache"} and e.sleep(level=1) == 0 and e.weights_discarded
+    e.update_weights(copy_of(new))
+    assert e.asleep == {"kv_cache"}
+    e.wake_up()
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [greedy_reference(new, p, NEW) for p in prompts]
+    assert compiled(e) == compiled_before
+    for level, tags, message in ((0, ["weights"], "level must be 1"), (1, ["weights", "pools"], "tags must be some"),
+                                 (2, [], "tags must be some")):
+        with pytest.raises(ValueError, match=message):
+            e.sleep(level, tags)
+    assert not e.sleeping
+
+
+def test_two_weight_sets_in_their_formats_sleep_and_wake_as_they_were(kimi):
+    """FP8-block prefill and INT4 decode weights (the seed's split): through host memory and back,
+    each leaf keeps its dtype and placement, the two sets stay two, and the tokens are unchanged."""
+    old, _ = kimi
+    formats = [plan_for(WeightFormat("fp8_block"), "all"), plan_for(WeightFormat("int4", 16), "experts")]
+    e = engine(*(quantize_model(copy_of(old), plan)[0] for plan in formats[:1]),
+               decode_model=quantize_model(copy_of(old), formats[1])[0])
+    prompts = fresh_prompts()
+    want = [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)]
+    placed = [(x.dtype, x.sharding) for m in (e.runner.model, e.runner.decode_model) for x in jax.tree.leaves(m.params)]
+    assert {"float8_e4m3fn", "int32"} <= {str(dtype) for dtype, _ in placed}  # FP8 values, packed INT4 nibbles
+    e.sleep()
+    e.wake_up()
+    assert e.runner.decode_model is not e.runner.model
+    assert [(x.dtype, x.sharding) for m in (e.runner.model, e.runner.decode_model)
+            for x in jax.tree.leaves(m.params)] == placed
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == want
+
+
+def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi):
+    """A pair whose two engines serve the same arrays sleeps whole (each array freed once, copied
+    to the host once) and wakes sharing them again; new weights taken asleep are served."""
+    old, new = kimi
+    served = copy_of(old)
+    pair = DisaggregatedEngine(engine(served, prefill_only=True), engine(served))
     prompts = fresh_prompts()
     pair.generate(prompts, max_new_tokens=NEW)
-    assert pair.sleep() > 0 and pair.prefill.sleeping and pair.decode.sleeping
-    pair.update_weights(new)
+    sides = [jax.tree.leaves(side.runner.model.params) for side in (pair.prefill, pair.decode)]
+    assert all(buffers(a) == buffers(b) for a, b in zip(*sides))  # two Array objects, one buffer
+    pools = jax.tree.leaves([pair.prefill.runner.pools, pair.decode.runner.pools])
+    before = live_bytes()
+    freed = pair.sleep()
+    assert freed == sum(x.nbytes for x in sides[0] + pools) and before - live_bytes() >= freed
+    assert pair.prefill.asleep == pair.decode.asleep == pair.asleep == {"weights", "kv_cache"}
+    pair.wake_up()
+    shared = [a is b for a, b in zip(*(jax.tree.leaves(side.runner.model.params) for side in (pair.prefill, pair.decode)))]
+    assert all(shared) and not pair.sleeping
+    assert [r.tokens for r in pair.generate(prompts, max_new_tokens=NEW)] == \
+        [greedy_reference(old, p, NEW) for p in prompts]
+    pair.sleep(level=2)
+    with pytest.raises(WeightsDiscarded):
+        pair.wake_up()
+    assert pair.prefill.asleep == pair.decode.asleep == {"weights", "kv_cache"}  # neither side woke
+    pair.update_weights(copy_of(new))
     pair.wake_up()
     assert [r.tokens for r in pair.generate(prompts, max_new_tokens=NEW)] == \
         [greedy_reference(new, p, NEW) for p in prompts]
@@ -80,7 +178,7 @@ def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi)
         pair.step()
     # a wake_up that fails on one side (out of memory: a trainer still holds it) leaves the pair
     # asleep, its steps doing nothing, until a wake_up that succeeds
-    pair.sleep()
+    pair.sleep(tags="kv_cache")
     make = pair.decode.runner.new_pools
     pair.decode.runner.new_pools = lambda: (_ for _ in ()).throw(MemoryError("held by the trainer"))
     with pytest.raises(MemoryError):
@@ -92,10 +190,7 @@ def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi)
         pair.generate(prompts, max_new_tokens=NEW)
     pair.decode.runner.new_pools = make
     pair.wake_up()
-    results = {}
-    while pair.has_work():
-        results.update({u.rid: u.result for u in pair.step() if u.result is not None})
-    assert results[rid].tokens == greedy_reference(new, prompts[1], NEW)
+    assert outputs(pair, [rid]) == {rid: greedy_reference(new, prompts[1], NEW)}
 
 
 def test_the_servers_sleep_holds_completions_until_wake_up():
@@ -106,7 +201,15 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         status, awake = post(s, body)
         assert status == 200 and get(s, "/is_sleeping") == (200, {"is_sleeping": False})
-        status, reply = post(s, {}, "/sleep")
+        for path, message in (("/sleep?level=3", "level must be 1"), ("/sleep?level=one", "one integer"),
+                              ("/sleep?tags=pools", "tags must be some"), ("/wake_up?level=1", r"unknown query.*\['level'\]")):
+            status, error = post(s, {}, path)
+            assert status == 400 and re.search(message, error["error"]["message"]), (path, error)
+        assert get(s, "/is_sleeping")[1] == {"is_sleeping": False}
+        status, reply = post(s, {}, "/sleep?tags=kv_cache")
+        assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
+        assert post(s, {}, "/wake_up?tags=kv_cache") == (200, {}) and get(s, "/is_sleeping")[1] == {"is_sleeping": False}
+        status, reply = post(s, {}, "/sleep?level=1")
         assert status == 200 and reply["freed_bytes"] > 0 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
         got = {}
         waiter = threading.Thread(target=lambda: got.update(zip(("status", "reply"), post(s, body))))

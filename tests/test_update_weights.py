@@ -293,6 +293,16 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
             rest = stream.read().decode()
         assert "the weights were updated" in rest and rest.rstrip().endswith("data: [DONE]")
         assert complete() == (old, 0)
+        # an RL step on shared devices: the weights discarded while the trainer runs, the new ones
+        # loaded into the memory they freed, then the KV pools
+        status, reply = post(s, {}, "/sleep?level=2")
+        assert status == 200 and reply["freed_bytes"] > 0, reply
+        status, error = post(s, {}, "/wake_up")
+        assert status == 409 and "update_weights first" in error["error"]["message"], error
+        status, reply = update(model_path=checkpoints["b"], weight_version="step-2")
+        assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}, reply  # the pools still are
+        assert post(s, {}, "/wake_up") == (200, {})
+        assert complete() == (new, 0)
     finally:
         s.close()
 
