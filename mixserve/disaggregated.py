@@ -95,7 +95,8 @@ class DisaggregatedEngine(Frontend):
         """Evict both pools' cached pages that no request maps; returns how many pages that freed."""
         return self.prefill.reset_prefix_cache() + self.decode.reset_prefix_cache()
 
-    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute") -> int:
+    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute",
+                       version: str | None = None) -> int:
         """Engine.update_weights on both sides: the prefill engine takes model, the decode engine
         decode_model (None: model too); both checked before either changes."""
         check_running(running)
@@ -103,7 +104,9 @@ class DisaggregatedEngine(Frontend):
         self.prefill._swap_in(prefill)
         self.decode._swap_in(decode)
         self._transfer_scales()  # a side's scales may have changed with its weights
-        return self.prefill._restart(running) + self.decode._restart(running)
+        restarted = self.prefill._restart(running) + self.decode._restart(running)
+        self._weights_changed(version)
+        return restarted
 
     def _reject_reason(self, req: Request) -> str | None:
         for name, engine in (("prefill", self.prefill), ("decode", self.decode)):

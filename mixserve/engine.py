@@ -200,7 +200,8 @@ class Engine(Frontend):
         between benchmark runs), and empty the host tier; returns how many pages that freed."""
         return self.page_manager.reset_prefix_cache()
 
-    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute") -> int:
+    def update_weights(self, model: Model, decode_model: Model | None = None, running: str = "recompute",
+                       version: str | None = None) -> int:
         """Serve new weights of the same model in the same formats (an RL trainer's latest policy,
         a fine-tune's checkpoint), between two steps; nothing compiles again (model.placed_like).
         An engine of two weight sets (decode_model at construction) takes both. KV computed with
@@ -214,11 +215,15 @@ class Engine(Frontend):
         checkpoint's calibrated FP8 KV scales, the new weights' own replace them (they must ship
         some); other scales stay. The tokenizer and chat template stay. Arrays already placed as
         the served ones are served as they are, not copied: a trainer that donates or deletes
-        them afterwards deletes the served weights. Returns how many requests it recomputes or
-        aborts. All or nothing: a ValueError changes nothing."""
+        them afterwards deletes the served weights. version: the new weights' name
+        (weight_version; None: it stays), in the Result.weight_versions of every request that
+        gets tokens from them. Returns how many requests it recomputes or aborts. All or nothing:
+        a ValueError changes nothing."""
         check_running(running)
         self._swap_in(self.weights_like(model, decode_model))
-        return self._restart(running)
+        restarted = self._restart(running)
+        self._weights_changed(version)
+        return restarted
 
     def weights_like(self, model: Model, decode_model: Model | None = None) -> tuple[Model, Model, tuple | None]:
         """What update_weights swaps in, checked and placed as the served weights are: the prefill

@@ -24,6 +24,7 @@ class Frontend:
 
     def __init__(self):
         self._next_rid = 0
+        self.weight_version = "default"  # the served weights' name (SGLang's), set by update_weights
         self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
         self._seeds = np.random.default_rng()  # fresh entropy: the seeds of requests that give none
 
@@ -91,6 +92,14 @@ class Frontend:
         req.finish("aborted", "cancelled")
         self._drop(req)
         return True
+
+    def _weights_changed(self, version: str | None) -> None:
+        """New weights serve from the next step: every unfinished request's next tokens are
+        theirs. version: their name (None: the name stays, and the spans still split there)."""
+        self.weight_version = self.weight_version if version is None else version
+        for req in self._unreported.values():
+            if req.result is None:
+                req.weights_changed(self.weight_version)
 
     @property
     def sleeping(self) -> bool:
@@ -180,6 +189,7 @@ class Frontend:
             self.counters.rejections += 1
         else:
             req.max_new_tokens = int(req.max_new_tokens)  # the engine's arithmetic on it must not wrap (numpy)
+            req.weights_changed(self.weight_version)
             self._enqueue(req)
         self._unreported[req.rid] = req
         return req

@@ -44,6 +44,9 @@ class Result:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: the length)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at its admission (not prefilled)
+    # (index of its first token in tokens, version) for each weight set that gave it tokens, in
+    # order: Engine.update_weights mid-request starts a span (an off-policy correction's switch)
+    weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def step_gaps_s(self) -> list[float]:
         """The gaps between the steps that gave it tokens (a speculative step's later tokens, 0
@@ -115,6 +118,7 @@ class Request:
     page_keys: dict = dataclasses.field(default_factory=dict, repr=False)
     cache_hit_tokens: int | None = None
     queue_s: float | None = None  # submit to that first admission
+    weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # Result.weight_versions
 
     @property
     def tokens(self) -> list[int]:
@@ -235,7 +239,15 @@ class Request:
                              token_latencies_s=list(self.latencies), latency_s=time.perf_counter() - self.t_submit,
                              seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
                              prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason,
-                             cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s)
+                             cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s,
+                             weight_versions=list(self.weight_versions))
+
+    def weights_changed(self, version: str) -> None:
+        """Its next tokens come from the weights named version (a span starts at them; the last
+        span is replaced if no token came from its weights)."""
+        if self.weight_versions and self.weight_versions[-1][0] == len(self.out):
+            self.weight_versions.pop()
+        self.weight_versions.append((len(self.out), version))
 
 
 class TokenCounts:

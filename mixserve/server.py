@@ -7,7 +7,9 @@
                         reasoning and tool calls (mixserve/replies.py)
   POST /update_weights_from_disk  SGLang's: serve the weights of another checkpoint of the model
                         (an RL trainer's step), swapped in between two engine steps
-  GET  /get_weight_version  SGLang's: the weight_version the last update named
+  GET  /get_weight_version  SGLang's: the weight_version the last update named (a response's metadata
+                        says which weights gave its last tokens, each choice's weight_versions where
+                        each weight set's tokens begin)
   POST /sleep?level=1|2, /wake_up?tags=weights&tags=kv_cache; GET /is_sleeping  vLLM's: free the
                         weights' and KV pools' device memory for a trainer (completions wait), and
                         take it back (Engine.sleep)
@@ -667,6 +669,8 @@ class Choice:
                "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
                "finish_reason": self.finish_reason() if done else None,
                "stop_reason": r.stop_reason if done else None}
+        if done:  # which weights gave which tokens (a span per update_weights it ran through)
+            out["weight_versions"] = [[start, version] for start, version in r.weight_versions]
         if self.returned.token_ids:
             out["token_ids"] = self.tokens[start:]
             if start == 0:
@@ -789,7 +793,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path == "/is_sleeping":  # vLLM's
             self.send_json(200, {"is_sleeping": self.server.loop.engine.sleeping})
         elif self.path == "/get_weight_version":  # SGLang's: the weight_version of the last update
-            self.send_json(200, {"weight_version": self.server.weight_version})
+            self.send_json(200, {"weight_version": self.server.loop.engine.weight_version})
         elif self.path == "/tokenizer_info":
             self.send_json(200, tokenizer_info(self.server.served))
         elif self.path == "/metrics":
@@ -868,7 +872,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
         def swap(engine: Frontend) -> int:
             try:
-                return engine.update_weights(*weights, running=running)
+                return engine.update_weights(*weights, running=running, version=version)
             except ValueError as e:
                 raise BadRequest(f"{path}: {e}") from e
 
@@ -878,7 +882,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
             except (ValueError, OSError) as e:
                 raise BadRequest(f"{path}: {e}") from e
             n = self.server.loop.between_steps(swap, timeout_s=600.0)
-            self.server.weight_version = version or self.server.weight_version
         return {"success": True, "message": f"serving the weights of {path}; {n} requests "
                                             f"{'aborted' if abort else 'recomputed'}", "num_requests": n}
 
@@ -920,7 +923,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if failed := [(i, r.reason) for i, r in sorted(results.items()) if r.status != "ok"]:
                 raise BadRequest("; ".join(f"choice {i}: {why}" for i, why in failed), 500, "server_error")
             whole = [c.whole(results[c.index]) for c in choices]
-            self.send_json(200, {**head, "choices": whole, "usage": usage(choices, call.n)})
+            # SGLang's: the weights that gave the (first choice's) last tokens
+            metadata = {"weight_version": results[0].weight_versions[-1][1]}
+            self.send_json(200, {**head, "choices": whole, "usage": usage(choices, call.n), "metadata": metadata})
         except (BrokenPipeError, ConnectionResetError, ClientGone):
             pass  # the client has gone
         finally:  # whatever is left of the call (nothing, once answered): its client gone, a rejection, an error here
@@ -1043,7 +1048,6 @@ class Server(http.server.ThreadingHTTPServer):
         # checkpoint path -> the engine's weight sets, as update_weights takes them (None: no reloads)
         self.reload = reload
         self.updating = threading.Lock()  # one weight update at a time: each loads a whole weight set
-        self.weight_version = "default"  # SGLang's name for the weights served, set by an update
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):  # else: its client went away

@@ -97,7 +97,8 @@ def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_
     drafts their greedy tokens are the same, and the drafts of the old MTP layer are dropped.
     "recompute" keeps each running request's tokens and continues it greedily under the new
     weights from its prompt and output so far; "abort" ends it with the reason and the tokens it
-    had. A request that was not running is the new weights' alone."""
+    had. A request that was not running is the new weights' alone. Each Result's weight_versions
+    says where the new weights' tokens begin."""
     old, new = kimi_mtp if kind == "mtp" else kimi  # mtp: the MTP layer drafts 2 tokens a step
     e = pair(old, max_batch=2) if kind == "pair" else engine(old, max_batch=2, speculative_tokens=2 * (kind == "mtp"))
     sides = [e.prefill, e.decode] if kind == "pair" else [e]
@@ -111,7 +112,8 @@ def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_
     was_running = {r.rid for side in sides for r in side.scheduler.running}
     assert {rids[0], rids[1]} <= was_running and all(before[r] for r in rids[:2]) and not before[rids[2]]
     assert (rids[2] in was_running) == (kind == "pair")
-    assert e.update_weights(new, running=running) == len(was_running)
+    assert e.update_weights(new, running=running, version="step-1") == len(was_running)
+    assert e.weight_version == "step-1"
     results = {}
     while e.has_work():
         for u in e.step():
@@ -123,9 +125,33 @@ def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_
         if rid in was_running and running == "abort":
             assert results[rid].status == "aborted" and results[rid].reason == "the weights were updated"
             assert results[rid].tokens == got[rid] == kept
+            assert results[rid].weight_versions == [(0, "default")]
         else:
             assert results[rid].status == "ok"
             assert got[rid] == kept + greedy_reference(new, prompt + kept, NEW - len(kept))
+            assert results[rid].weight_versions == [(0, "default")] * bool(kept) + [(len(kept), "step-1")]
+
+
+def test_each_update_mid_request_starts_a_weight_version_span(kimi):
+    """An unnamed update keeps the name and still splits the spans; two updates with no token
+    between them leave one span, the last's."""
+    old, new = kimi
+    e = engine(old)
+    rid = e.submit(fresh_prompts()[0], max_new_tokens=NEW)
+    req = e._unreported[rid]
+    while not req.out:
+        e.step()
+    first = len(req.out)
+    e.update_weights(new)
+    while len(req.out) == first:
+        e.step()
+    second = len(req.out)
+    e.update_weights(old, version="v2")
+    e.update_weights(new, version="v3")
+    while e.has_work():
+        result = next((u.result for u in e.step() if u.result is not None), None)
+    assert e.weight_version == "v3" and 0 < first < second < NEW
+    assert result.weight_versions == [(0, "default"), (first, "default"), (second, "v3")]
 
 
 def test_abort_ends_a_preempted_request_too_and_the_cache_lets_go_of_mapped_pages(kimi):
@@ -272,6 +298,9 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
         assert status == 200 and reply["success"] and reply["num_requests"] == 0, reply
         assert get(s, "/get_weight_version") == (200, {"weight_version": "step-1"})
         assert complete() == (new, 0)
+        status, reply = post(s, body)
+        assert reply["metadata"] == {"weight_version": "step-1"} and reply["choices"][0]["weight_versions"] == \
+            [[0, "step-1"]], reply
         for fields, message in (({"model_path": "/nowhere"}, "must be a checkpoint directory"),
                                 ({"model_path": checkpoints["a"], "strict": True}, r"unknown fields \['strict'\]"),
                                 ({"model_path": checkpoints["a"], "abort_all_requests": "yes"}, "must be a boolean"),
