@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from mixserve import kv_transfer
-from mixserve.engine import SLEEP_TAGS, Engine, EngineBusy, WeightsDiscarded, check_running, check_sleep, free_arrays
+from mixserve.engine import SLEEP_TAGS, Engine, EngineBusy, WeightsDiscarded, check_running, check_sleep, let_go
 from mixserve.model import Model
 from mixserve.frontend import Frontend
 from mixserve.request import Request
@@ -136,8 +136,10 @@ class DisaggregatedEngine(Frontend):
         busy = [name for name, e in (("prefill", self.prefill), ("decode", self.decode)) if e.scheduler.has_work()]
         if busy and not self.sleeping:
             raise EngineBusy(f"the {' and '.join(busy)} engine has unfinished requests: sleep between them")
-        made = {}  # one host copy of an array both sides serve
-        return free_arrays(self.prefill._release(level, tags, made) + self.decode._release(level, tags, made))
+        made = {}  # one host copy of a buffer both sides serve
+        finish = [self.prefill._prepare_sleep(level, tags, made), self.decode._prepare_sleep(level, tags, made)]
+        dropped = [x for asleep in finish for x in asleep()]  # neither side asleep unless both are
+        return let_go(dropped)
 
     def wake_up(self, tags=SLEEP_TAGS) -> None:
         """Engine.wake_up on both sides; weights discarded on either are refused before either wakes."""

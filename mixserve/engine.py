@@ -24,8 +24,10 @@ mixserve/disaggregated.py hands the request's pages to a decode engine.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -291,38 +293,50 @@ class Engine(Frontend):
                       else they are dropped;
           "weights":  every weight set (the MTP layer's too), by level: 1, copied to host memory
                       (wake_up puts them back); 2, discarded (update_weights brings new ones).
-        The freed arrays are deleted, whoever else holds them: a JAX trainer whose parameters are
-        the served arrays keeps them by sleeping with tags=("kv_cache",). Asleep, submitted
-        requests wait for wake_up, and update_weights places new weights, waking those. Refused
-        (EngineBusy) while requests are unfinished. Sleeping deeper is allowed (level 2 after 1
-        drops the host copy). Returns the device bytes freed, summed over the devices."""
+        The engine lets go of them: arrays someone else still holds (the model given to the
+        engine, whose arrays it serves as they are, while the caller keeps it; a trainer's
+        parameters taken by update_weights) stay theirs, and their memory is freed when they
+        let go too. Asleep, submitted requests wait for wake_up, and update_weights places new
+        weights, waking those. Refused (EngineBusy) while requests run. Sleeping deeper is
+        allowed (level 2 after 1 drops the host copy). Returns the device bytes freed, each
+        buffer once and each device's replica counted. A failure (host memory) changes nothing."""
         tags = check_sleep(level, tags)
         if self.scheduler.has_work() and not self.sleeping:  # asleep, submitted requests only wait
             raise EngineBusy(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are "
                              "unfinished: sleep between them (or cancel them)")
-        return free_arrays(self._release(level, tags, {}))
+        dropped = self._prepare_sleep(level, tags, {})()
+        return let_go(dropped)
 
-    def _release(self, level: int, tags: frozenset[str], made: dict) -> list[jax.Array]:
-        """sleep's work but the deleting: the arrays it frees (a pair deletes both sides' at once,
-        as they may share some); made: the host copies, as model.copied's."""
-        freed = []
-        if "kv_cache" in tags - self.asleep:
+    def _prepare_sleep(self, level: int, tags: frozenset[str], made: dict) -> Callable[[], list[jax.Array]]:
+        """sleep's part that may fail (cached pages to the host tier, the weights' host copies),
+        leaving nothing half done; returns the rest, which cannot fail: it puts the engine to sleep
+        and returns the arrays to let go. made: the host copies, as model.copied's (a pair's two
+        sides may serve one buffer: it is copied once)."""
+        pools = "kv_cache" in tags - self.asleep
+        if pools:
             self.page_manager.evict_all()
-            freed += jax.tree.leaves(self.runner.pools)
-            self.runner.pools = None
-        if "weights" in tags:
-            if "weights" not in self.asleep:
-                served = (self.runner.model, self.runner.decode_model)
-                freed += jax.tree.leaves([m.params for m in served])
-                if level == 1:
-                    host = on_host(served[0], made)
-                    self._host_weights = (host, host if served[1] is served[0] else on_host(served[1], made))
-                self.runner.model = skeleton(served[0])
-                self.runner.decode_model = self.runner.model if served[1] is served[0] else skeleton(served[1])
-                self._weights_asleep = True
-            if level == 2:
+        weights = "weights" in tags - self.asleep
+        host = None
+        if weights and level == 1:
+            model, decode = self.runner.model, self.runner.decode_model
+            host = on_host(model, made)
+            host = (host, host if decode is model else on_host(decode, made))
+
+        def asleep() -> list[jax.Array]:
+            dropped = []
+            if pools:
+                dropped += jax.tree.leaves(self.runner.pools)
+                self.runner.pools = None
+            if weights:
+                model, decode = self.runner.model, self.runner.decode_model
+                dropped += jax.tree.leaves([model.params, decode.params])
+                self.runner.model = skeleton(model)
+                self.runner.decode_model = self.runner.model if decode is model else skeleton(decode)
+                self._weights_asleep, self._host_weights = True, host
+            elif "weights" in tags and level == 2:
                 self._host_weights = None
-        return freed
+            return dropped
+        return asleep
 
     def wake_up(self, tags=SLEEP_TAGS) -> None:
         """Take back what sleep freed, of tags: the weights from their host copy, and the KV
@@ -506,14 +520,15 @@ def check_sleep(level: int, tags) -> frozenset[str]:
     return tags
 
 
-def free_arrays(arrays: list[jax.Array]) -> int:
-    """Delete arrays, each buffer once (arrays may share them); returns their bytes, each
-    device's replica counted."""
-    unique = list({buffers(x): x for x in arrays if not x.is_deleted()}.values())
-    freed = sum(shard.data.nbytes for x in unique for shard in x.addressable_shards)
-    for x in unique:
-        x.delete()
-    return freed
+def let_go(arrays: list[jax.Array]) -> int:
+    """Drop the references in arrays (the list is emptied: its caller holds them nowhere else)
+    and return the bytes that freed: the device buffers no live array holds any more (two
+    Array objects may share one), each once."""
+    sizes = {key: n for x in arrays if not x.is_deleted() for key, n in buffers(x).items()}  # (a trainer's, donated)
+    arrays.clear()
+    gc.collect()  # what only a reference cycle held
+    held = {key for x in jax.live_arrays() if not x.is_deleted() for key in buffers(x)}
+    return sum(n for key, n in sizes.items() if key not in held)
 
 
 def check_running(running: str) -> None:

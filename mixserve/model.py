@@ -107,6 +107,7 @@ def placed_like(served: Model, new: Model, name: str = "model", made: dict | Non
         b = jax.device_put(b, a.sharding)
         return jax.lax.convert_element_type(b, a.dtype) if b.weak_type and not a.weak_type else b
 
+    # by id: the host copies are held (Engine._host_weights) while they are placed
     placed = [copied(lambda b: place(a, b), b, made, (id(b), a.sharding)) for (_, a), b in zip(old, leaves)]
     return dataclasses.replace(served, params=jax.tree_util.tree_unflatten(old_def, placed))
 
@@ -118,8 +119,8 @@ def copied(copy, x, made: dict | None, key):
     if made is None:
         return copy(x)
     if key not in made:
-        made[key] = (x, copy(x))  # x held: its id is not reused while the key stands
-    return made[key][1]
+        made[key] = copy(x)
+    return made[key]
 
 
 def skeleton(model: Model) -> Model:
@@ -132,14 +133,15 @@ def skeleton(model: Model) -> Model:
 def on_host(model: Model, made: dict | None = None) -> Model:
     """model with each parameter copied to host memory, whole (a split one gathered): a copy, not
     a view of the device buffer, so it outlives the device array. made: as `copied`'s."""
-    return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(np.array, x, made, buffers(x)),
+    return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(np.array, x, made, tuple(buffers(x))),
                                                           model.params))
 
 
-def buffers(x: jax.Array) -> tuple:
-    """Which device buffers x is: two Array objects may share them (an uncommitted array and
-    its device_put to the same device are two objects over one buffer)."""
-    return tuple((shard.device.id, shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards)
+def buffers(x: jax.Array) -> dict[tuple[int, int], int]:
+    """x's device buffers, (device id, address) -> bytes: two Array objects may share them (an
+    uncommitted array and its device_put to the same device are two objects over one buffer)."""
+    return {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
+            for shard in x.addressable_shards}
 
 
 def committed(model: Model) -> Model:

@@ -45,7 +45,8 @@ class Result:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: the length)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at its admission (not prefilled)
     # (index of its first token in tokens, version) for each weight set that gave it tokens, in
-    # order: Engine.update_weights mid-request starts a span (an off-policy correction's switch)
+    # order (the first even if none did): Engine.update_weights mid-request starts a span (an
+    # off-policy correction's switch)
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     def step_gaps_s(self) -> list[float]:
@@ -240,7 +241,8 @@ class Request:
                              seed=self.seed, logprobs=None if self.logprobs is None else list(self.out_logprobs),
                              prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason,
                              cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s,
-                             weight_versions=list(self.weight_versions))
+                             weight_versions=self.weight_versions[:1] + [
+                                 span for span in self.weight_versions[1:] if span[0] < len(self.out)])
 
     def weights_changed(self, version: str) -> None:
         """Its next tokens come from the weights named version (a span starts at them; the last

@@ -860,7 +860,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not isinstance(path, str) or not os.path.isdir(path):
             raise BadRequest(f"model_path must be a checkpoint directory on the server, got {path!r}")
         for field, ok, what in (("abort_all_requests", isinstance(abort, bool), "a boolean"),
-                                ("weight_version", version is None or isinstance(version, str), "a string"),
+                                ("weight_version", version is None or isinstance(version, str) and version,
+                                 "a non-empty string"),
                                 ("load_format", body.get("load_format") in (None, "auto"), "auto (safetensors)"),
                                 ("flush_cache", body.get("flush_cache", True) is True,
                                  "true: KV of the old weights is never read with the new")):

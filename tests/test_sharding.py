@@ -86,7 +86,9 @@ for preset, tp in CASES:
 # Asleep, MLA's replicated pools free a copy on each of the mesh's 8 devices; awake, the same tokens.
 pools = jax.tree.leaves(split.runner.pools)
 assert all(x.sharding.is_fully_replicated for x in pools) and split.mesh.size == 8
-assert split.sleep(tags="kv_cache") == 8 * sum(x.nbytes for x in pools)
+pool_bytes = sum(x.nbytes for x in pools)
+del pools, pool  # held here, they would not be freed
+assert split.sleep(tags="kv_cache") == 8 * pool_bytes
 split.wake_up()
 assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # New weights swap in place (Engine.update_weights): each array stays on its devices, nothing

@@ -29,12 +29,17 @@ def kimi():
     return mixserve.load("tiny-kimi", dtype="float32"), mixserve.load("tiny-kimi", dtype="float32", seed=1)
 
 
-def live_bytes() -> int:
-    return sum(x.nbytes for x in jax.live_arrays())
+def device_bytes() -> int:
+    """The device buffers live arrays hold, each once (two arrays may share one)."""
+    return sum({key: n for x in jax.live_arrays() for key, n in buffers(x).items()}.values())
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def copy_of(model):
-    """model on arrays of its own: sleeping with the weights deletes the served arrays."""
+    """model on arrays of its own: an engine given it (and nothing else holding it) frees them asleep."""
     return dataclasses.replace(model, params=jax.tree.map(jnp.copy, model.params))
 
 
@@ -50,7 +55,8 @@ def outputs(e, rids) -> dict:
 
 
 def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
-    """Asleep, the pools are deleted (their bytes leave the live arrays), a request submitted
+    """Asleep, the pools are freed (their bytes leave the device), the weights (the fixture's,
+    which it holds) untouched, a request submitted
     waits, and sleeping again or with work is refused or a no-op; awake, the waiting request is
     served, a prompt of before comes back from the host tier, the tokens are the cache-free
     forward's, and no step compiled again."""
@@ -59,11 +65,10 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     e.generate(prompts, max_new_tokens=NEW)
     e.generate(fresh_prompts((7,)), max_new_tokens=NEW)  # the waiting request's shapes below
     compiled_before = compiled(e)
-    pools, before = jax.tree.leaves(e.runner.pools), live_bytes()
-    freed = e.sleep(tags=("kv_cache",))  # the weights stay: they are the fixture's arrays
-    assert freed == sum(x.nbytes for x in pools) > 0 and all(x.is_deleted() for x in pools)
-    assert before - live_bytes() >= freed and e.asleep == {"kv_cache"} and e.sleep(tags="kv_cache") == 0
-    assert not any(x.is_deleted() for x in jax.tree.leaves(old.params))
+    pools, before = nbytes(e.runner.pools), device_bytes()
+    freed = e.sleep(tags=("kv_cache",))
+    assert freed == pools > 0 and before - device_bytes() == freed
+    assert e.asleep == {"kv_cache"} and e.sleep(tags="kv_cache") == 0
     assert e.page_manager.cached == 0 and len(e.host_cache) > 0  # the cached prompt pages went to the host
     waiting = fresh_prompts((7,))[0]
     rid = e.submit(waiting, max_new_tokens=NEW)
@@ -82,20 +87,19 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
 
 
 def test_level_1_puts_the_weights_in_host_memory_and_level_2_discards_them(kimi):
-    """Level 1 deletes the weights and pools (the caller's arrays too: they were the served ones),
-    and wake_up serves the same tokens from the host copy, a part at a time, compiling nothing;
-    level 2 drops the host copy, wake_up is refused (nothing woken) until update_weights places
-    new weights, whose tokens are then served."""
+    """Level 1 frees the weights and pools, and wake_up serves the same tokens from the host copy,
+    a part at a time, compiling nothing; level 2 drops the host copy, wake_up is refused (nothing
+    woken) until update_weights places new weights, whose tokens are then served. A trainer's
+    parameters taken by update_weights stay the trainer's: the next sleep lets go of them
+    without deleting them."""
     old, new = kimi
-    served = copy_of(old)
-    e, prompts = engine(served), fresh_prompts()
+    e, prompts = engine(copy_of(old)), fresh_prompts()  # nothing else holds its weights
     e.generate(prompts, max_new_tokens=NEW)
     compiled_before = compiled(e)
-    weights, pools = jax.tree.leaves(served.params), jax.tree.leaves(e.runner.pools)
-    before = live_bytes()
+    weights, pools, before = nbytes(e.runner.model.params), nbytes(e.runner.pools), device_bytes()
     freed = e.sleep()
-    assert freed == sum(x.nbytes for x in weights + pools) and all(x.is_deleted() for x in weights + pools)
-    assert before - live_bytes() >= freed and e.asleep == {"weights", "kv_cache"} and e.sleep() == 0
+    assert freed == weights + pools and before - device_bytes() == freed
+    assert e.asleep == {"weights", "kv_cache"} and e.sleep() == 0
     rid = e.submit(prompts[1], max_new_tokens=NEW)
     e.wake_up("kv_cache")
     assert e.asleep == {"weights"} and e.step() == [] and e.has_work()
@@ -103,18 +107,25 @@ def test_level_1_puts_the_weights_in_host_memory_and_level_2_discards_them(kimi)
         e.lowered_decode_text()
     e.wake_up()
     assert outputs(e, [rid]) == {rid: greedy_reference(old, prompts[1], NEW)} and compiled(e) == compiled_before
-    assert e.sleep(tags=["weights"]) == sum(x.nbytes for x in weights)
-    assert e.sleep(level=2) == sum(x.nbytes for x in pools)  # the weights went before; their host copy goes now
+    assert e.sleep(tags=["weights"]) == weights
+    assert e.sleep(level=2) == pools  # the weights went before; their host copy goes now
     with pytest.raises(WeightsDiscarded, match="update_weights first"):
         e.wake_up()
     with pytest.raises(WeightsDiscarded):
         e.wake_up(["weights"])
     assert e.asleep == {"weights", "kv_cache"} and e.sleep(level=1) == 0 and e.weights_discarded
-    e.update_weights(copy_of(new))
+    trainer = copy_of(new)  # an RL trainer's parameters, served as they are
+    e.update_weights(trainer)
     assert e.asleep == {"kv_cache"}
     e.wake_up()
-    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [greedy_reference(new, p, NEW) for p in prompts]
-    assert compiled(e) == compiled_before
+    want = [greedy_reference(new, p, NEW) for p in prompts]
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == want and compiled(e) == compiled_before
+    assert e.sleep(level=2) == pools  # the trainer's parameters are the trainer's: let go, not freed
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trainer.params))
+    assert [greedy_reference(trainer, p, NEW) for p in prompts] == want
+    e.update_weights(trainer)
+    e.wake_up()
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == want
     for level, tags, message in ((0, ["weights"], "level must be 1"), (1, ["weights", "pools"], "tags must be some"),
                                  (2, [], "tags must be some")):
         with pytest.raises(ValueError, match=message):
@@ -141,20 +152,35 @@ def test_two_weight_sets_in_their_formats_sleep_and_wake_as_they_were(kimi):
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == want
 
 
-def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi):
+def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi, monkeypatch):
     """A pair whose two engines serve the same arrays sleeps whole (each array freed once, copied
-    to the host once) and wakes sharing them again; new weights taken asleep are served."""
+    to the host once) and wakes sharing them again; a sleep that fails on one side leaves both
+    awake; new weights taken asleep are served."""
     old, new = kimi
     served = copy_of(old)
     pair = DisaggregatedEngine(engine(served, prefill_only=True), engine(served))
+    del served  # the pair's alone
     prompts = fresh_prompts()
     pair.generate(prompts, max_new_tokens=NEW)
     sides = [jax.tree.leaves(side.runner.model.params) for side in (pair.prefill, pair.decode)]
     assert all(buffers(a) == buffers(b) for a, b in zip(*sides))  # two Array objects, one buffer
-    pools = jax.tree.leaves([pair.prefill.runner.pools, pair.decode.runner.pools])
-    before = live_bytes()
+    weights, pools = nbytes(sides[0]), nbytes([pair.prefill.runner.pools, pair.decode.runner.pools])
+    del sides
+    copy_to_host = mixserve.engine.on_host
+
+    def out_of_host_memory_on_the_decode_side(model, made):
+        if model is pair.decode.runner.model:
+            raise MemoryError("host memory")
+        return copy_to_host(model, made)
+
+    monkeypatch.setattr(mixserve.engine, "on_host", out_of_host_memory_on_the_decode_side)
+    with pytest.raises(MemoryError):
+        pair.sleep()
+    assert not pair.prefill.sleeping and not pair.decode.sleeping
+    monkeypatch.undo()
+    before = device_bytes()
     freed = pair.sleep()
-    assert freed == sum(x.nbytes for x in sides[0] + pools) and before - live_bytes() >= freed
+    assert freed == weights + pools and before - device_bytes() == freed
     assert pair.prefill.asleep == pair.decode.asleep == pair.asleep == {"weights", "kv_cache"}
     pair.wake_up()
     shared = [a is b for a, b in zip(*(jax.tree.leaves(side.runner.model.params) for side in (pair.prefill, pair.decode)))]
@@ -209,8 +235,10 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
         status, reply = post(s, {}, "/sleep?tags=kv_cache")
         assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
         assert post(s, {}, "/wake_up?tags=kv_cache") == (200, {}) and get(s, "/is_sleeping")[1] == {"is_sleeping": False}
-        status, reply = post(s, {}, "/sleep?level=1")
-        assert status == 200 and reply["freed_bytes"] > 0 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
+        runner = s.loop.engine.runner  # read between steps: the loop is idle
+        held = nbytes(runner.model.params) + nbytes(runner.pools)
+        status, reply = post(s, {}, "/sleep?level=1")  # the server holds its weights nowhere else: all freed
+        assert status == 200 and reply["freed_bytes"] == held and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
         got = {}
         waiter = threading.Thread(target=lambda: got.update(zip(("status", "reply"), post(s, body))))
         waiter.start()

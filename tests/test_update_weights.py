@@ -134,7 +134,8 @@ def test_running_requests_are_recomputed_or_aborted_and_waiting_ones_run_on_the_
 
 def test_each_update_mid_request_starts_a_weight_version_span(kimi):
     """An unnamed update keeps the name and still splits the spans; two updates with no token
-    between them leave one span, the last's."""
+    between them leave one span, the last's; a request that ends before the new weights give it
+    a token has no span of theirs."""
     old, new = kimi
     e = engine(old)
     rid = e.submit(fresh_prompts()[0], max_new_tokens=NEW)
@@ -152,6 +153,13 @@ def test_each_update_mid_request_starts_a_weight_version_span(kimi):
         result = next((u.result for u in e.step() if u.result is not None), None)
     assert e.weight_version == "v3" and 0 < first < second < NEW
     assert result.weight_versions == [(0, "default"), (first, "default"), (second, "v3")]
+    rid = e.submit(fresh_prompts()[1], max_new_tokens=NEW)
+    while not e._unreported[rid].out:
+        e.step()
+    e.update_weights(old, version="v4")
+    e.cancel(rid)
+    [update] = e.step()
+    assert update.result.status == "aborted" and update.result.weight_versions == [(0, "v3")]
 
 
 def test_abort_ends_a_preempted_request_too_and_the_cache_lets_go_of_mapped_pages(kimi):
@@ -306,6 +314,7 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
                                 ({"model_path": checkpoints["a"], "abort_all_requests": "yes"}, "must be a boolean"),
                                 ({"model_path": checkpoints["a"], "flush_cache": False}, "flush_cache must be true"),
                                 ({"model_path": checkpoints["a"], "load_format": "pt"}, "load_format must be auto"),
+                                ({"model_path": checkpoints["a"], "weight_version": ""}, "a non-empty string"),
                                 ({"model_path": checkpoints["glm"]}, "its family is 'glm4_moe'")):
             status, error = update(**fields)
             assert status == 400 and re.search(message, error["error"]["message"]), error
