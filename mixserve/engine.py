@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import math
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -166,7 +167,8 @@ class Engine(Frontend):
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft), self.grammars)
         self._weights_asleep = False  # sleep deleted the weights (runner.model's params: their skeleton)
-        self._host_weights: tuple[Model, Model] | None = None  # sleep level 1's copies of the weight sets
+        # sleep level 1's copies of the weight sets, and what it let go that others may still hold
+        self._host_weights: tuple[Model, Model, dict] | None = None
         # The prefix cache's host tier (mixserve/host_cache.py): evicted pages wait in host
         # memory, up to host_kv_bytes, for a prefix to bring them back; 0: none.
         if host_kv_bytes:
@@ -330,9 +332,17 @@ class Engine(Frontend):
             if weights:
                 model, decode = self.runner.model, self.runner.decode_model
                 dropped += jax.tree.leaves([model.params, decode.params])
+                if host is not None:  # wake_up takes back as they are those others still hold
+                    served = jax.tree.leaves([model.params, decode.params])
+                    others = holders(served)
+                    held = {id(h): (weakref.ref(x), *others.get(id(x), ()))
+                            for h, x in zip(jax.tree.leaves([h.params for h in host]), served)}
+                    self._host_weights = (*host, held)
+                else:
+                    self._host_weights = None
                 self.runner.model = skeleton(model)
                 self.runner.decode_model = self.runner.model if decode is model else skeleton(decode)
-                self._weights_asleep, self._host_weights = True, host
+                self._weights_asleep = True
             elif "weights" in tags and level == 2:
                 self._host_weights = None
             return dropped
@@ -351,9 +361,15 @@ class Engine(Frontend):
 
     def _wake(self, tags: frozenset[str], made: dict) -> None:
         if "weights" in tags & self.asleep:
-            host, host_decode = self._host_weights
-            model = placed_like(self.runner.model, host, made=made)
-            decode = model if host_decode is host else placed_like(self.runner.decode_model, host_decode,
+            host, host_decode, held = self._host_weights
+
+            def source(m: Model) -> Model:  # what someone held through the sleep as it is (no second copy), else the host's
+                return dataclasses.replace(m, params=jax.tree.map(
+                    lambda h: next((x for ref in held[id(h)] if (x := ref()) is not None and not x.is_deleted()), h),
+                    m.params))
+
+            model = placed_like(self.runner.model, source(host), made=made)
+            decode = model if host_decode is host else placed_like(self.runner.decode_model, source(host_decode),
                                                                    "decode_model", made)
             self._swap_in((model, decode, None))
         if "kv_cache" in tags & self.asleep:
@@ -518,6 +534,17 @@ def check_sleep(level: int, tags) -> frozenset[str]:
     if not tags or not tags <= set(SLEEP_TAGS):
         raise ValueError(f"tags must be some of {SLEEP_TAGS}, got {sorted(tags)}")
     return tags
+
+
+def holders(arrays: list[jax.Array]) -> dict[int, tuple[weakref.ref, ...]]:
+    """For each of arrays (by id), weakly, the other live Array objects over its buffers (an
+    uncommitted array given to the engine, and the committed one it serves, are two objects)."""
+    ours = {id(x) for x in arrays}
+    by_buffers = {}
+    for y in jax.live_arrays():
+        if id(y) not in ours and not y.is_deleted():
+            by_buffers.setdefault(tuple(buffers(y)), []).append(weakref.ref(y))
+    return {id(x): tuple(by_buffers.get(tuple(buffers(x)), ())) for x in arrays}
 
 
 def let_go(arrays: list[jax.Array]) -> int:

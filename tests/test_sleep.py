@@ -55,11 +55,11 @@ def outputs(e, rids) -> dict:
 
 
 def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
-    """Asleep, the pools are freed (their bytes leave the device), the weights (the fixture's,
-    which it holds) untouched, a request submitted
+    """Asleep, the pools are freed (their bytes leave the device), a request submitted
     waits, and sleeping again or with work is refused or a no-op; awake, the waiting request is
     served, a prompt of before comes back from the host tier, the tokens are the cache-free
-    forward's, and no step compiled again."""
+    forward's, and no step compiled again. Weights someone else holds are let go, not freed, and
+    woken as they are."""
     old, _ = kimi
     e, prompts = engine(old, host_kv_bytes=1 << 20), fresh_prompts()
     e.generate(prompts, max_new_tokens=NEW)
@@ -81,6 +81,15 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     again = e.generate(prompts, max_new_tokens=NEW)
     assert [r.tokens for r in again] == [greedy_reference(old, p, NEW) for p in prompts]
     assert all(r.cached_tokens > 0 for r in again) and e.counters.host_restored_tokens > 0
+    # its weights are the fixture's arrays, held there: let go asleep, not freed, and taken back
+    # awake as they are (no second copy beside the fixture's)
+    before = device_bytes()
+    assert e.sleep() == pools and e.asleep == {"weights", "kv_cache"}
+    e.wake_up()
+    assert device_bytes() == before
+    assert all(buffers(a) == buffers(b) for a, b in zip(*(jax.tree.leaves(m.params) for m in (e.runner.model, old))))
+    assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [greedy_reference(old, p, NEW) for p in prompts]
+    assert compiled(e) == compiled_before
     e.submit(waiting, max_new_tokens=NEW)
     with pytest.raises(RuntimeError, match="1 requests are unfinished"):
         e.sleep()
