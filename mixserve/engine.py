@@ -53,6 +53,9 @@ _verify_jit = jax.jit(pt.verify)
 DRAFTS = ("mtp", "ngram")  # who guesses the tokens speculative decoding verifies (mixserve/speculative.py)
 RESTARTS = ("recompute", "abort")  # what update_weights does with the requests that ran on the old weights
 SLEEP_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up takes back (vLLM's and SGLang's names)
+# Engine.sleep_state: awake; the KV pools freed, the weights on the device; the weights in host
+# memory (level 1) or discarded (level 2), the pools freed or not
+SLEEP_STATES = ("awake", "kv_cache_freed", "weights_offloaded", "discard_all")
 
 
 class Engine(Frontend):
@@ -282,6 +285,13 @@ class Engine(Frontend):
     @property
     def sleeping(self) -> bool:
         return bool(self.asleep)
+
+    @property
+    def sleep_state(self) -> str:
+        """One of SLEEP_STATES: vLLM's engine_sleep_state, and the pools freed alone."""
+        if "weights" in self.asleep:
+            return "discard_all" if self._host_weights is None else "weights_offloaded"
+        return "kv_cache_freed" if self.sleeping else "awake"
 
     @property
     def weights_discarded(self) -> bool:

@@ -12,6 +12,7 @@ import bisect
 import dataclasses
 
 from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import SLEEP_STATES
 from mixserve.frontend import Frontend
 from mixserve.request import Result
 
@@ -135,6 +136,10 @@ def prometheus(engine: Frontend, requests: RequestMetrics, cancelled: int) -> st
 
     for name, kind, text, read in ENGINE_METRICS:
         metric(name, kind, text, {role: read(e) for role, e in parts.items()})
+    header("engine_sleep_state", "gauge", "1 for the state Engine.sleep left it in (vLLM's awake, weights_offloaded, "
+           "discard_all; kv_cache_freed: the pools alone), else 0")
+    lines.extend(f'mixserve:engine_sleep_state{{role="{role}",sleep_state="{state}"}} {int(e.sleep_state == state)}'
+                 for role, e in parts.items() for state in SLEEP_STATES)
     metric("rejections_total", "counter", "requests rejected as bad input", {"engine": engine.counters.rejections})
     metric("cancelled_total", "counter", "requests cancelled unfinished (their client gone, a prompt beside them "
            "rejected)", {"engine": cancelled})

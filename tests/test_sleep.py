@@ -20,7 +20,7 @@ from mixserve.model import buffers
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
-from test_server import FLAGS, get, post, serving
+from test_server import FLAGS, get, metrics, post, serving
 from test_update_weights import NEW, fresh_prompts
 
 
@@ -228,6 +228,12 @@ def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi,
     assert outputs(pair, [rid]) == {rid: greedy_reference(new, prompts[1], NEW)}
 
 
+def sleep_states(s) -> list[str]:
+    """The states /metrics' engine_sleep_state marks 1."""
+    marked = [name for name, value in metrics(s).items() if name.startswith("engine_sleep_state") and value == 1]
+    return [re.search(r'sleep_state="(\w+)"', name)[1] for name in marked]
+
+
 def test_the_servers_sleep_holds_completions_until_wake_up():
     """vLLM's endpoints: asleep, a completion waits (it is not refused) and is served on wake_up;
     /sleep while one runs is a 409."""
@@ -235,7 +241,7 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
     try:
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         status, awake = post(s, body)
-        assert status == 200 and get(s, "/is_sleeping") == (200, {"is_sleeping": False})
+        assert status == 200 and get(s, "/is_sleeping") == (200, {"is_sleeping": False}) and sleep_states(s) == ["awake"]
         for path, message in (("/sleep?level=3", "level must be 1"), ("/sleep?level=one", "one integer"),
                               ("/sleep?tags=pools", "tags must be some"), ("/wake_up?level=1", r"unknown query.*\['level'\]")):
             status, error = post(s, {}, path)
@@ -243,11 +249,13 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
         assert get(s, "/is_sleeping")[1] == {"is_sleeping": False}
         status, reply = post(s, {}, "/sleep?tags=kv_cache")
         assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
+        assert sleep_states(s) == ["kv_cache_freed"]
         assert post(s, {}, "/wake_up?tags=kv_cache") == (200, {}) and get(s, "/is_sleeping")[1] == {"is_sleeping": False}
         runner = s.loop.engine.runner  # read between steps: the loop is idle
         held = nbytes(runner.model.params) + nbytes(runner.pools)
         status, reply = post(s, {}, "/sleep?level=1")  # the server holds its weights nowhere else: all freed
         assert status == 200 and reply["freed_bytes"] == held and get(s, "/is_sleeping")[1] == {"is_sleeping": True}
+        assert sleep_states(s) == ["weights_offloaded"]
         got = {}
         waiter = threading.Thread(target=lambda: got.update(zip(("status", "reply"), post(s, body))))
         waiter.start()

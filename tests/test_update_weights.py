@@ -19,7 +19,7 @@ from mixserve.quantize import plan_for, quantize_model
 from mixserve import run, server
 from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
-from test_server import PROMPT, Scripted, get, post, serving
+from test_server import PROMPT, Scripted, get, metrics, post, serving
 
 NEW = 6
 
@@ -335,6 +335,7 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
         # loaded into the memory they freed, then the KV pools
         status, reply = post(s, {}, "/sleep?level=2")
         assert status == 200 and reply["freed_bytes"] > 0, reply
+        assert metrics(s)['engine_sleep_state{role="engine",sleep_state="discard_all"}'] == 1
         status, error = post(s, {}, "/wake_up")
         assert status == 409 and "update_weights first" in error["error"]["message"], error
         status, reply = update(model_path=checkpoints["b"], weight_version="step-2")
