@@ -75,6 +75,21 @@ def test_scheduling_script_runs(tmp_path):
     assert "a pool of 9 pages of 4" in out and (tmp_path / "s.md").read_text() in out
 
 
+def test_rl_cycle_script_runs(tmp_path):
+    """One round per way: awake, update_weights needs a second weight set on the device beside
+    the first; sleep 2 frees the first before the trainer makes the second, and nothing more is
+    needed; each sleep frees its engine's weights and pools (MiB to two places: the pool of 1 page rounds away)."""
+    out = run("rl_cycle.py", "--repeats", "1", "--batch", "1", "--prompt-len", "4", "--new-tokens", "2",
+              "--page-size", "4", "--out", str(tmp_path / "r.md"))
+    rows = {line.split("|")[1].strip(): [float(c) for c in line.split("|")[2:-1]] for line in out.splitlines()
+            if line.startswith("| ") and line.split("|")[2].strip()[:1].isdigit()}
+    assert list(rows) == ["fresh engine", "update_weights", "sleep 2, update", "sleep 1, wake"], rows
+    weights = float(out.split("one served weight set of ")[1].split(" MiB")[0])
+    assert rows["update_weights"][3] == weights and rows["sleep 2, update"][3] == rows["sleep 1, wake"][3] == 0
+    assert rows["sleep 2, update"][4] == rows["sleep 1, wake"][4] >= weights > 0 and rows["update_weights"][4] == 0
+    assert (tmp_path / "r.md").read_text() in out
+
+
 def test_prefix_cache_script_runs(tmp_path):
     """Two conversations of two turns (16 user tokens, 4-token replies, pages of 4): turn 2's
     prompt (36 tokens) finds turn 1's 19 written tokens' 4 full pages cached, in each conversation.
