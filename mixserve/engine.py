@@ -319,19 +319,26 @@ class Engine(Frontend):
         return let_go(dropped)
 
     def _prepare_sleep(self, level: int, tags: frozenset[str], made: dict) -> Callable[[], list[jax.Array]]:
-        """sleep's part that may fail (cached pages to the host tier, the weights' host copies),
-        leaving nothing half done; returns the rest, which cannot fail: it puts the engine to sleep
-        and returns the arrays to let go. made: the host copies, as model.copied's (a pair's two
-        sides may serve one buffer: it is copied once)."""
-        pools = "kv_cache" in tags - self.asleep
-        if pools:
-            self.page_manager.evict_all()
+        """sleep's part that may fail (the weights' host copies, then the cached pages to the host
+        tier), changing nothing but the prefix cache; returns the rest, which cannot fail: it puts
+        the engine to sleep and returns the arrays to let go. made: the host copies, as
+        model.copied's (a pair's two sides may serve one buffer: it is copied once)."""
         weights = "weights" in tags - self.asleep
-        host = None
+        slept_weights = None
         if weights and level == 1:
             model, decode = self.runner.model, self.runner.decode_model
             host = on_host(model, made)
-            host = (host, host if decode is model else on_host(decode, made))
+            host_decode = host if decode is model else on_host(decode, made)
+            # what wake_up takes back as it is, if someone still holds it: the served array, or another of its value
+            served = jax.tree.leaves([model.params, decode.params])
+            others = holders(served)
+            held = {id(h): (weakref.ref(x), *others[id(x)])
+                    for h, x in zip(jax.tree.leaves([host.params, host_decode.params]), served)}
+            slept_weights = (host, host_decode, held)
+            del served, model, decode  # asleep() must not find them held here
+        pools = "kv_cache" in tags - self.asleep
+        if pools:
+            self.page_manager.evict_all()
 
         def asleep() -> list[jax.Array]:
             dropped = []
@@ -341,14 +348,7 @@ class Engine(Frontend):
             if weights:
                 model, decode = self.runner.model, self.runner.decode_model
                 dropped += jax.tree.leaves([model.params, decode.params])
-                if host is not None:  # wake_up takes back as they are those others still hold
-                    served = jax.tree.leaves([model.params, decode.params])
-                    others = holders(served)
-                    held = {id(h): (weakref.ref(x), *others.get(id(x), ()))
-                            for h, x in zip(jax.tree.leaves([h.params for h in host]), served)}
-                    self._host_weights = (*host, held)
-                else:
-                    self._host_weights = None
+                self._host_weights = slept_weights
                 self.runner.model = skeleton(model)
                 self.runner.decode_model = self.runner.model if decode is model else skeleton(decode)
                 self._weights_asleep = True
@@ -546,14 +546,25 @@ def check_sleep(level: int, tags) -> frozenset[str]:
 
 
 def holders(arrays: list[jax.Array]) -> dict[int, tuple[weakref.ref, ...]]:
-    """For each of arrays (by id), weakly, the other live Array objects over its buffers (an
-    uncommitted array given to the engine, and the committed one it serves, are two objects)."""
+    """For each of arrays (by id), weakly, the other live arrays of its value that share its
+    memory: over the same buffers (an uncommitted array given to the engine, and the committed
+    one it serves, are two objects), or over one whole replica of it (a one-device model given
+    to an engine on a mesh: its replicated parameters' first device reuses the buffer)."""
     ours = {id(x) for x in arrays}
-    by_buffers = {}
+    shared = {}
     for y in jax.live_arrays():
         if id(y) not in ours and not y.is_deleted():
-            by_buffers.setdefault(tuple(buffers(y)), []).append(weakref.ref(y))
-    return {id(x): tuple(by_buffers.get(tuple(buffers(x)), ())) for x in arrays}
+            for key in memory_keys(y):
+                shared.setdefault(key, []).append(weakref.ref(y))
+    return {id(x): tuple(ref for key in memory_keys(x) for ref in shared.get(key, ())) for x in arrays}
+
+
+def memory_keys(x: jax.Array) -> list[tuple]:
+    """What two arrays of one value share when one's memory is the other's: all its buffers, and
+    each buffer that holds the whole of it (a replica), with the shape and dtype it has there."""
+    whole = [(shard.device.id, shard.data.unsafe_buffer_pointer(), x.shape, x.dtype)
+             for shard in x.addressable_shards if shard.data.shape == x.shape]
+    return [tuple(buffers(x)), *whole]
 
 
 def let_go(arrays: list[jax.Array]) -> int:

@@ -131,10 +131,21 @@ def skeleton(model: Model) -> Model:
 
 
 def on_host(model: Model, made: dict | None = None) -> Model:
-    """model with each parameter copied to host memory, whole (a split one gathered): a copy, not
-    a view of the device buffer, so it outlives the device array. made: as `copied`'s."""
-    return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(np.array, x, made, tuple(buffers(x))),
+    """model with each parameter copied to host memory, whole (a split one gathered). made: as
+    `copied`'s."""
+    return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(host_copy, x, made, tuple(buffers(x))),
                                                           model.params))
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """x whole in host memory: a copy, read a shard at a time (np.array(x) may also keep one on x
+    itself for as long as x lives, as an array a caller holds does; and on a CPU give a view of
+    the device buffer)."""
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def buffers(x: jax.Array) -> dict[tuple[int, int], int]:
