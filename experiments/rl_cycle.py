@@ -40,8 +40,8 @@ import numpy as np
 from experiments.report import interleaved, publish
 import mixserve
 from mixserve import model_runner
+from mixserve.device_memory import buffers
 from mixserve.engine import Engine
-from mixserve.model import buffers
 
 WAYS = ("fresh engine", "update_weights", "sleep 2, update", "sleep 1, wake")
 

@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from mixserve import kv_transfer
-from mixserve.engine import SLEEP_TAGS, Engine, EngineBusy, WeightsDiscarded, check_running, check_sleep, let_go
+from mixserve.device_memory import let_go
+from mixserve.engine import SLEEP_TAGS, Engine, EngineBusy, WeightsDiscarded, check_running, check_sleep
 from mixserve.model import Model
 from mixserve.frontend import Frontend
 from mixserve.request import Request

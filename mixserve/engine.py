@@ -40,8 +40,9 @@ from mixserve import sharding, speculative
 from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
 from mixserve.host_cache import HostKVCache
+from mixserve.device_memory import holders, let_go
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
-from mixserve.model import Model, buffers, committed, on_host, placed_like, skeleton
+from mixserve.model import Model, committed, on_host, placed_like, skeleton
 from mixserve.model_runner import ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
@@ -168,7 +169,7 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft), self.grammars)
-        self._weights_asleep = False  # sleep deleted the weights (runner.model's params: their skeleton)
+        self._weights_asleep = False  # sleep let go of the weights (runner.model's params: their skeleton)
         # sleep level 1's copies of the weight sets, and what it let go that others may still hold
         self._host_weights: tuple[Model, Model, dict] | None = None
         # The prefix cache's host tier (mixserve/host_cache.py): evicted pages wait in host
@@ -543,38 +544,6 @@ def check_sleep(level: int, tags) -> frozenset[str]:
     if not tags or not tags <= set(SLEEP_TAGS):
         raise ValueError(f"tags must be some of {SLEEP_TAGS}, got {sorted(tags)}")
     return tags
-
-
-def holders(arrays: list[jax.Array]) -> dict[int, tuple[weakref.ref, ...]]:
-    """For each of arrays (by id), weakly, the other live arrays of its value that share its
-    memory: over the same buffers (an uncommitted array given to the engine, and the committed
-    one it serves, are two objects), or over one whole replica of it (a one-device model given
-    to an engine on a mesh: its replicated parameters' first device reuses the buffer)."""
-    ours = {id(x) for x in arrays}
-    shared = {}
-    for y in jax.live_arrays():
-        if id(y) not in ours and not y.is_deleted():
-            for key in memory_keys(y):
-                shared.setdefault(key, []).append(weakref.ref(y))
-    return {id(x): tuple(ref for key in memory_keys(x) for ref in shared.get(key, ())) for x in arrays}
-
-
-def memory_keys(x: jax.Array) -> list[tuple]:
-    """What two arrays of one value share when one's memory is the other's: all its buffers, and
-    each buffer that holds the whole of it (a replica), with the shape and dtype it has there."""
-    whole = [(shard.device.id, shard.data.unsafe_buffer_pointer(), x.shape, x.dtype)
-             for shard in x.addressable_shards if shard.data.shape == x.shape]
-    return [tuple(buffers(x)), *whole]
-
-
-def let_go(arrays: list[jax.Array]) -> int:
-    """Drop the references in arrays (the list is emptied: its caller holds them nowhere else)
-    and return the bytes that freed: the device buffers no live array holds any more (two
-    Array objects may share one), each once."""
-    sizes = {key: n for x in arrays if not x.is_deleted() for key, n in buffers(x).items()}  # (a trainer's, donated)
-    arrays.clear()  # (no gc.collect: 130 ms in a test process, for arrays only a reference cycle would hold)
-    held = {key for x in jax.live_arrays() if not x.is_deleted() for key in buffers(x)}
-    return sum(n for key, n in sizes.items() if key not in held)
 
 
 def check_running(running: str) -> None:

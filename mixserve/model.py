@@ -16,6 +16,7 @@ from mixserve import sharding
 from mixserve.checkpoint import (checkpoint_index, detect_mtp_plan, detect_plan, has_mtp, load_params, read_config,
                                  read_kv_scales)
 from mixserve.chat import ChatTemplate
+from mixserve.device_memory import buffers, host_copy
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.presets import FULL_PRESETS, get_preset
@@ -135,24 +136,6 @@ def on_host(model: Model, made: dict | None = None) -> Model:
     `copied`'s."""
     return dataclasses.replace(model, params=jax.tree.map(lambda x: copied(host_copy, x, made, tuple(buffers(x))),
                                                           model.params))
-
-
-def host_copy(x: jax.Array) -> np.ndarray:
-    """x whole in host memory: a copy, read a shard at a time (np.array(x) may also keep one on x
-    itself for as long as x lives, as an array a caller holds does; and on a CPU give a view of
-    the device buffer)."""
-    out = np.empty(x.shape, x.dtype)
-    for shard in x.addressable_shards:
-        if shard.replica_id == 0:
-            out[shard.index] = np.asarray(shard.data)
-    return out
-
-
-def buffers(x: jax.Array) -> dict[tuple[int, int], int]:
-    """x's device buffers, (device id, address) -> bytes: two Array objects may share them (an
-    uncommitted array and its device_put to the same device are two objects over one buffer)."""
-    return {(shard.device.id, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
-            for shard in x.addressable_shards}
 
 
 def committed(model: Model) -> Model:

@@ -94,7 +94,7 @@ assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # `model` (one device) is held here, and the engine's replicated weights reuse its buffers on the
 # first device: through a level-1 sleep those replicas are let go, not freed, and taken back as
 # they are (no second copy there); the rest comes back from host memory
-from mixserve.model import buffers
+from mixserve.device_memory import buffers
 live = lambda: sum({k: n for x in jax.live_arrays() for k, n in buffers(x).items()}.values())
 before = live()
 assert 0 < split.sleep() < before - sum(x.nbytes for x in jax.tree.leaves(model.params))

@@ -14,9 +14,9 @@ import pytest
 
 import mixserve
 from mixserve import server
+from mixserve.device_memory import buffers
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import EngineBusy, WeightsDiscarded
-from mixserve.model import buffers
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 from test_engine import engine, greedy_reference
