@@ -126,7 +126,7 @@ def copied(copy, x, made: dict | None, key):
 
 def skeleton(model: Model) -> Model:
     """model with each parameter replaced by its shape, dtype and placement (a ShapeDtypeStruct):
-    enough for placed_like to place weights as these were, once these are deleted (Engine.sleep)."""
+    enough for placed_like to place weights as these were, once these are let go (Engine.sleep)."""
     return dataclasses.replace(model, params=jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type), model.params))
 
