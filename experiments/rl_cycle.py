@@ -40,14 +40,10 @@ import numpy as np
 from experiments.report import interleaved, publish
 import mixserve
 from mixserve import model_runner
-from mixserve.device_memory import buffers
+from mixserve.device_memory import live_bytes
 from mixserve.engine import Engine
 
 WAYS = ("fresh engine", "update_weights", "sleep 2, update", "sleep 1, wake")
-
-
-def device_bytes() -> int:
-    return sum({key: n for x in jax.live_arrays() for key, n in buffers(x).items()}.values())
 
 
 @jax.jit
@@ -87,7 +83,7 @@ def cold_caches() -> None:
 
 def round_of(loop: Loop, prompts: list[list[int]], new_tokens: int, seed: int) -> dict:
     """Stop or sleep, a trainer step, the hand-over, and the next rollout batch."""
-    start, freed = device_bytes(), 0
+    start, freed = live_bytes(), 0
     t0 = time.perf_counter()
     if loop.way == "fresh engine":
         loop.engine = None  # the old server stopped: its memory back before the trainer runs
@@ -98,7 +94,7 @@ def round_of(loop: Loop, prompts: list[list[int]], new_tokens: int, seed: int) -
     if loop.way != "sleep 1, wake":  # the trainer's step, and the copy it hands over (not timed)
         loop.master = trained(loop.master, jax.random.key(seed))
         served = jax.block_until_ready(loop.served())
-    after_step = device_bytes()
+    after_step = live_bytes()
     t0 = time.perf_counter()
     if loop.way == "fresh engine":
         cold_caches()
@@ -111,7 +107,7 @@ def round_of(loop: Loop, prompts: list[list[int]], new_tokens: int, seed: int) -
             loop.engine.wake_up()
     handover_s = stop_s + time.perf_counter() - t0
     del served  # the engine's alone from here
-    after_handover = device_bytes()
+    after_handover = live_bytes()
     t0 = time.perf_counter()
     results = loop.engine.generate(prompts, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     return {"handover": handover_s, "ttft": statistics.median(r.ttft_s for r in results),

@@ -21,6 +21,11 @@ def buffers(x: jax.Array) -> dict[tuple[int, int], int]:
             for shard in x.addressable_shards}
 
 
+def live_bytes() -> int:
+    """The device buffers all live arrays hold, each once."""
+    return sum({key: n for x in jax.live_arrays() if not x.is_deleted() for key, n in buffers(x).items()}.values())
+
+
 def host_copy(x: jax.Array) -> np.ndarray:
     """x whole in host memory: a copy, read a shard at a time (np.array(x) may also keep one on x
     itself for as long as x lives, as an array a caller holds does; and on a CPU give a view of

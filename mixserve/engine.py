@@ -336,7 +336,6 @@ class Engine(Frontend):
             held = {id(h): (weakref.ref(x), *others[id(x)])
                     for h, x in zip(jax.tree.leaves([host.params, host_decode.params]), served)}
             slept_weights = (host, host_decode, held)
-            del served, model, decode  # asleep() must not find them held here
         pools = "kv_cache" in tags - self.asleep
         if pools:
             self.page_manager.evict_all()

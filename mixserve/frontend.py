@@ -96,7 +96,8 @@ class Frontend:
     def _weights_changed(self, version: str | None) -> None:
         """New weights serve from the next step: every unfinished request's next tokens are
         theirs. version: their name (None: the name stays, and the spans still split there)."""
-        self.weight_version = self.weight_version if version is None else version
+        if version is not None:
+            self.weight_version = version
         for req in self._unreported.values():
             if req.result is None:
                 req.weights_changed(self.weight_version)

@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
-from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded, check_sleep
+from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
@@ -670,7 +670,7 @@ class Choice:
                "finish_reason": self.finish_reason() if done else None,
                "stop_reason": r.stop_reason if done else None}
         if done:  # which weights gave which tokens (a span per update_weights it ran through)
-            out["weight_versions"] = [[start, version] for start, version in r.weight_versions]
+            out["weight_versions"] = [[first, version] for first, version in r.weight_versions]
         if self.returned.token_ids:
             out["token_ids"] = self.tokens[start:]
             if start == 0:
@@ -832,18 +832,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if unknown := sorted(set(self.query) - fields):
             raise BadRequest(f"unknown query parameters {unknown}: {self.path} takes {sorted(fields)}")
         level, tags = self.query.get("level", ["1"]), self.query.get("tags", SLEEP_TAGS)
-        try:
-            if len(level) != 1 or not level[0].isdigit():
-                raise ValueError(f"level must be one integer, got {level}")
-            level = int(level[0])
-            check_sleep(level, tags)
-        except ValueError as e:
-            raise BadRequest(str(e)) from e
+        if len(level) != 1 or not level[0].isdigit():
+            raise BadRequest(f"level must be one integer, got {level}")
+        level = int(level[0])
         try:
             if self.path == "/sleep":
                 return {"freed_bytes": self.server.loop.between_steps(lambda e: e.sleep(level, tags), 600.0)}
             self.server.loop.between_steps(lambda e: e.wake_up(tags), 600.0)
             return {}
+        except ValueError as e:  # the engine's check of level and tags, before it changes anything
+            raise BadRequest(str(e)) from e
         except (EngineBusy, WeightsDiscarded) as e:
             raise BadRequest(str(e), 409, "conflict") from e
 

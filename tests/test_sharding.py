@@ -94,12 +94,11 @@ assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # `model` (one device) is held here, and the engine's replicated weights reuse its buffers on the
 # first device: through a level-1 sleep those replicas are let go, not freed, and taken back as
 # they are (no second copy there); the rest comes back from host memory
-from mixserve.device_memory import buffers
-live = lambda: sum({k: n for x in jax.live_arrays() for k, n in buffers(x).items()}.values())
-before = live()
+from mixserve.device_memory import live_bytes
+before = live_bytes()
 assert 0 < split.sleep() < before - sum(x.nbytes for x in jax.tree.leaves(model.params))
 split.wake_up()
-assert live() == before
+assert live_bytes() == before
 assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == expected
 # New weights swap in place (Engine.update_weights): each array stays on its devices, nothing
 # compiles again, and the tokens are a one-device engine's on the new weights.

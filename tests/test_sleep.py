@@ -14,7 +14,7 @@ import pytest
 
 import mixserve
 from mixserve import server
-from mixserve.device_memory import buffers
+from mixserve.device_memory import buffers, live_bytes
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import EngineBusy, WeightsDiscarded
 from mixserve.quantize import plan_for, quantize_model
@@ -27,11 +27,6 @@ from test_update_weights import NEW, fresh_prompts
 @pytest.fixture(scope="module")
 def kimi():
     return mixserve.load("tiny-kimi", dtype="float32"), mixserve.load("tiny-kimi", dtype="float32", seed=1)
-
-
-def device_bytes() -> int:
-    """The device buffers live arrays hold, each once (two arrays may share one)."""
-    return sum({key: n for x in jax.live_arrays() for key, n in buffers(x).items()}.values())
 
 
 def nbytes(tree) -> int:
@@ -65,9 +60,9 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     e.generate(prompts, max_new_tokens=NEW)
     e.generate(fresh_prompts((7,)), max_new_tokens=NEW)  # the waiting request's shapes below
     compiled_before = compiled(e)
-    pools, before = nbytes(e.runner.pools), device_bytes()
+    pools, before = nbytes(e.runner.pools), live_bytes()
     freed = e.sleep(tags=("kv_cache",))
-    assert freed == pools > 0 and before - device_bytes() == freed
+    assert freed == pools > 0 and before - live_bytes() == freed
     assert e.asleep == {"kv_cache"} and e.sleep(tags="kv_cache") == 0
     assert e.page_manager.cached == 0 and len(e.host_cache) > 0  # the cached prompt pages went to the host
     waiting = fresh_prompts((7,))[0]
@@ -83,10 +78,10 @@ def test_sleep_frees_the_pools_and_wake_up_serves_on_from_the_host_tier(kimi):
     assert all(r.cached_tokens > 0 for r in again) and e.counters.host_restored_tokens > 0
     # its weights are the fixture's arrays, held there: let go asleep, not freed, and taken back
     # awake as they are (no second copy beside the fixture's)
-    before = device_bytes()
+    before = live_bytes()
     assert e.sleep() == pools and e.asleep == {"weights", "kv_cache"}
     e.wake_up()
-    assert device_bytes() == before
+    assert live_bytes() == before
     assert all(buffers(a) == buffers(b) for a, b in zip(*(jax.tree.leaves(m.params) for m in (e.runner.model, old))))
     assert [r.tokens for r in e.generate(prompts, max_new_tokens=NEW)] == [greedy_reference(old, p, NEW) for p in prompts]
     assert compiled(e) == compiled_before
@@ -105,9 +100,9 @@ def test_level_1_puts_the_weights_in_host_memory_and_level_2_discards_them(kimi)
     e, prompts = engine(copy_of(old)), fresh_prompts()  # nothing else holds its weights
     e.generate(prompts, max_new_tokens=NEW)
     compiled_before = compiled(e)
-    weights, pools, before = nbytes(e.runner.model.params), nbytes(e.runner.pools), device_bytes()
+    weights, pools, before = nbytes(e.runner.model.params), nbytes(e.runner.pools), live_bytes()
     freed = e.sleep()
-    assert freed == weights + pools and before - device_bytes() == freed
+    assert freed == weights + pools and before - live_bytes() == freed
     assert e.asleep == {"weights", "kv_cache"} and e.sleep() == 0
     rid = e.submit(prompts[1], max_new_tokens=NEW)
     e.wake_up("kv_cache")
@@ -187,9 +182,9 @@ def test_new_weights_taken_asleep_serve_once_awake_and_a_pair_sleeps_whole(kimi,
         pair.sleep()
     assert not pair.prefill.sleeping and not pair.decode.sleeping
     monkeypatch.undo()
-    before = device_bytes()
+    before = live_bytes()
     freed = pair.sleep()
-    assert freed == weights + pools and before - device_bytes() == freed
+    assert freed == weights + pools and before - live_bytes() == freed
     assert pair.prefill.asleep == pair.decode.asleep == pair.asleep == {"weights", "kv_cache"}
     pair.wake_up()
     shared = [a is b for a, b in zip(*(jax.tree.leaves(side.runner.model.params) for side in (pair.prefill, pair.decode)))]
