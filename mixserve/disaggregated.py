@@ -70,11 +70,14 @@ class DisaggregatedEngine(Frontend):
             raise ValueError("MTP speculative decoding needs speculative_tokens with draft='mtp' on both engines or on "
                              f"neither, got {prefill.speculative_tokens} ({prefill.draft}) and "
                              f"{decode.speculative_tokens} ({decode.draft})")
+        if prefill.routes_shape != decode.routes_shape:  # a request's routing goes with it to the decode engine
+            raise ValueError("return_routed_experts must be on both engines or on neither")
         if decode.host_cache is not None:  # adopt shares device-cached pages only
             raise ValueError("the decode engine takes prefilled requests and never reads a host KV tier: give "
                              "host_kv_bytes to the prefill engine")
         super().__init__()
         self.prefill, self.decode = prefill, decode
+        self.routes_shape = prefill.routes_shape
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()

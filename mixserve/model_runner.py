@@ -47,6 +47,7 @@ from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import Request, TokenLogprobs
 from mixserve.sampling import Sampling, sample
+from models import moe
 from models.transformer import Transformer
 
 
@@ -96,6 +97,7 @@ class RunnerConfig:
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
     speculative_tokens: int = 0  # draft tokens per decode step (mixserve/speculative.py); 0: none
     draft: str = "mtp"  # who drafts them: the MTP layer (in the steps) or "ngram" (the engine, on the host)
+    routed_experts: bool = False  # the steps return the experts each MoE layer chose per token (Request.routes)
 
     @property
     def mtp_drafts(self) -> bool:
@@ -117,6 +119,7 @@ class StepSpec:
     max_logprobs: int
     speculative_tokens: int
     mtp_drafts: bool
+    routed_experts: bool
     # The pools' and page table's shapes: the trace does not read them, but with them in the key
     # one cached Steps compiles one engine size's programs, so the cache's bound bounds memory.
     num_pages: int
@@ -139,8 +142,8 @@ class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig, grammars: Grammars):
         self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
-                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.num_pages, cfg.kv_format,
-                        cfg.max_batch)
+                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.routed_experts, cfg.num_pages,
+                        cfg.kv_format, cfg.max_batch)
         decode_steps = steps_for(dataclasses.replace(spec, module=decode_model.module))
         self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
         self.speculative_step = decode_steps.speculative
@@ -203,6 +206,7 @@ class ModelRunner:
         last_call = [None] * len(reqs)  # (sampled tokens, logprobs, its row, drafts) of the call that finished reqs[i]
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
         prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, count)
+        route_rows = []  # (a call's routed experts, row, index in reqs, first position, count)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
@@ -222,7 +226,7 @@ class ModelRunner:
                 if after_R is not None:
                     after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
                     room[row] = r.num_pages * c.page_size
-            sampled, logprobs, prompt_lp, ok_R, drafts = self._run(
+            sampled, logprobs, prompt_lp, ok_R, drafts, routes = self._run(
                 errors, self.prefill_step, self.model.params, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk),
                 self._sampling([r for _, r in todo], range(len(todo)), R,
@@ -235,6 +239,8 @@ class ModelRunner:
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 if r.wants_prompt_logprobs:
                     prompt_rows.append((prompt_lp, chunk.shape[1], row, i, r.cached, k))
+                if routes is not None:
+                    route_rows.append((routes, row, i, r.cached, k))
                 r.cached += k
                 if r.cached == len(r.tokens):
                     last_call[i] = (sampled, logprobs, row, drafts)  # read once all calls are queued: no sync per chunk
@@ -245,6 +251,10 @@ class ModelRunner:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
         self._keep_prompt_logprobs(reqs, prompt_rows, ok)
+        host_routes = {id(call): np.asarray(call) for call, *_ in route_rows}  # one read per call
+        for call, row, i, first, k in route_rows:
+            if ok[i]:
+                reqs[i].keep_routes(first, host_routes[id(call)][row, :k])
         tokens = [None if call is None else int(host[id(call[0])][call[2]]) for call in last_call]
         asked = [call is not None and r.logprobs is not None for r, call in zip(reqs, last_call)]
         host_lp = {id(call[1]): jax.device_get(call[1]) for call, a in zip(last_call, asked) if a}  # once per call
@@ -284,14 +294,27 @@ class ModelRunner:
         inputs = (table, jnp.asarray(slots), jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens))
         width = self._width(table, start + count)
         sampling = None if self.overlap_inputs else self._sampling(live, range(len(live)), R)
-        logits, ok = self._run(errors, self.decode_step, self.decode_model.params, *inputs, width=width)
+        logits, ok, routes = self._run(errors, self.decode_step, self.decode_model.params, *inputs, width=width)
         if sampling is None:  # built while the forward runs (JAX dispatches it asynchronously)
             sampling = self._sampling(live, range(len(live)), R)
         with jax.set_mesh(self.cfg.mesh):
             next_tok, logprobs = self.pick_step(logits, sampling)
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None  # read only if asked
-        return Output(np.asarray(next_tok), np.asarray(ok), errors,
+        ok = np.asarray(ok)
+        self._keep_routes(live, routes, start, count, ok)
+        return Output(np.asarray(next_tok), ok, errors,
                       [None if r.logprobs is None else _token_logprobs(host_lp, i, r.logprobs) for i, r in enumerate(live)])
+
+    @staticmethod
+    def _keep_routes(live: list[Request], routes_RJLK, start: np.ndarray, count: np.ndarray, ok: np.ndarray) -> None:
+        """Give each request that passed its check the experts chosen at the first count[i]
+        positions of its row (from start[i]); nothing when the step returns none."""
+        if routes_RJLK is None:
+            return
+        host = np.asarray(routes_RJLK)
+        for i, r in enumerate(live):
+            if ok[i]:
+                r.keep_routes(int(start[i]), host[i, : count[i]])
 
     def _run(self, errors: list, step: Callable, params, *args, width: int):
         """Call a jitted step on the runner's pools and scales under the mesh (the kernels run per
@@ -367,18 +390,19 @@ class ModelRunner:
             slots[i], start[i], count[i], room[i] = r.slot, len(r.tokens) - 1, 1 + len(drafts), r.num_pages * c.page_size
             tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
         errors = []
-        emitted, accepted, drafts, logprobs, ok = self._run(
+        emitted, accepted, drafts, logprobs, ok, routes = self._run(
             errors, self.speculative_step, self.decode_model.params, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
             self._sampling(live, range(len(live)), R, [r.drafts[:n] for r, n in zip(live, n_drafts)]),
             width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
-        emitted, accepted = np.asarray(emitted), np.asarray(accepted)
+        emitted, accepted, ok = np.asarray(emitted), np.asarray(accepted), np.asarray(ok)
+        self._keep_routes(live, routes, start, accepted + 1, ok)  # the fed token and the kept drafts
         drafts = None if drafts is None else [d.tolist() for d in np.asarray(drafts)[: len(live)]]
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None
         got = [emitted[i, : accepted[i] + 1].tolist() for i in range(len(live))]
         got_lp = [None if r.logprobs is None else [_token_logprobs(host_lp, i * (K + 1) + j, r.logprobs)
                                                    for j in range(len(got[i]))] for i, r in enumerate(live)]
-        return Output(emitted[:, 0], np.asarray(ok), errors, [lp and lp[0] for lp in got_lp], drafts=drafts, emitted=got,
+        return Output(emitted[:, 0], ok, errors, [lp and lp[0] for lp in got_lp], drafts=drafts, emitted=got,
                       emitted_logprobs=got_lp)
 
     def lowered_decode_text(self, table: pt.PageTable) -> str:
@@ -431,6 +455,15 @@ def _placed(spec: StepSpec, pools):
     return jax.lax.with_sharding_constraint(pools, sharding.pool_shardings(pools, spec.mesh, spec.split_slots))
 
 
+def _forward(spec: StepSpec, params, *args, **kwargs):
+    """spec.module's forward -> (its output, and when the spec returns routed experts the experts
+    each MoE layer chose per token, int16 [B, T, L, K]; else None)."""
+    if not spec.routed_experts:
+        return spec.module.apply({"params": params}, *args, **kwargs), None
+    out, state = spec.module.apply({"params": params}, *args, mutable=["intermediates"], **kwargs)
+    return out, moe.sown_routes(state["intermediates"], spec.module.cfg)
+
+
 def _checked_step(spec: StepSpec, table: pt.PageTable, slots_R, start_R, count_R) -> tuple[StepInputs, jax.Array]:
     """The rows' view of the page table, after the integrity check of their slots (traced only
     when it is on) -> (step inputs, ok per row). A failing row neither writes nor reads: its
@@ -454,7 +487,6 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
     (None: none, and only the last position of each row meets the vocabulary projection). after_R,
     room_R (speculative only, else None): the token after each row's chunk (-1: the sampled one)
     and the positions its pages hold."""
-    module = spec.module
     step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
     kv = _paged_kv(spec, pools, scales, step, width)
     R, C = tokens_RC.shape
@@ -464,11 +496,11 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
     prompt_logprobs = None
     return_hidden = after_R is not None
     if targets_RC is None:
-        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, logits_at=last_R,
-                           valid_BT=valid_RC, return_hidden=return_hidden)
+        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, logits_at=last_R,
+                                    valid_BT=valid_RC, return_hidden=return_hidden)
     elif spec.mesh is not None:  # each device holds its share of the vocabulary's logits
-        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
-                           return_hidden=return_hidden)
+        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
+                                    return_hidden=return_hidden)
     else:  # rows flattened: position j of row r is row r * C + j
 
         def project(x_RCD, head_DV):
@@ -476,8 +508,8 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
             return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
                     blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs))
 
-        out = module.apply({"params": params}, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
-                           return_hidden=return_hidden)
+        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
+                                    return_hidden=return_hidden)
     out, hidden_RCD = out if return_hidden else (out, None)
     if targets_RC is None:
         logits = out
@@ -494,7 +526,7 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
         shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
         pools, drafts_RK = _draft(spec, params, pools, scales, step, shifted_RC, hidden_RCD, room_R, width)
     return (_placed(spec, pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, spec.max_logprobs),
-            prompt_logprobs, ok_R, drafts_RK)
+            prompt_logprobs, ok_R, drafts_RK, routes_RCLK)
 
 
 def _draft(spec: StepSpec, params, pools, scales, step: StepInputs, tokens_RT, hidden_RTD, room_R, width: int):
@@ -535,8 +567,8 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
     count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
     step_X, ok_X = _checked_step(spec, table, jnp.repeat(slots_R, J), start_X, count_X)
     kv = _paged_kv(spec, pools, scales, step_X, width, verify_tokens=J)  # the kernels read a request's pages once
-    logits_X1V, hidden_X1D = spec.module.apply({"params": params}, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
-                                               valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
+    (logits_X1V, hidden_X1D), routes_X1LK = _forward(spec, params, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
+                                                     valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
     ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
     s_X = speculative.per_position(sampling, J)
     accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
@@ -547,7 +579,8 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
         kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
         pools, drafts_RK = _draft(spec, params, pools, scales, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
                                   room_R, width)
-    return _placed(spec, pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R
+    routes_RJLK = None if routes_X1LK is None else routes_X1LK.reshape(R, J, *routes_X1LK.shape[2:])
+    return _placed(spec, pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R, routes_RJLK
 
 
 def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, *, spec: StepSpec, width: int):
@@ -555,9 +588,8 @@ def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, 
     samples them, a program of its own: the host builds its inputs while this one runs)."""
     step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
     kv = _paged_kv(spec, pools, scales, step, width)
-    logits_RV = spec.module.apply({"params": params}, tokens_R1, start_R[:, None], kv,
-                                  valid_BT=step.count_B[:, None] > 0)[:, 0]
-    return _placed(spec, kv.new_pools), logits_RV, ok_R
+    logits_R1V, routes_R1LK = _forward(spec, params, tokens_R1, start_R[:, None], kv, valid_BT=step.count_B[:, None] > 0)
+    return _placed(spec, kv.new_pools), logits_R1V[:, 0], ok_R, routes_R1LK
 
 
 def _picked(logits_RV, sampling, *, spec: StepSpec):

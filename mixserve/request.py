@@ -48,6 +48,11 @@ class Result:
     # order (the first even if none did): Engine.update_weights mid-request starts a span (an
     # off-policy correction's switch)
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # Engine(return_routed_experts=True): int16 [positions, L, K], row p the K experts each of the
+    # model's L MoE layers chose for token p of prompt + tokens: every position fed to the model
+    # (all but the last token; an aborted request, those it got to), each from the forward whose
+    # KV the engine kept (a prefix-cache hit's from the request that computed it). None: not asked.
+    routed_experts: np.ndarray | None = None
 
     def step_gaps_s(self) -> list[float]:
         """The gaps between the steps that gave it tokens (a speculative step's later tokens, 0
@@ -120,6 +125,11 @@ class Request:
     cache_hit_tokens: int | None = None
     queue_s: float | None = None  # submit to that first admission
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # Result.weight_versions
+    # Result.routed_experts as the steps give them: rows [0, routes_end) hold a position's routing
+    # (written in position order from 0, rewritten when a position is computed again); None: off
+    # (Frontend.submit makes it, with no row, for an engine that returns them)
+    routes: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    routes_end: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -242,7 +252,20 @@ class Request:
                              prompt_logprobs=self.reported_prompt_logprobs(), stop_reason=self.stop_reason,
                              cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s,
                              weight_versions=self.weight_versions[:1] + [
-                                 span for span in self.weight_versions[1:] if span[0] < len(self.out)])
+                                 span for span in self.weight_versions[1:] if span[0] < len(self.out)],
+                             routed_experts=None if self.routes is None else
+                             self.routes[: min(self.routes_end, len(self.tokens) - 1)].copy())
+
+    def keep_routes(self, first: int, rows_TLK: np.ndarray) -> None:
+        """The experts chosen at positions first .. first + len(rows_TLK) - 1 (the buffer doubles as
+        it grows, so a long request copies it a logarithmic number of times)."""
+        end = first + len(rows_TLK)
+        if len(self.routes) < end:
+            grown = np.zeros((max(end, 2 * len(self.routes)), *self.routes.shape[1:]), np.int16)
+            grown[: self.routes_end] = self.routes[: self.routes_end]
+            self.routes = grown
+        self.routes[first:end] = rows_TLK
+        self.routes_end = max(self.routes_end, end)
 
     def weights_changed(self, version: str) -> None:
         """Its next tokens come from the weights named version (a span starts at them; the last

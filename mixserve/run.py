@@ -101,6 +101,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the prefix cache's host tier (SGLang's HiCache, vLLM's CPU offload): host memory that keeps "
                         "the KV pages evicted from the pool, e.g. 64MiB, for a later equal prefix to copy back instead of "
                         "prefilling; default: none. With --disaggregate, the prefill engine's")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="return the experts each MoE layer chose for every token fed to the model (vLLM's flag, for "
+                        "an RL trainer's routing replay): --json's routed_experts, the server's prompt_routed_experts "
+                        "and routed_experts")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
                    help="admission order of waiting requests: first come, first served, the longest cached "
                         "prefix first (SGLang's lpm; first come, first served past 128 waiting), or each request's "
@@ -319,7 +323,7 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                   expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
                   speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching,
-                  schedule_policy=args.schedule_policy)
+                  schedule_policy=args.schedule_policy, return_routed_experts=args.enable_return_routed_experts)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True,
@@ -402,7 +406,8 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
             {"prompt_tokens": len(p), "cached_tokens": r.cached_tokens, "status": r.status, "reason": r.reason, "tokens": r.tokens,
              "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
              "latency_s": r.latency_s, "queue_s": r.queue_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
-             "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs]}
+             "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs],
+             "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist()}
             for p, r in zip(prompts, results)
         ],
     }

@@ -87,7 +87,7 @@ class Counters:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
-                 prefix_caching: bool, counters: Counters, lookahead: int = 0):
+                 prefix_caching: bool, counters: Counters, lookahead: int = 0, routes: bool = False):
         self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, page_size, max_pages_per_seq
         # Tokens past a page its KV depends on: 1 when the MTP layer's cache is in the pages (its
         # entry at position p holds token p + 1), so a page is shared only where that token agrees.
@@ -104,6 +104,10 @@ class PageManager:
         # The host tier (mixserve/host_cache.py; the engine's, if it has one): evicted pages go
         # there, and a prefix found there comes back into fresh pages.
         self.host: HostKVCache | None = None
+        # Routed experts return: page key -> the routing of its tokens (int16 [S, L, K]), kept for
+        # every key the cache or its host tier holds, so a request sharing a cached prefix gets
+        # the routing of the forward that computed its KV (None: routing is not returned).
+        self.routes: dict[bytes, np.ndarray] | None = {} if routes else None
 
     @property
     def available(self) -> int:
@@ -162,6 +166,7 @@ class PageManager:
             return False
         self.counters.shared_pages += len(shared)
         restored = self.host.prefix(keys) if restored else 0  # a host smaller than the evictions dropped some
+        self.shared_routes(req, len(shared) + restored)
         if restored:
             pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
             self.host.load(keys[:restored], pages)
@@ -268,7 +273,27 @@ class PageManager:
             ok, row, tags = jax.device_get(read)
             if ok:  # else a fault broke req's mappings: nothing of it is cached
                 self._cache.update((h, (int(row[i]), int(tags[i]))) for i, h in enumerate(keys) if want[i])
+                self._cache_routes(req, [i for i in range(len(keys)) if want[i]])
         self._touch(req)
+
+    def _cache_routes(self, req: Request, pages: list[int]) -> None:
+        """Keep the routing of req's newly cached pages (their tokens' rows of req.routes), and let
+        go of the routing of keys neither tier holds any more, once those are as many as the held."""
+        if self.routes is None:
+            return
+        S, keys = self.page_size, self.page_keys(req)
+        self.routes.update((keys[i], req.routes[i * S:(i + 1) * S].copy()) for i in pages)
+        held = len(self._cache) + (len(self.host) if self.host is not None else 0)
+        if len(self.routes) > 2 * held:  # amortized: a scan per as many registrations as keys held
+            self.routes = {h: rows for h, rows in self.routes.items()
+                           if h in self._cache or self.host is not None and h in self.host}
+
+    def shared_routes(self, req: Request, pages: int) -> None:
+        """Give req the routing of its first `pages` pages, shared from the cache (or restored from
+        its host tier): the forward that computed their KV chose it."""
+        if self.routes is not None and pages:
+            keys = self.page_keys(req)[:pages]
+            req.keep_routes(0, np.concatenate([self.routes[h] for h in keys]))
 
     def _touch(self, req: Request) -> None:
         """Mark req's cached pages used now, its first page last: eviction takes a prefix's tail

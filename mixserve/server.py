@@ -671,6 +671,9 @@ class Choice:
                "stop_reason": r.stop_reason if done else None}
         if done:  # which weights gave which tokens (a span per update_weights it ran through)
             out["weight_versions"] = [[first, version] for first, version in r.weight_versions]
+        if done and r.routed_experts is not None:  # --enable-return-routed-experts: [position][MoE layer][k]
+            out["prompt_routed_experts"] = r.routed_experts[: len(self.prompt)].tolist()
+            out["routed_experts"] = r.routed_experts[len(self.prompt):].tolist()  # the tokens fed back: all but the last
         if self.returned.token_ids:
             out["token_ids"] = self.tokens[start:]
             if start == 0:

@@ -13,6 +13,10 @@ from models.layers import Dtype, GatedMLP, weight_param
 from models.weights import BF16, WeightFormat, expert_matmul
 
 UP_AXES, DOWN_AXES = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "embed")
+# Each MoE layer sows the experts it chose per token under this name in the "intermediates"
+# collection: a forward applied with that collection mutable returns them (sown_routes), any other
+# forward ignores the sow (routed experts return, mixserve.model_runner).
+ROUTES = "routed_experts"
 
 
 def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -145,6 +149,7 @@ class MoE(nn.Module):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         valid_T = None if valid_BT is None else valid_BT.reshape(-1)
         weights, experts = Router(cfg, name="gate")(x_TD)
+        self.sow("intermediates", ROUTES, experts.reshape(*x_BTD.shape[:2], -1).astype(jnp.int16))
         routed = RoutedExperts(cfg, self.experts_fmt, self.dtype, self.backend, self.expert_parallel, name="experts")(
             x_TD, weights, experts, valid_T)
         out = routed.reshape(x_BTD.shape)
@@ -152,3 +157,11 @@ class MoE(nn.Module):
             shared = GatedMLP(cfg.moe_intermediate_size * cfg.n_shared_experts, self.linear_fmt, self.dtype, self.backend, name="shared_experts")
             out = out + shared(x_BTD)
         return out
+
+
+def sown_routes(intermediates: dict, cfg: ModelConfig) -> jax.Array:
+    """int16 [B, T, L, K]: the K experts each MoE layer (L of them, in layer order; the dense
+    first_k_dense_replace layers have none) chose for each token, from a forward applied with
+    mutable=["intermediates"]. The MTP layer's are not among them (it drafts; it is not the model)."""
+    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    return jnp.stack([intermediates[f"layers_{i}"]["mlp"][ROUTES][0] for i in layers], axis=2)

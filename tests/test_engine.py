@@ -57,6 +57,7 @@ def test_engine_greedy_equals_cache_free_greedy(model):
         assert r.status == "ok", r.reason
         assert r.tokens == greedy_reference(model, p, NEW)
         assert r.ttft_s is not None and len(r.token_latencies_s) == NEW - 1
+        assert r.routed_experts is None  # unless return_routed_experts (tests/test_routed_experts.py)
 
 
 def test_steps_attend_over_a_power_of_two_of_pages(model):

@@ -202,9 +202,12 @@ EXPERT_PARALLEL = """
 for preset in ("tiny-kimi",):  # the MoE code is the same under GQA (tiny-glm4 in the run below)
     model = mixserve.load(preset, dtype="float32")
     int4, _ = quantize_model(model, plan_for(WeightFormat("int4", 16), "experts"))
-    want = [r.tokens for r in Engine(int4, **kw).generate(prompts, max_new_tokens=6)]
-    split = Engine(int4, mesh=mesh_for(4), expert_parallel=True, **kw)
-    assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want, preset
+    want = Engine(int4, return_routed_experts=True, **kw).generate(prompts, max_new_tokens=6)
+    split = Engine(int4, mesh=mesh_for(4), expert_parallel=True, return_routed_experts=True, **kw)
+    got = split.generate(prompts, max_new_tokens=6)
+    assert [r.tokens for r in got] == [r.tokens for r in want], preset
+    # every device routes every token (the router is replicated): the routing returned is one device's
+    assert all(np.array_equal(g.routed_experts, w.routed_experts) for g, w in zip(got, want)), preset
     # Whole experts, two per device. TP4 splits down_proj's 32-wide input 8 rows a device, which would
     # cut its 2 groups of 16: it re-blocks the scales to g8 (twice as many) and splits them. That is
     # all TP holds above EP: a quarter of the g8 scales against a quarter of the g16 ones.
@@ -417,7 +420,7 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
 
 def test_expert_parallel_serves_the_one_device_tokens_with_whole_experts_per_device():
     """Expert parallelism at EP4 (tiny-kimi, INT4 g16 experts, XLA path): the same greedy tokens as
-    one device, two whole experts per device (a quarter of the expert bytes; TP4 holds more by
+    one device (and the same routed experts returned), two whole experts per device (a quarter of the expert bytes; TP4 holds more by
     exactly a quarter of the down_proj scales, which it re-blocks to g8; mixserve.weight_bytes.device_bytes
     agrees), no split weight gathered by the
     decode step; GLM-5 with the Pallas kernels (interpret) per device, INT4 everywhere; tiny-kimi's

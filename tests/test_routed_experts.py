@@ -1,0 +1,139 @@
+"""Routed experts return (vLLM's --enable-return-routed-experts, for an RL trainer's routing
+replay): each request's Result.routed_experts holds the experts every MoE layer chose for each
+position fed to the model. They must be the choices of the cache-free forward over the request's
+final sequence (float32 weights: the paged, chunked, cached and speculative paths agree with it to
+roundoff, and these random models' choices are nowhere near a tie at that scale), whatever path
+computed each position: chunked prefill, decode, a prefix-cache hit (device or host tier), a
+recompute after preemption, speculative verification, a disaggregated hand-over."""
+
+import numpy as np
+import pytest
+
+import mixserve
+from mixserve.disaggregated import DisaggregatedEngine
+from mixserve.engine import Engine
+from models.moe import sown_routes
+from test_engine import engine, prompts
+
+NEW = 6
+PADDED = 72  # the reference's sequence length: one compile per model (causal: the padding changes nothing before it)
+
+
+def cache_free(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(routes int16 [len - 1, L, K], greedy next token at each of those positions) of the plain
+    forward over tokens: the rows a Result holds, and the tokens greedy decoding would have fed."""
+    seq = np.zeros((1, PADDED), np.int32)
+    seq[0, : len(tokens)] = tokens
+    logits, state = model.module.apply({"params": model.params}, seq, mutable=["intermediates"])
+    routes = np.asarray(sown_routes(state["intermediates"], model.config))[0, : len(tokens) - 1]
+    return routes, np.argmax(np.asarray(logits)[0, : len(tokens) - 1], axis=-1)
+
+
+def assert_cache_free_routes(model, prompt: list[int], result) -> None:
+    assert result.status == "ok", result.reason
+    tokens = prompt + result.tokens
+    routes, greedy = cache_free(model, tokens)
+    np.testing.assert_array_equal(result.routed_experts, routes)
+    assert list(greedy[len(prompt) - 1:]) == result.tokens  # the flag changes no token
+
+
+@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4", "tiny-glm5"])
+def test_routed_experts_are_the_cache_free_forwards_choices(preset):
+    """Ragged prompts (1 to 14 tokens: one token, pages of 4 ending mid-page, two prefill chunks of
+    8) in one batch with padding rows, then decode, in a pool of 10 pages that the four requests
+    outgrow (some are preempted and recomputed): a row per position fed to the model, each the
+    cache-free forward's experts in its order, one column per MoE layer (GLM-4.5's and Kimi's first
+    dense layers have none)."""
+    model = mixserve.load(preset, dtype="float32")
+    cfg, ps = model.config, prompts()
+    e = engine(model, num_pages=10, integrity="check", return_routed_experts=True)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert 0 < moe_layers < cfg.num_layers and e.routes_shape == (moe_layers, cfg.num_experts_per_tok)
+    for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
+        assert r.routed_experts.shape == (len(p) + NEW - 1, moe_layers, cfg.num_experts_per_tok)
+        assert r.routed_experts.dtype == np.int16
+        assert_cache_free_routes(model, p, r)
+    assert e.counters.preemptions > 0
+
+
+def test_prefix_cache_hits_return_the_routing_that_computed_their_pages():
+    """A prompt that extends an earlier request's sequence shares its full pages: their rows come
+    from the routing stored with them (none of them is computed again). After the pages are
+    evicted to the host tier and restored, the same. A request cancelled mid-decode holds the rows
+    of the positions it got to."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    e = engine(model, return_routed_experts=True, host_kv_bytes=1 << 20)
+    first = prompts(1)[3]  # 14 tokens
+    [a] = e.generate([first], max_new_tokens=NEW)
+    assert_cache_free_routes(model, first, a)
+    longer = first + a.tokens + [7, 8, 9]
+    [b] = e.generate([longer], max_new_tokens=NEW)
+    assert b.cached_tokens == 16  # the 4 full pages of 19 fed tokens
+    assert_cache_free_routes(model, longer, b)
+    pm = e.page_manager
+    assert set(pm._cache) <= set(pm.routes)
+    pm.evict_all()  # into the host tier
+    [c] = e.generate([longer], max_new_tokens=NEW)
+    assert e.counters.host_restored_tokens >= 16 and c.tokens == b.tokens
+    assert_cache_free_routes(model, longer, c)
+    rid = e.submit(first[:9], max_new_tokens=NEW)
+    got = []
+    while len(got) < 3:
+        got += [t for u in e.step() for t in u.new_tokens]
+    e.cancel(rid)
+    [cancelled] = [u.result for u in e.step() if u.rid == rid]
+    assert cancelled.status == "aborted" and len(cancelled.tokens) == 3
+    routes, _ = cache_free(model, first[:9] + cancelled.tokens)
+    np.testing.assert_array_equal(cancelled.routed_experts, routes)
+
+
+def test_speculative_decoding_returns_the_rows_of_the_kept_positions():
+    """A verify step computes a row per draft; a request keeps those of its fed token and the
+    drafts it accepted (n-gram drafts, on a model whose greedy output falls into cycles)."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    ps = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    e = Engine(model, num_pages=128, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=4, draft="ngram",
+               return_routed_experts=True)
+    for p, r in zip(ps, e.generate(ps, max_new_tokens=48)):
+        assert_cache_free_routes(model, p, r)
+    assert e.counters.accepted_tokens > 0 and e.counters.steps < 47
+
+
+def test_a_disaggregated_pair_hands_the_prompt_routing_over_with_the_pages():
+    """The prefill engine's rows go with the request to the decode engine, whose own follow. The
+    flag must be on both engines or on neither."""
+    model = mixserve.load("tiny-glm5", dtype="float32")
+    kw = dict(num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, stop_tokens=())
+    pair = DisaggregatedEngine(Engine(model, prefill_only=True, return_routed_experts=True, **kw),
+                               Engine(model, return_routed_experts=True, **kw))
+    ps = prompts()
+    for p, r in zip(ps, pair.generate(ps, max_new_tokens=NEW)):
+        assert_cache_free_routes(model, p, r)
+    assert pair.counters.handovers == len(ps)
+    with pytest.raises(ValueError, match="return_routed_experts must be on both engines"):
+        DisaggregatedEngine(Engine(model, prefill_only=True, **kw), Engine(model, return_routed_experts=True, **kw))
+
+
+def test_the_server_returns_each_choices_prompt_and_output_rows():
+    """--enable-return-routed-experts: each finished choice has prompt_routed_experts (a row per
+    prompt token) and routed_experts (a row per output token fed back: all but the last), the
+    rows of the engine's Result."""
+    from test_server import FLAGS, post, serving
+    from mixserve import server
+
+    s = serving(server.make_server([*FLAGS, "--port", "0", "--enable-return-routed-experts"]))
+    try:
+        status, body = post(s, {"prompt": [[1, 2, 3, 4, 5], [9] * 7], "max_tokens": 4, "temperature": 0,
+                                "return_token_ids": True})
+    finally:
+        s.close()
+    assert status == 200, body
+    cfg = s.loop.engine.cfg
+    moe_layers = s.loop.engine.routes_shape[0]
+    for choice, prompt_len in zip(body["choices"], (5, 7)):
+        prompt_rows, rows = np.array(choice["prompt_routed_experts"]), np.array(choice["routed_experts"])
+        assert prompt_rows.shape == (prompt_len, moe_layers, cfg.num_experts_per_tok)
+        assert rows.shape == (len(choice["token_ids"]) - 1, moe_layers, cfg.num_experts_per_tok)
+        both = np.concatenate([prompt_rows, rows])
+        assert both.min() >= 0 and both.max() < cfg.n_routed_experts
+        assert all(len(set(row)) == len(row) for row in both.reshape(-1, cfg.num_experts_per_tok).tolist())
