@@ -2,7 +2,7 @@
 
     python experiments/routed_experts.py [--out experiments/results/routed_experts.md] [--repeats 21]
 
-Two tables:
+Three tables:
   bytes     per token, for the full presets: the routing rows (int16, a K-expert row per MoE layer)
             against the KV cache's bytes (BF16 and FP8), and per decode step of 64 requests the rows
             read back from the device. The rows are the prefix cache's host-side companion too:
@@ -10,20 +10,35 @@ Two tables:
   time      one engine serving the same closed batch with the flag off and on, in interleaved rounds
             (a tiny model on this CPU, so the per-step host work of reading and keeping the rows is
             as large a share of a step as it can be): decode steps' median time and the paired ratio.
+  replay    what the rows are for (R3): a float32 trainer scoring the rollouts of an engine serving a
+            BF16 copy of its weights with an FP8 e4m3 KV cache (scale 1), sampled at temperature 1,
+            by one cache-free forward over prompt + output[:-1] (Model.logits), free (its router
+            picks) and replayed (each token sent to the rollout's experts, weighted by the trainer's
+            own router). Per model: the routing decisions (position x MoE layer) whose expert set
+            differs between the trainer's free forward and the rollout (replayed: none, by
+            construction), and |trainer - engine| log-probability of each sampled token, free and
+            replayed (mean, 99th percentile, largest), also over the tokens a differing decision
+            reaches (its position or any before it: a flip changes every later position through
+            attention). Random tiny models: the mechanism, not a real model's rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import statistics
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.report import interleaved, publish
 import mixserve
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, kv_format
+from models.moe import sown_routes
 from models.presets import FULL_PRESETS
 
 STEP_ROWS = 64  # requests in the decode step the bytes table reads rows back for
@@ -81,6 +96,63 @@ def time_table(model_name: str, batch: int, prompt_len: int, new_tokens: int, re
             f"(the rounds' ratios from {min(ratios):.3f} to {max(ratios):.3f})."]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def forward(module, params, ids, replay):
+    """The trainer's forward: log-softmax of the logits, and the routing it used."""
+    logits, state = module.apply({"params": params}, ids, routed_experts=replay, mutable=["intermediates"])
+    return jax.nn.log_softmax(logits, axis=-1), sown_routes(state["intermediates"], module.cfg)
+
+
+def trainer_logprobs(model, tokens: list[int], prompt_len: int, routes=None) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probability of each output token, the forward's routing int [positions, L, K]) of the
+    cache-free forward over tokens[:-1], its routing replayed from `routes` if given."""
+    ids = np.asarray([tokens[:-1]], np.int32)
+    replay = None if routes is None else model.replayed(routes[None], ids.shape)
+    logprobs, used = forward(model.module, model.params, ids, replay)
+    out = tokens[prompt_len:]
+    return np.asarray(logprobs)[0, prompt_len - 1:][np.arange(len(out)), out], np.asarray(used)[0]
+
+
+def stats(diffs: np.ndarray) -> str:
+    if diffs.size == 0:
+        return "- | - | -"
+    return f"{diffs.mean():.2e} | {np.percentile(diffs, 99):.2e} | {diffs.max():.2e}"
+
+
+def replay_rows(preset: str, rollouts: int, prompt_len: int, new_tokens: int) -> list[str]:
+    trainer = mixserve.load(preset, dtype="float32")
+    served = dataclasses.replace(mixserve.load(preset, dtype="bfloat16"),
+                                 params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), trainer.params))
+    engine = Engine(served, kv_dtype="fp8_e4m3", num_pages=rollouts * -(-(prompt_len + new_tokens) // 16),
+                    page_size=16, max_batch=rollouts, stop_tokens=(), return_routed_experts=True)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, prompt_len)] for _ in range(rollouts)]
+    results = engine.generate(prompts, max_new_tokens=new_tokens, temperature=1.0, seed=0, logprobs=0)
+    flipped_decisions = decisions = 0
+    free, replayed, free_hit, replayed_hit = [], [], [], []
+    for prompt, r in zip(prompts, results):
+        assert r.status == "ok", r.reason
+        engine_lp = np.array([lp.logprob for lp in r.logprobs])
+        tokens = prompt + r.tokens
+        own_lp, own_routes = trainer_logprobs(trainer, tokens, prompt_len)
+        replay_lp, replay_routes = trainer_logprobs(trainer, tokens, prompt_len, r.routed_experts)
+        assert np.array_equal(replay_routes, r.routed_experts)  # the replayed forward routed as the rollout
+        differs = (np.sort(own_routes, -1) != np.sort(r.routed_experts, -1)).any(-1)  # [positions, L]
+        flipped_decisions += int(differs.sum())
+        decisions += differs.size
+        # a sampled token is scored at position prompt_len - 1 + j; a flip there or before reaches it
+        reached = np.maximum.accumulate(differs.any(-1))[prompt_len - 1:]
+        free.append(np.abs(own_lp - engine_lp))
+        replayed.append(np.abs(replay_lp - engine_lp))
+        free_hit.append(free[-1][reached])
+        replayed_hit.append(replayed[-1][reached])
+    free, replayed, free_hit, replayed_hit = map(np.concatenate, (free, replayed, free_hit, replayed_hit))
+    return [f"| {preset} | free | {flipped_decisions} / {decisions} ({100 * flipped_decisions / decisions:.2f}%) | "
+            f"{stats(free)} | {free_hit.size} / {free.size} | {stats(free_hit)} |",
+            f"| {preset} | replayed | 0 / {decisions} | {stats(replayed)} | {replayed_hit.size} / {replayed.size} | "
+            f"{stats(replayed_hit)} |"]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out")
@@ -89,13 +161,27 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--presets", nargs="+", default=["tiny-kimi", "tiny-glm4", "tiny-glm5"], help="the replay table's")
+    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--rollout-prompt-len", type=int, default=16)
+    p.add_argument("--rollout-tokens", type=int, default=48)
     args = p.parse_args(argv)
-    publish([f"# Routed experts return: its bytes and its time ({datetime.date.today()}, CPU)", "",
+    replay = ["| model | trainer routing | decisions that differ from the rollout's | abs(trainer - engine) logprob: "
+              "mean | p99 | max | tokens a differing decision reaches | their abs(diff): mean | p99 | max |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for preset in args.presets:
+        replay += replay_rows(preset, args.rollouts, args.rollout_prompt_len, args.rollout_tokens)
+    publish([f"# Routed experts return: its bytes, its time, and routing replay ({datetime.date.today()}, CPU)", "",
              "## Bytes (computed from the configs)", "", *bytes_table(), "",
              "## Time (measured)", "",
              *time_table(args.model, args.batch, args.prompt_len, args.new_tokens, args.repeats), "",
-             "CPU times on a shared 2-core machine: compare within the table; absolute times are not GPU times."],
-            args.out)
+             "CPU times on a shared 2-core machine: compare within the table; absolute times are not GPU times.", "",
+             "## Replay (measured)", "",
+             f"{args.rollouts} rollouts per model of {args.rollout_prompt_len} random prompt tokens and "
+             f"{args.rollout_tokens} tokens sampled at temperature 1 (seed 0); each sampled token's log-probability "
+             "as the engine computed it against the trainer's cache-free forward.", "", *replay, "",
+             "Replayed, what is left is the BF16 weights' and FP8 KV's own error, the routing weights' included "
+             "(replay fixes which experts, not their weights)."], args.out)
 
 
 if __name__ == "__main__":

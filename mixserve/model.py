@@ -64,14 +64,35 @@ class Model:
 
     @functools.cached_property
     def _logits_fn(self):
-        return jax.jit(lambda params, ids: self.module.apply({"params": params}, ids))
+        return jax.jit(lambda params, ids, routes: self.module.apply({"params": params}, ids, routed_experts=routes))
 
-    def logits(self, input_ids) -> jax.Array:
-        """int32 [B, T] -> float32 [B, T, vocab]: a full causal forward without any cache."""
+    def logits(self, input_ids, routed_experts=None) -> jax.Array:
+        """int32 [B, T] -> float32 [B, T, vocab]: a full causal forward without any cache.
+        routed_experts (optional int [B, T, MoE layers, top-k]): routing replay, each token sent to
+        these experts (a rollout's Result.routed_experts holds them for tokens[:-1], the positions
+        whose logits score tokens[1:])."""
         ids = jnp.asarray(input_ids, jnp.int32)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {ids.shape}")
-        return self._logits_fn(self.params, ids)
+        return self._logits_fn(self.params, ids, None if routed_experts is None else self.replayed(routed_experts, ids.shape))
+
+    def replayed(self, routed_experts, shape: tuple[int, int]) -> jax.Array:
+        """routed_experts checked for a forward over `shape` [B, T] tokens, as int32 (Transformer's
+        routed_experts): one row of top-k distinct experts per token and MoE layer. A bad row
+        would not fail in the forward (a gather clamps an id past the last expert), so it fails here."""
+        cfg, routes = self.config, np.asarray(routed_experts)
+        want = (*shape, sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts_per_tok)
+        if routes.shape != want:
+            raise ValueError(f"routed_experts must be [batch, time, MoE layers, top-k] = {list(want)}, got "
+                             f"{list(routes.shape)}")
+        if routes.size and (not np.issubdtype(routes.dtype, np.integer) or routes.min() < 0
+                            or routes.max() >= cfg.n_routed_experts):
+            raise ValueError(f"routed_experts must be integer expert ids in [0, {cfg.n_routed_experts}), got "
+                             f"{routes.dtype} in [{routes.min()}, {routes.max()}]")
+        ordered = np.sort(routes, axis=-1)
+        if (ordered[..., 1:] == ordered[..., :-1]).any():
+            raise ValueError("routed_experts names an expert twice for one token and layer")
+        return jnp.asarray(routes, jnp.int32)
 
     @functools.cached_property
     def param_axes(self):

@@ -19,15 +19,20 @@ UP_AXES, DOWN_AXES = ("experts", "embed", "moe_mlp"), ("experts", "moe_mlp", "em
 ROUTES = "routed_experts"
 
 
-def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig,
+          replay_TK: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Pick experts per token -> (weights_TK float32, experts_TK int32).
 
     s = sigmoid(logits); the correction bias is added only for choosing. Each of n_group groups
     scores the sum of its top-2 choices; the best topk_group groups stay; top-k over what is left.
     Weights are s at the chosen experts, optionally normalised, times routed_scaling_factor.
+    replay_TK (routing replay, R3): these experts instead of the choice; their weights are still
+    the router's scores (a trainer's gradient reaches the router), only the selection is replayed.
     """
     num_tokens, num_experts = logits_TE.shape
     scores = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
+    if replay_TK is not None:
+        return _weighted(scores, replay_TK.astype(jnp.int32), cfg)
     choice = scores + bias_E.astype(jnp.float32)
     if cfg.topk_group < cfg.n_group:
         grouped = choice.reshape(num_tokens, cfg.n_group, num_experts // cfg.n_group)
@@ -36,11 +41,14 @@ def route(logits_TE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> tuple[ja
         group_mask = jnp.zeros((num_tokens, cfg.n_group), bool).at[jnp.arange(num_tokens)[:, None], kept_groups].set(True)
         expert_mask = jnp.repeat(group_mask, num_experts // cfg.n_group, axis=1)
         choice = jnp.where(expert_mask, choice, -jnp.inf)
-    experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
-    weights = jnp.take_along_axis(scores, experts, axis=1)
+    return _weighted(scores, jax.lax.top_k(choice, cfg.num_experts_per_tok)[1].astype(jnp.int32), cfg)
+
+
+def _weighted(scores_TE: jax.Array, experts_TK: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    weights = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+    return weights * cfg.routed_scaling_factor, experts_TK
 
 
 def expert_groups(experts_TK: jax.Array, keep_TK: jax.Array, num_experts: int):
@@ -79,7 +87,7 @@ class Router(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_TD):
+    def __call__(self, x_TD, replay_TK=None):
         # The router stays in float32 whatever the model dtype (as transformers keeps it).
         kernel = self.param(
             "kernel", nn.with_logical_partitioning(nn.initializers.normal(0.02), ("embed", "expert_scores")),
@@ -90,7 +98,7 @@ class Router(nn.Module):
             (self.cfg.n_routed_experts,), jnp.float32,
         )
         logits = jnp.dot(x_TD.astype(jnp.float32), kernel, precision=jax.lax.Precision.HIGHEST)
-        return route(logits, bias, self.cfg)
+        return route(logits, bias, self.cfg, replay_TK)
 
 
 class RoutedExperts(nn.Module):
@@ -144,11 +152,13 @@ class MoE(nn.Module):
     expert_parallel: bool = False
 
     @nn.compact
-    def __call__(self, x_BTD, valid_BT=None):
+    def __call__(self, x_BTD, valid_BT=None, replay_BTK=None):
+        """replay_BTK (optional int [B, T, K]): route each token to these experts (routing replay)."""
         cfg = self.cfg
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         valid_T = None if valid_BT is None else valid_BT.reshape(-1)
-        weights, experts = Router(cfg, name="gate")(x_TD)
+        replay_TK = None if replay_BTK is None else replay_BTK.reshape(x_TD.shape[0], -1)
+        weights, experts = Router(cfg, name="gate")(x_TD, replay_TK)
         self.sow("intermediates", ROUTES, experts.reshape(*x_BTD.shape[:2], -1).astype(jnp.int16))
         routed = RoutedExperts(cfg, self.experts_fmt, self.dtype, self.backend, self.expert_parallel, name="experts")(
             x_TD, weights, experts, valid_T)

@@ -41,10 +41,10 @@ class DecoderLayer(nn.Module):
     expert_parallel: bool = False
 
     @nn.compact
-    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None):
-        return self.block(x_BTD, cos, sin, kv, index_mask, valid_BT)
+    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None, replay_BTK=None):
+        return self.block(x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK)
 
-    def block(self, x_BTD, cos, sin, kv, index_mask, valid_BT):
+    def block(self, x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK=None):
         """The layer itself (called from a compact __call__: the MTP layer reuses it)."""
         cfg = self.cfg
         common = dict(dtype=self.dtype, backend=self.backend)
@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="post_attention_layernorm")(x_BTD)
         if cfg.is_moe_layer(self.layer):
             mlp_out = MoE(cfg, self.plan.experts, self.plan.linear, expert_parallel=self.expert_parallel, name="mlp",
-                          **common)(h, valid_BT)
+                          **common)(h, valid_BT, replay_BTK)
         else:
             mlp_out = GatedMLP(cfg.intermediate_size, self.plan.linear, name="mlp", **common)(h)
         return x_BTD + mlp_out, index_mask
@@ -105,6 +105,10 @@ class Transformer(nn.Module):
     (prompt logprobs take them a vocabulary block at a time: mixserve.model_runner).
     `return_hidden`: also return what the vocabulary projection reads (after the final norm: the
     MTP's h), as (logits, hidden_BTD).
+    `routed_experts` (optional int [B, T, L, K], routing replay): MoE layer l (the l-th of the
+    model's MoE layers) routes token t to routed_experts[:, t, l] instead of its own top-k, with
+    its own router's weights for them (mixserve.Engine(return_routed_experts=True) gives a
+    rollout's; an RL trainer replays them so its forward routes as the rollout did).
     `mtp_plan` (None: no MTP layer): the MTP layer's weight formats. Then `draft_from` (hidden_BTD)
     runs the MTP layer alone, on tokens_BT = the tokens after those positions, and returns
     (logits, its x_BTD); the MTP's KV cache is kv.layer(cfg.mtp_layer).
@@ -119,7 +123,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None, project=None,
-                 return_hidden=False, draft_from=None):
+                 return_hidden=False, draft_from=None, routed_experts=None):
         cfg = self.cfg
         kv = NoCache() if kv is None else kv
         if positions_BT is None:
@@ -140,7 +144,9 @@ class Transformer(nn.Module):
             index_mask = None
             for i in range(cfg.num_layers):
                 layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, self.expert_parallel, name=f"layers_{i}")
-                x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT)
+                replay = None if routed_experts is None or not cfg.is_moe_layer(i) else \
+                    routed_experts[:, :, i - cfg.first_k_dense_replace]  # the MoE layers follow the dense ones
+                x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT, replay)
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
             if self.mtp_plan is not None and self.is_initializing():  # create the MTP layer's parameters
                 mtp(embed(tokens_BT), x, cos, sin, kv.layer(cfg.mtp_layer), valid_BT)

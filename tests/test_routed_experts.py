@@ -137,3 +137,46 @@ def test_the_server_returns_each_choices_prompt_and_output_rows():
         both = np.concatenate([prompt_rows, rows])
         assert both.min() >= 0 and both.max() < cfg.n_routed_experts
         assert all(len(set(row)) == len(row) for row in both.reshape(-1, cfg.num_experts_per_tok).tolist())
+
+
+def test_routing_replay_sends_each_token_to_the_given_experts_with_its_own_routers_weights():
+    """route(replay_TK=) keeps those experts, weighted by the router's own scores at them (against
+    float64 numpy: sigmoid, normalised, scaled; float32 rounds each step to 2^-24 relative, a few
+    steps: 1e-6). Replaying a model's own routing gives its logits bit for bit; another routing is
+    routed as given (the forward's sown rows are the replayed ones), changes the logits, and the
+    gradient still reaches the router. A row the model cannot route is refused by name."""
+    import jax
+    import jax.numpy as jnp
+    from models.moe import route
+
+    model = mixserve.load("tiny-kimi", dtype="float32")
+    cfg, rng = model.config, np.random.default_rng()
+    logits_TE = rng.normal(size=(9, cfg.n_routed_experts)).astype(np.float32)
+    replay_TK = np.stack([rng.permutation(cfg.n_routed_experts)[: cfg.num_experts_per_tok] for _ in range(9)])
+    weights, experts = route(jnp.asarray(logits_TE), jnp.asarray(rng.normal(size=cfg.n_routed_experts)), cfg,
+                             jnp.asarray(replay_TK))
+    scores = 1 / (1 + np.exp(-logits_TE.astype(np.float64)))
+    want = np.take_along_axis(scores, replay_TK, axis=1)
+    want = want / want.sum(-1, keepdims=True) if cfg.norm_topk_prob else want
+    np.testing.assert_array_equal(experts, replay_TK)
+    np.testing.assert_allclose(weights, want * cfg.routed_scaling_factor, rtol=1e-6)
+
+    ids = rng.integers(0, 256, (2, 12)).astype(np.int32)
+    _, state = model.module.apply({"params": model.params}, ids, mutable=["intermediates"])
+    own = np.asarray(sown_routes(state["intermediates"], cfg))
+    np.testing.assert_array_equal(model.logits(ids, routed_experts=own), model.logits(ids))
+    other = (own + 1) % cfg.n_routed_experts  # still distinct per row
+    logits, state = model.module.apply({"params": model.params}, ids, routed_experts=model.replayed(other, ids.shape),
+                                       mutable=["intermediates"])
+    np.testing.assert_array_equal(sown_routes(state["intermediates"], cfg), other)
+    assert not np.allclose(logits, model.logits(ids))
+    grads = jax.grad(lambda p: model.module.apply({"params": p}, ids, routed_experts=jnp.asarray(other)).sum())(
+        model.params)
+    assert np.abs(np.asarray(grads["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
+    bad = [(own[:, :-1], r"\[batch, time, MoE layers, top-k\] = \[2, 12, 2, 2\], got \[2, 11, 2, 2\]"),
+           (np.where(own == own.max(), cfg.n_routed_experts, own), r"expert ids in \[0, 8\)"),
+           (own.astype(np.float32), r"integer expert ids"),
+           (np.repeat(own[..., :1], 2, axis=-1), "names an expert twice")]
+    for routes, message in bad:
+        with pytest.raises(ValueError, match=message):
+            model.logits(ids, routed_experts=routes)
