@@ -10,7 +10,8 @@ KV, in the pools' own format (FP8 pages are half the host bytes of BF16 ones, as
 Full, it drops its least recently used pages. A restored page is a fresh allocation, stamped
 with a new tag and cached on the device like any other: the integrity check covers it as it
 covers every page; the host copy itself is immutable, so no later write can change what a key
-restores.
+restores. A page may carry its tokens' routing rows (Engine(return_routed_experts=True)): they
+stay with its KV, so a restored page brings the routing of the forward that computed that KV.
 
 The host copies go through two callbacks of the model runner, so this file holds no JAX:
 read(page_ids) -> per page, per layer, {pool name: that page's slice} on the host; and
@@ -25,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 Page = list[dict[str, np.ndarray]]  # one page of KV: per layer, each pool's slice
+Rows = np.ndarray | None  # a page's routing rows (int16 [page size, MoE layers, top-k]), or None
 
 
 class HostKVCache:
@@ -34,8 +36,9 @@ class HostKVCache:
             raise ValueError(f"the host KV cache needs a positive capacity, got {capacity_bytes} bytes")
         self.capacity_bytes = capacity_bytes
         self._read, self._write = read, write
-        self._pages: collections.OrderedDict[bytes, Page] = collections.OrderedDict()  # least recently used first
-        self.bytes = 0  # held: the sum of the pages' array bytes
+        # least recently used first; each page with its routing rows
+        self._pages: collections.OrderedDict[bytes, tuple[Page, Rows]] = collections.OrderedDict()
+        self.bytes = 0  # held: the sum of the pages' array bytes, rows included
         self.stored_pages = 0  # copied in from the device (evicted there)
         self.loaded_pages = 0  # copied back to the device (a hit)
         self.dropped_pages = 0  # dropped for room, least recently used first
@@ -56,13 +59,16 @@ class HostKVCache:
             if key in self._pages:
                 self._pages.move_to_end(key)
 
-    def store(self, keys: list[bytes], page_ids: list[int]) -> None:
+    def store(self, keys: list[bytes], page_ids: list[int], rows: list[Rows] | None = None) -> None:
         """Copy device pages page_ids, cached under keys (least recently used first, as the device
-        evicts them), to the host: those it does not hold already (the same key is the same
-        prefix), and all of them as used now, in that order; then drop the least recently used
-        past the capacity."""
-        new = [(key, page) for key, page in zip(keys, page_ids) if key not in self._pages]
-        read = dict(zip([key for key, _ in new], self._read([page for _, page in new]))) if new else {}
+        evicts them), to the host, each with its routing rows if given: those it does not hold
+        already (the same key is the same prefix; the held page keeps its own rows, those of its
+        KV), and all of them as used now, in that order; then drop the least recently used past
+        the capacity."""
+        rows = rows or [None] * len(keys)
+        new = [(key, page, r) for key, page, r in zip(keys, page_ids, rows) if key not in self._pages]
+        read = dict(zip([key for key, _, _ in new], zip(self._read([page for _, page, _ in new]),
+                                                         [r for _, _, r in new]))) if new else {}
         for key in keys:  # in the device's eviction order: a prefix's last page first, its first page newest
             if key in read:
                 self._pages[key] = read[key]
@@ -75,12 +81,13 @@ class HostKVCache:
             self.bytes -= _nbytes(page)
             self.dropped_pages += 1
 
-    def load(self, keys: list[bytes], page_ids: list[int]) -> None:
+    def load(self, keys: list[bytes], page_ids: list[int]) -> list[Rows]:
         """Copy the host's pages of keys (all held: `prefix`) into device pages page_ids, and mark
-        them used now."""
-        self._write(page_ids, [self._pages[key] for key in keys])
+        them used now; returns their routing rows."""
+        self._write(page_ids, [self._pages[key][0] for key in keys])
         self.touch(keys)
         self.loaded_pages += len(keys)
+        return [self._pages[key][1] for key in keys]
 
     def clear(self) -> int:
         """Drop every page; returns how many."""
@@ -90,5 +97,6 @@ class HostKVCache:
         return n
 
 
-def _nbytes(page: Page) -> int:
-    return sum(a.nbytes for layer in page for a in layer.values())
+def _nbytes(held: tuple[Page, Rows]) -> int:
+    page, rows = held
+    return sum(a.nbytes for layer in page for a in layer.values()) + (0 if rows is None else rows.nbytes)

@@ -51,7 +51,8 @@ class Result:
     # Engine(return_routed_experts=True): int16 [positions, L, K], row p the K experts each of the
     # model's L MoE layers chose for token p of prompt + tokens: every position fed to the model
     # (all but the last token; an aborted request, those it got to), each from the forward whose
-    # KV the engine kept (a prefix-cache hit's from the request that computed it). None: not asked.
+    # KV the engine kept (a prefix-cache hit's from the request that computed it). None: not asked,
+    # or rejected.
     routed_experts: np.ndarray | None = None
 
     def step_gaps_s(self) -> list[float]:

@@ -104,9 +104,9 @@ class PageManager:
         # The host tier (mixserve/host_cache.py; the engine's, if it has one): evicted pages go
         # there, and a prefix found there comes back into fresh pages.
         self.host: HostKVCache | None = None
-        # Routed experts return: page key -> the routing of its tokens (int16 [S, L, K]), kept for
-        # every key the cache or its host tier holds, so a request sharing a cached prefix gets
-        # the routing of the forward that computed its KV (None: routing is not returned).
+        # Routed experts return: page key -> the routing of its tokens (int16 [S, L, K]), for every
+        # key the device cache holds (the host tier keeps its pages' own), so a request sharing a
+        # cached prefix gets the routing of the forward that computed its KV (None: not returned).
         self.routes: dict[bytes, np.ndarray] | None = {} if routes else None
 
     @property
@@ -166,10 +166,15 @@ class PageManager:
             return False
         self.counters.shared_pages += len(shared)
         restored = self.host.prefix(keys) if restored else 0  # a host smaller than the evictions dropped some
-        self.shared_routes(req, len(shared) + restored)
+        if self.routes is not None:  # rows past the pages it holds now are of KV it no longer has
+            req.routes_end = min(req.routes_end, max(before[2], len(shared) * self.page_size))
+            if shared:
+                req.keep_routes(0, np.concatenate([self.routes[h] for h in self.page_keys(req)[:len(shared)]]))
         if restored:
             pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
-            self.host.load(keys[:restored], pages)
+            rows = self.host.load(keys[:restored], pages)
+            if self.routes is not None:
+                req.keep_routes(len(shared) * self.page_size, np.concatenate(rows))
             req.cached = (len(shared) + restored) * self.page_size
             self.register_prefix(req)  # which marks its cached pages used, as below
         else:
@@ -277,23 +282,17 @@ class PageManager:
         self._touch(req)
 
     def _cache_routes(self, req: Request, pages: list[int]) -> None:
-        """Keep the routing of req's newly cached pages (their tokens' rows of req.routes), and let
-        go of the routing of keys neither tier holds any more, once those are as many as the held."""
-        if self.routes is None:
-            return
-        S, keys = self.page_size, self.page_keys(req)
-        self.routes.update((keys[i], req.routes[i * S:(i + 1) * S].copy()) for i in pages)
-        held = len(self._cache) + (len(self.host) if self.host is not None else 0)
-        if len(self.routes) > 2 * held:  # amortized: a scan per as many registrations as keys held
-            self.routes = {h: rows for h, rows in self.routes.items()
-                           if h in self._cache or self.host is not None and h in self.host}
+        """Keep the routing of req's newly cached pages: their tokens' rows of req.routes."""
+        if self.routes is not None:
+            S, keys = self.page_size, self.page_keys(req)
+            self.routes.update((keys[i], req.routes[i * S:(i + 1) * S].copy()) for i in pages)
 
-    def shared_routes(self, req: Request, pages: int) -> None:
-        """Give req the routing of its first `pages` pages, shared from the cache (or restored from
-        its host tier): the forward that computed their KV chose it."""
-        if self.routes is not None and pages:
-            keys = self.page_keys(req)[:pages]
-            req.keep_routes(0, np.concatenate([self.routes[h] for h in keys]))
+    def _uncache(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """Take keys out of the device cache (and their routing rows); returns their (page, tag) pairs."""
+        if self.routes is not None:
+            for h in keys:
+                del self.routes[h]
+        return [self._cache.pop(h) for h in keys]
 
     def _touch(self, req: Request) -> None:
         """Mark req's cached pages used now, its first page last: eviction takes a prefix's tail
@@ -314,12 +313,12 @@ class PageManager:
             [evicted] = self._mirror(counts, evicted)
             out = [h for (h, _), out in zip(part, evicted) if out]
             if offload and self.host is not None and out:  # a part at a time: a device copy of N pages at most
-                self.host.store(out, [self._cache[h][0] for h in out])
+                self.host.store(out, [self._cache[h][0] for h in out],
+                                None if self.routes is None else [self.routes[h] for h in out])
             gone += out
             if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
                 break
-        for h in gone:
-            del self._cache[h]
+        self._uncache(gone)
         self.counters.evicted_pages += len(gone)
 
     def idle(self, shared: list[tuple[int, int]]) -> int:
@@ -348,8 +347,7 @@ class PageManager:
         Engine.update_weights): reset_prefix_cache, then the cache gives up its hold on any page
         a request still maps (the page goes back with that request)."""
         self.reset_prefix_cache()
-        held = list(self._cache.values())
-        self._cache.clear()
+        held = self._uncache(list(self._cache))
         for i in range(0, len(held), self.max_pages_per_seq):
             part = held[i:i + self.max_pages_per_seq]
             self.table, *counts = _uncache_jit(self.table, self._padded([p for p, _ in part]),
@@ -363,7 +361,7 @@ class PageManager:
         refs, tags = (np.asarray(a) for a in jax.device_get((self.table.ref_count_P, self.table.tag_P)))
         stale = {(page, tag) for page, tag in shared if not 0 <= page < self.num_pages or refs[page] == 0
                  or tags[page] != tag}
-        gone = [self._cache.pop(h) for h in [h for h, entry in self._cache.items() if entry in stale]]
+        gone = self._uncache([h for h, entry in self._cache.items() if entry in stale])
         self.table, *counts = _uncache_jit(self.table, self._padded([p for p, _ in gone]),
                                            self._padded([t for _, t in gone], np.uint32), jnp.int32(len(gone)))
         self._mirror(counts)
