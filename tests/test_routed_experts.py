@@ -164,18 +164,23 @@ def test_a_disaggregated_pair_hands_the_prompt_routing_over_with_the_pages():
 def test_the_server_returns_each_choices_prompt_and_output_rows():
     """--enable-return-routed-experts: each finished choice has prompt_routed_experts (a row per
     prompt token) and routed_experts (a row per output token fed back: all but the last): the
-    rows of the engine's Result for the same greedy request, split at the prompt's end."""
-    from test_server import FLAGS, post, serving
+    rows of the engine's Result for the same greedy request, split at the prompt's end. Streamed,
+    the choice's last chunk has them, and no earlier one."""
+    from test_server import FLAGS, events, post, serving
     from mixserve import server
 
     s = serving(server.make_server([*FLAGS, "--port", "0", "--enable-return-routed-experts"]))
     prompts_ = [[1, 2, 3, 4, 5], [9] * 7]
     try:
         status, body = post(s, {"prompt": prompts_, "max_tokens": 4, "temperature": 0})
+        streamed = [e["choices"][0] for e in events(s, {"prompt": prompts_[1], "max_tokens": 4, "temperature": 0})
+                    if e != "[DONE]"]
         direct = s.loop.between_steps(lambda engine: engine.generate(prompts_, max_new_tokens=4))
     finally:
         s.close()
     assert status == 200, body
+    assert ["routed_experts" in c for c in streamed] == [False] * (len(streamed) - 1) + [True]
+    assert streamed[-1]["prompt_routed_experts"] + streamed[-1]["routed_experts"] == direct[1].routed_experts.tolist()
     for choice, prompt, r in zip(body["choices"], prompts_, direct):
         assert np.array(choice["prompt_routed_experts"]).shape[0] == len(prompt)
         assert np.array(choice["routed_experts"]).shape[0] == len(r.tokens) - 1
