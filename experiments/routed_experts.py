@@ -147,9 +147,10 @@ def replay_rows(preset: str, rollouts: int, prompt_len: int, new_tokens: int) ->
         free_hit.append(free[-1][reached])
         replayed_hit.append(replayed[-1][reached])
     free, replayed, free_hit, replayed_hit = map(np.concatenate, (free, replayed, free_hit, replayed_hit))
-    return [f"| {preset} | free | {flipped_decisions} / {decisions} ({100 * flipped_decisions / decisions:.2f}%) | "
+    shape = f"{rollouts} x ({prompt_len} + {new_tokens})"
+    return [f"| {preset} | {shape} | free | {flipped_decisions} / {decisions} ({100 * flipped_decisions / decisions:.2f}%) | "
             f"{stats(free)} | {free_hit.size} / {free.size} | {stats(free_hit)} |",
-            f"| {preset} | replayed | 0 / {decisions} | {stats(replayed)} | {replayed_hit.size} / {replayed.size} | "
+            f"| {preset} | {shape} | replayed | 0 / {decisions} | {stats(replayed)} | {replayed_hit.size} / {replayed.size} | "
             f"{stats(replayed_hit)} |"]
 
 
@@ -162,24 +163,26 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--presets", nargs="+", default=["tiny-kimi", "tiny-glm4", "tiny-glm5"], help="the replay table's")
-    p.add_argument("--rollouts", type=int, default=16)
-    p.add_argument("--rollout-prompt-len", type=int, default=16)
-    p.add_argument("--rollout-tokens", type=int, default=48)
+    p.add_argument("--rollouts", nargs="+", default=["16x16+48", "64x6+10"],
+                   help="the replay table's rollouts per model, as COUNTxPROMPT+SAMPLED tokens (6 + 10: GLM-5's "
+                        "indexer, top-16, keeps every key)")
     args = p.parse_args(argv)
-    replay = ["| model | trainer routing | decisions that differ from the rollout's | abs(trainer - engine) logprob: "
-              "mean | p99 | max | tokens a differing decision reaches | their abs(diff): mean | p99 | max |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for preset in args.presets:
-        replay += replay_rows(preset, args.rollouts, args.rollout_prompt_len, args.rollout_tokens)
+    replay = ["| model | rollouts x (prompt + sampled) | trainer routing | decisions that differ from the rollout's | "
+              "abs(trainer - engine) logprob: mean | p99 | max | tokens a differing decision reaches | their "
+              "abs(diff): mean | p99 | max |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape in args.rollouts:
+        count, lengths = shape.split("x")
+        prompt_len, new_tokens = map(int, lengths.split("+"))
+        for preset in args.presets:
+            replay += replay_rows(preset, int(count), prompt_len, new_tokens)
     publish([f"# Routed experts return: its bytes, its time, and routing replay ({datetime.date.today()}, CPU)", "",
              "## Bytes (computed from the configs)", "", *bytes_table(), "",
              "## Time (measured)", "",
              *time_table(args.model, args.batch, args.prompt_len, args.new_tokens, args.repeats), "",
              "CPU times on a shared 2-core machine: compare within the table; absolute times are not GPU times.", "",
              "## Replay (measured)", "",
-             f"{args.rollouts} rollouts per model of {args.rollout_prompt_len} random prompt tokens and "
-             f"{args.rollout_tokens} tokens sampled at temperature 1 (seed 0); each sampled token's log-probability "
-             "as the engine computed it against the trainer's cache-free forward.", "", *replay, "",
+             "Rollouts of random prompt tokens, sampled at temperature 1 (seed 0); each sampled token's "
+             "log-probability as the engine computed it against the trainer's cache-free forward.", "", *replay, "",
              "Replayed, what is left is the BF16 weights' and FP8 KV's own error, the routing weights' included "
              "(replay fixes which experts, not their weights)."], args.out)
 

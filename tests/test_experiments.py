@@ -766,13 +766,13 @@ def test_routed_experts_script_runs(tmp_path):
     the replay table scores 2 rollouts of 4 + 4 tokens (28 decisions: 7 positions x 2 MoE layers x
     2 rollouts), the replayed forward differing in none."""
     out = run("routed_experts.py", "--repeats", "1", "--batch", "2", "--prompt-len", "2", "--new-tokens", "2",
-              "--presets", "tiny-kimi", "--rollouts", "2", "--rollout-prompt-len", "4", "--rollout-tokens", "4",
+              "--presets", "tiny-kimi", "--rollouts", "2x4+4",
               "--out", str(tmp_path / "r.md"))
     assert "| kimi-k2 | 60 x 8 | 960 | 70,272 | 1.37% |" in out
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
             if line.startswith("| o")}
     assert rows == {"off": "0", "on": "6"}, rows
-    replay = [line.split("|")[2:4] for line in out.splitlines() if line.startswith("| tiny-kimi |")]
+    replay = [line.split("|")[3:5] for line in out.splitlines() if line.startswith("| tiny-kimi | 2 x (4 + 4) |")]
     assert [(how.strip(), decisions.split("(")[0].strip().split(" / ")[1]) for how, decisions in replay] == [
         ("free", "28"), ("replayed", "28")] and replay[1][1].strip() == "0 / 28", replay
     assert (tmp_path / "r.md").read_text() in out
