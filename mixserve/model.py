@@ -78,8 +78,9 @@ class Model:
 
     def replayed(self, routed_experts, shape: tuple[int, int]) -> jax.Array:
         """routed_experts checked for a forward over `shape` [B, T] tokens, as int32 (Transformer's
-        routed_experts): one row of top-k distinct experts per token and MoE layer. A bad row
-        would not fail in the forward (a gather clamps an id past the last expert), so it fails here."""
+        routed_experts): one row of top-k distinct experts per token and MoE layer (a padding
+        token's too). A bad row would not fail by name in the forward (an id past the last expert
+        gathers NaN weights, a negative one wraps around), so it fails here."""
         cfg, routes = self.config, np.asarray(routed_experts)
         want = (*shape, sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts_per_tok)
         if routes.shape != want:

@@ -50,8 +50,9 @@ class Result:
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     # Engine(return_routed_experts=True): int16 [positions, L, K], row p the K experts each of the
     # model's L MoE layers chose for token p of prompt + tokens: every position fed to the model
-    # (all but the last token; an aborted request, those it got to), each from the forward whose
-    # KV the engine kept (a prefix-cache hit's from the request that computed it). None: not asked,
+    # (all but the last token), each from the forward whose KV the engine kept (a prefix-cache
+    # hit's from the request that computed it). An aborted request: the positions computed or
+    # shared since its last admission (none while it waited after a preemption). None: not asked,
     # or rejected.
     routed_experts: np.ndarray | None = None
 
@@ -127,7 +128,8 @@ class Request:
     queue_s: float | None = None  # submit to that first admission
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # Result.weight_versions
     # Result.routed_experts as the steps give them: rows [0, routes_end) hold a position's routing
-    # (written in position order from 0, rewritten when a position is computed again); None: off
+    # (written in position order from 0 since its admission, rewritten when a position is computed
+    # again; a preemption empties them); None: off
     # (Frontend.submit makes it, with no row, for an engine that returns them)
     routes: np.ndarray | None = dataclasses.field(default=None, repr=False)
     routes_end: int = 0

@@ -166,10 +166,8 @@ class PageManager:
             return False
         self.counters.shared_pages += len(shared)
         restored = self.host.prefix(keys) if restored else 0  # a host smaller than the evictions dropped some
-        if self.routes is not None:  # rows past the pages it holds now are of KV it no longer has
-            req.routes_end = min(req.routes_end, max(before[2], len(shared) * self.page_size))
-            if shared:
-                req.keep_routes(0, np.concatenate([self.routes[h] for h in self.page_keys(req)[:len(shared)]]))
+        if self.routes is not None and shared:
+            req.keep_routes(0, np.concatenate([self.routes[h] for h in self.page_keys(req)[:len(shared)]]))
         if restored:
             pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
             rows = self.host.load(keys[:restored], pages)
@@ -195,6 +193,7 @@ class PageManager:
             self.register_prefix(req)
         self.release_slot(req.slot)
         req.slot, req.num_pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
+        req.routes_end = 0  # its routing rows are those of positions computed (or shared) once admitted again
 
     def release_slot(self, slot: int) -> None:
         """Return a slot's pages (a page another request shares, or the cache holds, stays theirs)."""

@@ -123,6 +123,20 @@ def test_pages_the_allocation_drops_from_a_full_host_are_computed_instead():
     pt.assert_consistent(e.table)
 
 
+def test_a_page_keeps_its_routing_rows_beside_its_kv():
+    """Routed experts return: a page stored with its rows gives them back with its KV, they count
+    in the host's bytes, and a held page stored again keeps its own (those of its KV)."""
+    host = HostKVCache(1 << 10, read=lambda ids: [[{"x": np.full(4, i, np.float32)}] for i in ids],
+                       write=lambda ids, pages: None)
+    rows = [np.full((4, 2, 2), i, np.int16) for i in range(3)]
+    host.store([b"a", b"b"], [0, 1], rows[:2])
+    assert host.bytes == 2 * (16 + rows[0].nbytes)
+    host.store([b"a"], [2], rows[2:])  # held: the host keeps its KV, and so its rows
+    assert [r[0, 0, 0] for r in host.load([b"a", b"b"], [5, 6])] == [0, 1]
+    host.store([b"c"], [3])  # without rows (no routing returned): None back
+    assert host.load([b"c"], [7]) == [None] and host.bytes == 3 * 16 + 2 * rows[0].nbytes
+
+
 def test_a_restored_prefix_evicted_again_keeps_its_first_pages_longest():
     """The device evicts a prefix's last page first; the host keeps that order for pages it already
     holds too (a restored prefix evicted again), so it drops the prefix's tail, not its head."""

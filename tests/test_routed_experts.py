@@ -71,8 +71,9 @@ def test_prefix_cache_hits_return_the_routing_that_computed_their_pages():
     assert b.cached_tokens == 16  # the 4 full pages of 19 fed tokens
     assert_cache_free_routes(model, longer, b)
     pm = e.page_manager
-    assert set(pm._cache) <= set(pm.routes)
+    assert set(pm.routes) == set(pm._cache) and pm.routes
     pm.evict_all()  # into the host tier
+    assert not pm.routes and not pm._cache  # the host keeps the rows with the pages
     [c] = e.generate([longer], max_new_tokens=NEW)
     assert e.counters.host_restored_tokens >= 16 and c.tokens == b.tokens
     assert_cache_free_routes(model, longer, c)
@@ -110,20 +111,22 @@ def test_a_restored_page_brings_the_rows_of_the_kv_it_restores():
 def test_new_weights_write_the_rows_again_and_a_cancelled_request_keeps_those_of_the_kv_it_holds():
     """update_weights(running="recompute"): a running request's rows are all the new weights'
     (its tokens before the update were the old weights', its KV and routing are recomputed). One
-    cancelled after a first recomputed chunk holds that chunk's rows, none of the old KV's."""
+    cancelled after a first recomputed chunk holds that chunk's rows, none of the old KV's; one
+    cancelled before it is admitted again holds none."""
     old, new = mixserve.load("tiny-kimi", dtype="float32"), mixserve.load("tiny-kimi", dtype="float32", seed=1)
     e = engine(old, return_routed_experts=True)
     ps = prompts(2)
-    rids = [e.submit(ps[3], max_new_tokens=NEW), e.submit(ps[1], max_new_tokens=12)]
+    rids = [e.submit(ps[3], max_new_tokens=NEW), e.submit(ps[1], max_new_tokens=12), e.submit(ps[0], max_new_tokens=9)]
     for _ in range(4):
         e.step()
-    assert e.update_weights(new) == 2
-    e.step()  # each re-admitted, one chunk of 8 recomputed
+    assert e.update_weights(new) == 3 and not e.page_manager.routes
+    e.cancel(rids[2])
+    results = {u.rid: u.result for u in e.step() if u.result is not None}  # the others re-admitted, a chunk of 8 each
     e.cancel(rids[0])
-    results = {}
     while e.has_work():
         results.update((u.rid, u.result) for u in e.step() if u.result is not None)
     cancelled, finished = results[rids[0]], results[rids[1]]
+    assert results[rids[2]].status == "aborted" and results[rids[2]].routed_experts.shape == (0, 2, 2)
     assert cancelled.status == "aborted" and len(cancelled.routed_experts) == 8
     np.testing.assert_array_equal(cancelled.routed_experts, cache_free(new, ps[3] + cancelled.tokens)[0][:8])
     assert finished.status == "ok"
