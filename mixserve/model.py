@@ -64,7 +64,7 @@ class Model:
 
     @functools.cached_property
     def _logits_fn(self):
-        return jax.jit(lambda params, ids, routes: self.module.apply({"params": params}, ids, routed_experts=routes))
+        return jax.jit(lambda params, ids, routes=None: self.module.apply({"params": params}, ids, routed_experts=routes))
 
     def logits(self, input_ids, routed_experts=None) -> jax.Array:
         """int32 [B, T] -> float32 [B, T, vocab]: a full causal forward without any cache.

@@ -37,14 +37,13 @@ def assert_cache_free_routes(model, prompt: list[int], result) -> None:
     assert list(greedy[len(prompt) - 1:]) == result.tokens  # the flag changes no token
 
 
-@pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4"])  # MLA and GQA; GLM-5 below (disaggregated)
-def test_routed_experts_are_the_cache_free_forwards_choices(preset):
+def test_routed_experts_are_the_cache_free_forwards_choices():
     """Ragged prompts (1 to 14 tokens: one token, pages of 4 ending mid-page, two prefill chunks of
     8) in one batch with padding rows, then decode, in a pool of 10 pages that the four requests
     outgrow (some are preempted and recomputed): a row per position fed to the model, each the
-    cache-free forward's experts in its order, one column per MoE layer (GLM-4.5's and Kimi's first
-    dense layers have none)."""
-    model = mixserve.load(preset, dtype="float32")
+    cache-free forward's experts in its order, one column per MoE layer (Kimi's first dense layer
+    has none). The rows do not depend on the attention: GLM-5's are tested below (disaggregated)."""
+    model = mixserve.load("tiny-kimi", dtype="float32")
     cfg, ps = model.config, prompts()
     e = engine(model, num_pages=10, integrity="check", return_routed_experts=True)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
@@ -196,9 +195,13 @@ def test_routing_replay_sends_each_token_to_the_given_experts_with_its_own_route
     steps: 1e-6). Replaying a model's own routing gives its logits bit for bit; another routing is
     routed as given (the forward's sown rows are the replayed ones), changes the logits, and the
     gradient still reaches the router. A row the model cannot route is refused by name."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
+    from mixserve.model import init_params
     from models.moe import route
+    from models.weights import WeightPlan
 
     model = mixserve.load("tiny-kimi", dtype="float32")
     cfg, rng = model.config, np.random.default_rng()
@@ -224,6 +227,13 @@ def test_routing_replay_sends_each_token_to_the_given_experts_with_its_own_route
     grads = jax.grad(lambda p: model.module.apply({"params": p}, ids, routed_experts=jnp.asarray(other)).sum())(
         model.params)
     assert np.abs(np.asarray(grads["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
+    # Three dense layers first (as GLM-4.5's): MoE layer l is model layer 3 + l, and routes row l.
+    cfg3 = dataclasses.replace(cfg, num_layers=5, first_k_dense_replace=3)
+    deep = dataclasses.replace(model, config=cfg3, params=init_params(cfg3, WeightPlan(), jnp.float32, 0, None))
+    shifted = np.stack([own[:, :, 0], (own[:, :, 1] + 1) % cfg.n_routed_experts], axis=2)
+    _, state = deep.module.apply({"params": deep.params}, ids, routed_experts=deep.replayed(shifted, ids.shape),
+                                 mutable=["intermediates"])
+    np.testing.assert_array_equal(sown_routes(state["intermediates"], cfg3), shifted)
     bad = [(own[:, :-1], r"\[batch, time, MoE layers, top-k\] = \[2, 12, 2, 2\], got \[2, 11, 2, 2\]"),
            (np.where(own == own.max(), cfg.n_routed_experts, own), r"expert ids in \[0, 8\)"),
            (own.astype(np.float32), r"integer expert ids"),
