@@ -27,6 +27,12 @@ def dots_below_the_mma_minimum(ttir: str) -> list:
     dot contracting 8 compiled and returned twice the product."""
     return [dot for dot in ttir_dots(ttir) if dot[2] != "f32" and min(dot[0] + dot[1]) < 16]
 
+# Test engines run every decode step and prefill call at max_batch rows (a minimum past any
+# max_batch): one shape of each to compile, where serving rounds the rows up to a power of two.
+# Compiling dominates the suite: test_engine.py took 90 s against 129 s with it (2 cores,
+# 2026-12-07). The tests of that rounding pass their own minimums.
+ONE_ROW_SHAPE = dict(min_decode_rows=1 << 16, min_prefill_rows=1 << 16)
+
 # One persistent compilation cache per test run, shared by the xdist workers and the scripts the
 # tests start (they inherit the environment, set here before anything imports jax). In one process
 # engines of an equal spec share their jitted steps (mixserve.model_runner.steps_for); across
