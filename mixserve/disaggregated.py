@@ -72,12 +72,15 @@ class DisaggregatedEngine(Frontend):
                              f"{decode.speculative_tokens} ({decode.draft})")
         if prefill.routes_shape != decode.routes_shape:  # a request's routing goes with it to the decode engine
             raise ValueError("return_routed_experts must be on both engines or on neither")
+        if prefill.logprobs_mode != decode.logprobs_mode:  # the first token's logprobs are the prefill engine's
+            raise ValueError(f"logprobs_mode must be the same on both engines, got {prefill.logprobs_mode!r} and "
+                             f"{decode.logprobs_mode!r}")
         if decode.host_cache is not None:  # adopt shares device-cached pages only
             raise ValueError("the decode engine takes prefilled requests and never reads a host KV tier: give "
                              "host_kv_bytes to the prefill engine")
         super().__init__()
         self.prefill, self.decode = prefill, decode
-        self.routes_shape = prefill.routes_shape
+        self.routes_shape, self.logprobs_mode = prefill.routes_shape, prefill.logprobs_mode
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()

@@ -43,7 +43,7 @@ from mixserve.host_cache import HostKVCache
 from mixserve.device_memory import holders, let_go
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
 from mixserve.model import Model, committed, on_host, placed_like, skeleton
-from mixserve.model_runner import ModelRunner, RunnerConfig
+from mixserve.model_runner import LOGPROBS_MODES, ModelRunner, RunnerConfig
 from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
@@ -69,7 +69,7 @@ class Engine(Frontend):
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
                  prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
                  draft: str = "mtp", schedule_policy: str = "fcfs", host_kv_bytes: int = 0,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, logprobs_mode: str = "raw_logprobs"):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -83,6 +83,8 @@ class Engine(Frontend):
                 raise ValueError(f"{name} must be positive, got {value}")
         if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or not 0 <= max_logprobs <= cfg.vocab_size:
             raise ValueError(f"max_logprobs must be an integer in [0, vocab_size={cfg.vocab_size}], got {max_logprobs!r}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         if prefill_calls_per_step is not None and prefill_calls_per_step <= 0:
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if host_kv_bytes and not prefix_caching:
@@ -135,6 +137,11 @@ class Engine(Frontend):
         # How many likeliest tokens a request may ask for (vLLM's default, 20): every step computes
         # that many when a row asks, so it is fixed with the compiled shapes.
         self.max_logprobs = max_logprobs
+        # What those logprobs are of (vLLM's --logprobs-mode): the model's own distribution ("raw"),
+        # or the one each token was drawn from ("processed": temperature, truncation, bias,
+        # penalties, grammar), as log-probabilities or logits. RL wants the processed ones: they
+        # are the rollout policy's. Prompt logprobs are of the raw logits (no prompt token was sampled).
+        self.logprobs_mode = logprobs_mode
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")
         self.max_seq_len = max_seq_len or cfg.max_position_embeddings
@@ -174,7 +181,7 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft,
-            routed_experts=return_routed_experts), self.grammars)
+            routed_experts=return_routed_experts, logprobs_mode=logprobs_mode), self.grammars)
         self._weights_asleep = False  # sleep let go of the weights (runner.model's params: their skeleton)
         # sleep level 1's copies of the weight sets, and what it let go that others may still hold
         self._host_weights: tuple[Model, Model, dict] | None = None

@@ -68,13 +68,16 @@ class Output(NamedTuple):
 VOCAB_BLOCK = 4096  # vocabulary entries per block of prompt logprobs (blocked_logprobs)
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # vLLM's --logprobs-mode
+
+
 class Logprobs(NamedTuple):
-    """One step's logprobs per row under the raw logits (all zeros when no row asked: the step
-    skips them)."""
-    token_B: jax.Array  # float32: the sampled token's log-probability
+    """One step's logprobs per row, of the logits the engine's logprobs mode names (all zeros when
+    no row asked: the step skips them)."""
+    token_B: jax.Array  # float32: the sampled token's log-probability (a "*_logits" mode: its logit)
     rank_B: jax.Array  # int32: 1 + how many tokens have a larger logit
     top_ids_BN: jax.Array  # int32: the N likeliest tokens, likeliest first (N: max_logprobs)
-    top_BN: jax.Array  # float32: their log-probabilities
+    top_BN: jax.Array  # float32: their log-probabilities (or logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ class RunnerConfig:
     speculative_tokens: int = 0  # draft tokens per decode step (mixserve/speculative.py); 0: none
     draft: str = "mtp"  # who drafts them: the MTP layer (in the steps) or "ngram" (the engine, on the host)
     routed_experts: bool = False  # the steps return the experts each MoE layer chose per token (Request.routes)
+    logprobs_mode: str = "raw_logprobs"  # what a request's logprobs are of (LOGPROBS_MODES; token_logprobs)
 
     @property
     def mtp_drafts(self) -> bool:
@@ -120,6 +124,7 @@ class StepSpec:
     speculative_tokens: int
     mtp_drafts: bool
     routed_experts: bool
+    logprobs_mode: str
     # The pools' and page table's shapes: the trace does not read them, but with them in the key
     # one cached Steps compiles one engine size's programs, so the cache's bound bounds memory.
     num_pages: int
@@ -142,8 +147,8 @@ class ModelRunner:
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig, grammars: Grammars):
         self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
-                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.routed_experts, cfg.num_pages,
-                        cfg.kv_format, cfg.max_batch)
+                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.routed_experts,
+                        cfg.logprobs_mode, cfg.num_pages, cfg.kv_format, cfg.max_batch)
         decode_steps = steps_for(dataclasses.replace(spec, module=decode_model.module))
         self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
         self.speculative_step = decode_steps.speculative
@@ -506,7 +511,8 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
         def project(x_RCD, head_DV):
             x_last = jnp.take_along_axis(x_RCD, last_R[:, None, None], axis=1)
             return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
-                    blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs))
+                    blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs,
+                                     normalized=_normalized(spec)))
 
         out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
                                     return_hidden=return_hidden)
@@ -514,18 +520,19 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
     if targets_RC is None:
         logits = out
     elif spec.mesh is not None:
-        prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), spec.max_logprobs)
+        prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), spec.max_logprobs,
+                                      _normalized(spec))
         logits = jnp.take_along_axis(out, last_R[:, None, None], axis=1)
     else:
         logits, prompt_logprobs = out
-    tokens_R = sample(logits[:, 0], sampling)
+    tokens_R, picked_RV = sample(logits[:, 0], sampling)
     pools, drafts_RK = kv.new_pools, None
     if after_R is not None:  # the MTP layer over the chunk: position p pairs h_p with token p + 1
         after_R = jnp.where(after_R < 0, tokens_R, after_R)
         shifted_RC = jnp.concatenate([tokens_RC[:, 1:], jnp.zeros((R, 1), tokens_RC.dtype)], axis=1)
         shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
         pools, drafts_RK = _draft(spec, params, pools, scales, step, shifted_RC, hidden_RCD, room_R, width)
-    return (_placed(spec, pools), tokens_R, token_logprobs(logits[:, 0], tokens_R, sampling, spec.max_logprobs),
+    return (_placed(spec, pools), tokens_R, token_logprobs(spec, logits[:, 0], picked_RV, tokens_R, sampling),
             prompt_logprobs, ok_R, drafts_RK, routes_RCLK)
 
 
@@ -571,9 +578,9 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
                                                      valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
     ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
     s_X = speculative.per_position(sampling, J)
-    accepted_R, emitted_RJ = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
-                                                jnp.maximum(count_R - 1, 0), s_X)
-    logprobs = token_logprobs(logits_X1V[:, 0], emitted_RJ.reshape(-1), s_X, spec.max_logprobs)
+    accepted_R, emitted_RJ, picked_XV = speculative.accept(logits_X1V.reshape(R, J, -1), tokens_RJ[:, 1:],
+                                                           jnp.maximum(count_R - 1, 0), s_X)
+    logprobs = token_logprobs(spec, logits_X1V[:, 0], picked_XV, emitted_RJ.reshape(-1), s_X)
     pools, drafts_RK = kv.new_pools, None
     if spec.mtp_drafts:  # the MTP layer pairs each kept position's hidden state with the token emitted after it
         kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
@@ -594,8 +601,8 @@ def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, 
 
 def _picked(logits_RV, sampling, *, spec: StepSpec):
     """A decode step's sampling: each row's token and its logprobs."""
-    tokens_R = sample(logits_RV, sampling)
-    return tokens_R, token_logprobs(logits_RV, tokens_R, sampling, spec.max_logprobs)
+    tokens_R, picked_RV = sample(logits_RV, sampling)
+    return tokens_R, token_logprobs(spec, logits_RV, picked_RV, tokens_R, sampling)
 
 
 def attended_pages(tokens: int, page_size: int, max_pages: int, min_tokens: int) -> int:
@@ -627,22 +634,34 @@ def _power_of_two_at_least(n: int, cap: int) -> int:
     return min(1 << (n - 1).bit_length(), cap)
 
 
-def token_logprobs(logits_BV, tokens_B, s: Sampling, n: int) -> Logprobs:
-    """The raw distribution's log-probability and rank of each row's token, and its n likeliest
-    tokens, computed only when a row asked (lax.cond: a top-n over the vocabulary is no free pass)."""
-    B = logits_BV.shape[0]
+def token_logprobs(spec: StepSpec, raw_BV, picked_BV, tokens_B, s: Sampling) -> Logprobs:
+    """Each row's token's log-probability and rank, and its max_logprobs likeliest tokens, in the
+    spec's logprobs mode (vLLM's): of the model's raw logits, or of those the token was picked from
+    (picked_BV: sampling.sample's, with the temperature, truncation, bias, penalties and grammar
+    the row applied; what it left out is at -inf), normalized to logprobs or not ("*_logits").
+    Computed only when a row asked (lax.cond: a top-n over the vocabulary is no free pass)."""
+    B, n = raw_BV.shape[0], spec.max_logprobs
+    logits_BV = picked_BV if spec.logprobs_mode.startswith("processed") else raw_BV
 
     def skip(_):
         return Logprobs(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.zeros((B, n), jnp.int32), jnp.zeros((B, n)))
 
-    return jax.lax.cond(jnp.any(s.logprobs_B), lambda x: logprobs_of(x, tokens_B, n), skip, logits_BV)
+    return jax.lax.cond(jnp.any(s.logprobs_B), lambda x: logprobs_of(x, tokens_B, n, _normalized(spec)), skip,
+                        logits_BV)
 
 
-def logprobs_of(logits_BV, tokens_B, n: int) -> Logprobs:
-    """Each row's log_softmax at its token, the token's rank, and the row's n likeliest tokens."""
+def _normalized(spec: StepSpec) -> bool:
+    """Whether the spec's logprobs are log-probabilities, not logits. Prompt logprobs follow this,
+    but are always of the raw logits: no prompt token was sampled."""
+    return spec.logprobs_mode.endswith("logprobs")
+
+
+def logprobs_of(logits_BV, tokens_B, n: int, normalized: bool = True) -> Logprobs:
+    """Each row's log_softmax at its token (normalized=False: its logit), the token's rank, and the
+    row's n likeliest tokens."""
     B = logits_BV.shape[0]
     logits_BV = logits_BV.astype(jnp.float32)
-    norm_B = jax.nn.logsumexp(logits_BV, axis=-1)
+    norm_B = jax.nn.logsumexp(logits_BV, axis=-1) if normalized else jnp.zeros(B)
     chosen_B = jnp.take_along_axis(logits_BV, tokens_B[:, None], axis=-1)[:, 0]
     rank_B = 1 + jnp.sum(logits_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
     top_BN, ids_BN = jax.lax.top_k(logits_BV, n) if n else (jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32))
@@ -650,8 +669,8 @@ def logprobs_of(logits_BV, tokens_B, n: int) -> Logprobs:
 
 
 def blocked_logprobs(x_ND: jax.Array, head_DV: jax.Array, tokens_N: jax.Array, n: int,
-                     block: int = VOCAB_BLOCK) -> Logprobs:
-    """logprobs_of(x @ head, tokens, n), a vocabulary block at a time: [rows, block] float32 logits
+                     block: int = VOCAB_BLOCK, normalized: bool = True) -> Logprobs:
+    """logprobs_of(x @ head, tokens, n, normalized), a vocabulary block at a time: [rows, block] float32 logits
     at once, not [rows, vocab] (Kimi's 163,840-entry vocabulary over 8 rows of 64 prompt positions
     would be 335 MB). One pass keeps a running log-sum-exp, the token's logit and the n likeliest;
     a second counts the logits above the token's for its rank (the same products, so the same
@@ -691,11 +710,12 @@ def blocked_logprobs(x_ND: jax.Array, head_DV: jax.Array, tokens_N: jax.Array, n
     peak_N, total_N, chosen_N, top_NK, ids_NK = jax.lax.fori_loop(0, blocks, first, start)
     rank_N = 1 + jax.lax.fori_loop(0, blocks, lambda b, r: r + jnp.sum(logits_of(b) > chosen_N[:, None], axis=-1,
                                                                        dtype=jnp.int32), jnp.zeros(rows, jnp.int32))
-    norm_N = peak_N + jnp.log(total_N)
+    norm_N = peak_N + jnp.log(total_N) if normalized else jnp.zeros(rows)
     return Logprobs(chosen_N - norm_N, rank_N, ids_NK.astype(jnp.int32), top_NK - norm_N[:, None])
 
 
 def _token_logprobs(host: Logprobs, row: int, n: int) -> TokenLogprobs:
-    """Row `row` of a step's logprobs (read to the host), with its n likeliest tokens."""
-    return TokenLogprobs(float(host.token_B[row]), int(host.rank_B[row]),
-                         tuple(zip(host.top_ids_BN[row, :n].tolist(), host.top_BN[row, :n].tolist())))
+    """Row `row` of a step's logprobs (read to the host), with its n likeliest tokens: fewer where
+    a processed mode's truncation left fewer than n (those past it, at -inf, name no token)."""
+    top = zip(host.top_ids_BN[row, :n].tolist(), host.top_BN[row, :n].tolist())
+    return TokenLogprobs(float(host.token_B[row]), int(host.rank_B[row]), tuple((t, v) for t, v in top if v > -np.inf))

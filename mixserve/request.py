@@ -21,6 +21,11 @@ class TokenLogprobs(NamedTuple):
     """A generated token's log-probability under the model's own distribution (before temperature,
     top-k and top-p, as vLLM reports by default), its rank there (1 = likeliest), and the n
     likeliest tokens as (id, log-probability), likeliest first (n: the request's `logprobs`).
+    The engine's logprobs_mode may name another distribution: "processed_logprobs" is the one the
+    token was drawn from (after the logit bias, penalties, structured output, temperature, min-p,
+    top-k and top-p; a greedy row's at temperature 1), and then `top` holds only tokens it could
+    have drawn, so fewer than n where truncation kept fewer; "raw_logits" and "processed_logits"
+    hold logits, not log-probabilities, in the same fields.
     It is the distribution of the weights that computed the position: with a prefill and a decode
     weight set, the prefill's for the first token and for tokens recomputed after a preemption."""
     logprob: float

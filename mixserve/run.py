@@ -28,6 +28,7 @@ from mixserve.gptq import abstract_params
 from mixserve.grammar import StructuredOutput
 from mixserve.kv_cache import KV_CACHE_DTYPES, TILED, kv_format
 from mixserve.model import Model
+from mixserve.model_runner import LOGPROBS_MODES
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
 from mixserve.scheduler import SCHEDULE_POLICIES
 from mixserve.replies import ReplyFormat, ReplyParser
@@ -105,6 +106,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="return the experts each MoE layer chose for every token fed to the model (vLLM's flag, for "
                         "an RL trainer's routing replay): --json's routed_experts, the server's prompt_routed_experts "
                         "and routed_experts")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES),
+                   help="what a request's logprobs are of (vLLM's flag): the model's raw distribution, or the one "
+                        "each token was drawn from (processed: temperature, min-p, top-k, top-p, logit bias, "
+                        "penalties, structured output; what they left out at -inf), as logprobs or logits. "
+                        "Prompt logprobs are of the raw logits in every mode")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
                    help="admission order of waiting requests: first come, first served, the longest cached "
                         "prefix first (SGLang's lpm; first come, first served past 128 waiting), or each request's "
@@ -323,7 +329,8 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   prefill_chunk=args.prefill_chunk, prefill_calls_per_step=args.prefill_calls_per_step or None,
                   expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
                   speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching,
-                  schedule_policy=args.schedule_policy, return_routed_experts=args.enable_return_routed_experts)
+                  schedule_policy=args.schedule_policy, return_routed_experts=args.enable_return_routed_experts,
+                  logprobs_mode=args.logprobs_mode)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True,
@@ -390,6 +397,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "tensor_parallel": args.tensor_parallel,
         "expert_parallel": args.expert_parallel,
         "decode_context_parallel": args.decode_context_parallel,
+        "logprobs_mode": args.logprobs_mode,
         "speculative": {"tokens": args.speculative_tokens, "draft": args.draft} if args.speculative_tokens else None,
         "kv_bytes_per_token": decoder.bytes_per_token,  # the decode pool's (the one that holds the running requests)
         "kv_bytes_per_token_per_device": decoder.kv_bytes_per_token_per_device,
@@ -466,9 +474,10 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         if args.chat and r["reasoning_content"] and not random_weights:
             print(f"    reasoning: {r['reasoning_content']!r}")
         if r["prompt_logprobs"] and len(r["prompt_logprobs"]) > 1:
-            print(f"    prompt: {perplexity(r['prompt_logprobs'][1:])} over its last {len(r['prompt_logprobs']) - 1} tokens")
+            print(f"    prompt: {perplexity(r['prompt_logprobs'][1:], args.logprobs_mode)} over its last "
+                  f"{len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:
-            print(f"    generated: {perplexity(r['logprobs'])}, ranks {[lp['rank'] for lp in r['logprobs']]}")
+            print(f"    generated: {perplexity(r['logprobs'], args.logprobs_mode)}, ranks {[lp['rank'] for lp in r['logprobs']]}")
     lat = report["latency_s"]
     if lat["ttft"]:
         ms = {name: " / ".join(f"{q * 1e3:.1f}" for q in qs.values()) if qs else "-" for name, qs in lat.items()}
@@ -512,9 +521,11 @@ def latency_percentiles(results) -> dict[str, dict[str, float]]:
             for name, xs in samples.items()}
 
 
-def perplexity(logprobs: list[dict]) -> str:
+def perplexity(logprobs: list[dict], mode: str) -> str:
     mean = sum(lp["logprob"] for lp in logprobs) / len(logprobs)
-    return f"mean logprob {mean:.3f} (perplexity {math.exp(-mean) if -mean < 700 else math.inf:.2f})"
+    if mode.endswith("logits"):  # the values are logits: no perplexity
+        return f"mean logit {mean:.3f} ({mode})"
+    return f"mean logprob {mean:.3f} (perplexity {math.exp(-mean) if -mean < 700 else math.inf:.2f}, {mode})"
 
 
 def finite_or_null(x):

@@ -112,8 +112,13 @@ def slow_path(s: Sampling):
 def sample(logits_BV, s: Sampling):
     """Greedy where temperature == 0, else temperature, then min-p, top-k, and nucleus (top-p) over
     what is left (vLLM's order), per row, after the logit bias, penalties and grammar mask. The
-    key is folded here, in the step, so the decode loop makes no per-request host calls."""
-    return jax.lax.cond(slow_path(s), _sampled, lambda l_BV, _s: greedy_tokens(l_BV), logits_BV, s)
+    key is folded here, in the step, so the decode loop makes no per-request host calls.
+    Returns each row's token and the float32 logits it was picked from (what the processed
+    logprobs modes report): a sampled row's after temperature, with what min-p, top-k and top-p
+    leave out at -inf; a greedy row's adjusted logits (temperature 1, nothing truncated). A caller
+    that discards them costs nothing: XLA drops a conditional's unused outputs."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    return jax.lax.cond(slow_path(s), _sampled, lambda l_BV, _s: (greedy_tokens(l_BV), l_BV), logits_BV, s)
 
 
 def greedy_tokens(logits_BV):
@@ -124,12 +129,15 @@ def _sampled(logits_BV, s: Sampling):
     logits_BV = adjusted_logits(logits_BV, s)
     greedy_B = greedy_tokens(logits_BV)
     # all greedy (a bias, a penalty or a grammar brought it here): no draw
-    return jax.lax.cond(jnp.any(s.temperature_B > 0), _drawn, lambda _l, _s, g_B: g_B, logits_BV, s, greedy_B)
+    return jax.lax.cond(jnp.any(s.temperature_B > 0), _drawn, lambda l_BV, _s, g_B: (g_B, l_BV), logits_BV, s, greedy_B)
 
 
 def _drawn(logits_BV, s: Sampling, greedy_B):
-    choice_B = jax.vmap(jax.random.categorical)(sampling_keys(s), sampling_logits(logits_BV, s))
-    return jnp.where(s.temperature_B > 0, choice_B.astype(jnp.int32), greedy_B)
+    drawn_BV = sampling_logits(logits_BV, s)
+    choice_B = jax.vmap(jax.random.categorical)(sampling_keys(s), drawn_BV)
+    sampled_B = s.temperature_B > 0
+    return (jnp.where(sampled_B, choice_B.astype(jnp.int32), greedy_B),
+            jnp.where(sampled_B[:, None], drawn_BV, logits_BV))
 
 
 def sampling_keys(s: Sampling):

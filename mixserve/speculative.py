@@ -48,12 +48,14 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     """logits_RJV: the model's (raw) logits at each verified position j of each request; drafts_RK
     (K = J - 1): the guess for the token after position j; n_drafts_R: how many of them are real;
     s_X: per_position(sampling, J). Returns (accepted_R: leading drafts kept, tokens_RJ: the
-    tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler). Each row's logit bias
+    tokens emitted, tokens_RJ[r, :accepted_R[r] + 1]; past those, filler; and picked_XV, the
+    float32 logits position j's token comes from, as sampling.sample returns them: a token kept
+    or drawn from the residual is, either way, a draw from that distribution). Each row's logit bias
     and penalties are applied first, position j's penalties counting drafts 1..j as output (what
     the output holds there if they are kept), as plain decoding would count them, and position
     j's grammar mask is the one after drafts 1..j: a draft the grammar refuses is never kept."""
     R, J, V = logits_RJV.shape
-    logits_XV = logits_RJV.reshape(R * J, V)
+    logits_XV = logits_RJV.reshape(R * J, V).astype(jnp.float32)
     draft_X = jnp.concatenate([drafts_RK, jnp.zeros((R, 1), drafts_RK.dtype)], axis=1).reshape(-1)
     has_draft_X = (jnp.arange(J)[None, :] < n_drafts_R[:, None]).reshape(-1)
     sampled_X = s_X.temperature_B > 0
@@ -65,7 +67,8 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
     def adjusted(_):  # a logit bias, penalties or a grammar; all greedy: no draw
         biased_XV = adjusted_logits(logits_XV, s_X, drafted_XK)
         greedy_X = greedy_tokens(biased_XV)
-        return jax.lax.cond(jnp.any(sampled_X), sampled, lambda _b, g_X: (g_X == draft_X, g_X), biased_XV, greedy_X)
+        return jax.lax.cond(jnp.any(sampled_X), sampled, lambda b_XV, g_X: (g_X == draft_X, g_X, b_XV), biased_XV,
+                            greedy_X)
 
     def sampled(biased_XV, greedy_X):
         draw_XV = sampling_logits(biased_XV, s_X)
@@ -77,18 +80,19 @@ def accept(logits_RJV, drafts_RK, n_drafts_R, s_X: Sampling):
         # p(draft) rounded below 1 with no other token left: a rejection (u >= p(draft)) must not draw from nothing.
         residual_XV = jnp.where(jnp.any(residual_XV > -jnp.inf, axis=-1, keepdims=True), residual_XV, draw_XV)
         drawn_X = jax.vmap(jax.random.categorical)(keys, residual_XV).astype(jnp.int32)
-        return jnp.where(sampled_X, u_X < p_draft_X, greedy_X == draft_X), jnp.where(sampled_X, drawn_X, greedy_X)
+        return (jnp.where(sampled_X, u_X < p_draft_X, greedy_X == draft_X), jnp.where(sampled_X, drawn_X, greedy_X),
+                jnp.where(sampled_X[:, None], draw_XV, biased_XV))
 
     def greedy(_):
         greedy_X = greedy_tokens(logits_XV)
-        return greedy_X == draft_X, greedy_X
+        return greedy_X == draft_X, greedy_X, logits_XV
 
-    kept_X, replacement_X = jax.lax.cond(slow_path(s_X), adjusted, greedy, None)
+    kept_X, replacement_X, picked_XV = jax.lax.cond(slow_path(s_X), adjusted, greedy, None)
     kept_RJ = (kept_X & has_draft_X).reshape(R, J)
     accepted_R = jnp.sum(jnp.cumprod(kept_RJ, axis=1), axis=1).astype(jnp.int32)
     position_J = jnp.arange(J)[None, :]
     tokens_RJ = jnp.where(position_J < accepted_R[:, None], draft_X.reshape(R, J), replacement_X.reshape(R, J))
-    return accepted_R, tokens_RJ
+    return accepted_R, tokens_RJ, picked_XV
 
 
 def ngram_drafts(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:

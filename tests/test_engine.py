@@ -661,9 +661,14 @@ def test_sampled_frequencies_follow_temperature_min_p_top_k_then_top_p(top_k, to
         temperature_B=temperatures, top_p_B=jnp.full(n, top_p, jnp.float32), top_k_B=jnp.full(n, max(top_k, 0), jnp.int32),
         min_p_B=jnp.full(n, min_p, jnp.float32),
         key_ints_B3=jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1))
-    tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
+    tokens, picked = map(np.asarray, jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
     assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
     want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    # What each row picked from (the processed logprobs modes report it): a sampled row's softmax is
+    # the float64 statement within float32 rounding (a few ulps of probabilities <= 1: 1e-6), its
+    # dropped tokens at -inf; a greedy row's, the logits as they came.
+    np.testing.assert_allclose(np.exp(picked[0] - np.logaddexp.reduce(picked[0].astype(np.float64))), want, atol=1e-6)
+    assert np.all(np.isneginf(picked[0][want == 0])) and np.all(picked[n - 1] == logits)
     got = np.bincount(tokens[: n - greedy_rows], minlength=len(logits)) / (n - greedy_rows)
     assert np.all(got[want == 0] == 0) and np.max(np.abs(got - want)) < 0.02, (got, want)
 

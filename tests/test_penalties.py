@@ -103,8 +103,11 @@ def test_sampled_frequencies_follow_the_penalized_distribution():
         presence_B=jnp.full(n, 0.25), seen_ids_BU=jnp.asarray(ids), output_counts_BU=jnp.asarray(counts),
         key_ints_B3=jnp.stack([jnp.full(n, 5, jnp.uint32), jnp.arange(n, dtype=jnp.uint32),
                                jnp.zeros(n, jnp.uint32)], 1))
-    tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), s))
+    tokens, picked = map(np.asarray, jax.jit(sample)(jnp.tile(logits, (n, 1)), s))
     z = dense_penalties(logits, prompt, output, 1.5, 0.5, 0.25)
+    # what each row picked from (the processed logprobs modes report it): penalized / T, or penalized when greedy
+    np.testing.assert_allclose(picked[0], z / T, rtol=1e-6)
+    np.testing.assert_allclose(picked[-1], z, rtol=1e-6)
     assert np.argmax(logits) == 0 and np.all(tokens[-100:] == np.argmax(z)) and np.argmax(z) == 3
     p = np.exp(z / T - np.max(z / T))
     p /= p.sum()

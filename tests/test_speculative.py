@@ -255,8 +255,10 @@ def test_rejection_sampling_draws_the_models_distribution(draft):
     s = _sampling(0.7, n, top_k=5)  # top-k 5 drops token 5
     p = np.asarray(jax.nn.softmax(sampling_logits(logits[None], Sampling(*(a[:1] for a in s)))[0]))
     logits_RJV = jnp.broadcast_to(logits, (n, 2, V))
-    accepted, tokens = speculative.accept(logits_RJV, jnp.full((n, 1), draft, jnp.int32), jnp.ones(n, jnp.int32),
-                                          speculative.per_position(s, 2))
+    accepted, tokens, picked = speculative.accept(logits_RJV, jnp.full((n, 1), draft, jnp.int32), jnp.ones(n, jnp.int32),
+                                                  speculative.per_position(s, 2))
+    # every position reports the distribution it draws from, whatever was kept (float32 softmax: 1e-6)
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(picked[:2])), np.stack([p, p]), rtol=1e-6, atol=1e-7)
     first = np.asarray(tokens[:, 0])
     freq = np.bincount(first, minlength=V) / n
     assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (freq, p)
@@ -272,7 +274,8 @@ def test_greedy_acceptance_stops_at_the_first_disagreement():
     drafts = jnp.asarray([[1, 2, 0]])
     s = speculative.per_position(_sampling(0.0, 1), 4)
     for n_drafts, accepted, emitted in ((3, 2, [1, 2, 3]), (1, 1, [1, 2]), (0, 0, [1])):
-        a, tokens = speculative.accept(logits, drafts, jnp.asarray([n_drafts]), s)
+        a, tokens, picked = speculative.accept(logits, drafts, jnp.asarray([n_drafts]), s)
+        np.testing.assert_array_equal(np.asarray(picked), np.asarray(logits[0]))  # greedy, nothing adjusted: the raw logits
         assert int(a[0]) == accepted and np.asarray(tokens[0, :accepted + 1]).tolist() == emitted
 
 
