@@ -2,11 +2,12 @@
 
     python experiments/logprobs_mode.py [--batch 64] [--vocab 163840] [--rounds 15] [--out PATH]
 
-The program a decode step samples with (mixserve.sampling.sample, then model_runner.token_logprobs,
-as the runner's pick step runs them), on random float32 logits of Kimi K2's vocabulary, with every
+The program a decode step samples with (mixserve.model_runner.pick: the sampler, and the
+logprobs of the logits the mode names), on random float32 logits of Kimi K2's vocabulary, with every
 row asking for 20 logprobs, and without logprobs. Two batches: every row sampled at temperature 1
 with top-p 0.95 (the sort runs), and every row greedy. The processed modes read the logits the
-sampler drew from, which it computes anyway; the raw ones the model's. Variants are timed in
+sampler drew from, which it computes anyway; the raw ones the model's. Steps in which no row asks
+are timed in an engine of each kind too. Variants are timed in
 interleaved rounds (experiments/report.py), after a warm-up call each; the table gives each one's
 median and its median paired ratio to raw_logprobs. CPU times: ratios, not a GPU's absolute times.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import statistics
 import time
 import types
@@ -23,22 +25,18 @@ import jax
 import jax.numpy as jnp
 
 from experiments.report import interleaved, publish
-from mixserve.model_runner import LOGPROBS_MODES, token_logprobs
-from mixserve.sampling import Sampling, sample
+from mixserve.model_runner import LOGPROBS_MODES, pick
+from mixserve.sampling import Sampling
 
 TOP = 20  # vLLM's default max_logprobs
-NONE = "no logprobs"
+# No row asks for logprobs, in an engine of each kind: the raw modes never read the sampler's
+# logits; the processed ones are written out of its conditional all the same.
+NONE = {"no logprobs (raw engine)": "raw_logprobs", "no logprobs (processed engine)": "processed_logprobs"}
 
 
 def pick_fn(mode: str):
-    """The pick step of an engine in `mode` (token_logprobs reads these two fields of its spec)."""
-    spec = types.SimpleNamespace(max_logprobs=TOP, logprobs_mode=mode)
-
-    def pick(logits_BV, s: Sampling):
-        tokens_B, picked_BV = sample(logits_BV, s)
-        return tokens_B, token_logprobs(spec, logits_BV, picked_BV, tokens_B, s)
-
-    return jax.jit(pick)
+    """The pick step of an engine in `mode` (its logprobs read these two fields of the spec)."""
+    return jax.jit(functools.partial(pick, spec=types.SimpleNamespace(max_logprobs=TOP, logprobs_mode=mode)))
 
 
 def batch_inputs(batch: int, vocab: int, sampled: bool, logprobs: bool, seed: int = 0):
@@ -54,7 +52,7 @@ def batch_inputs(batch: int, vocab: int, sampled: bool, logprobs: bool, seed: in
 def timed_table(batch: int, vocab: int, rounds: int) -> list[str]:
     rows = ["| rows | variant | median ms | / raw_logprobs (median of paired ratios, min - max) |", "|---|---|---:|---|"]
     for sampled in (True, False):
-        variants = {NONE: (pick_fn("raw_logprobs"), batch_inputs(batch, vocab, sampled, False))}
+        variants = {name: (pick_fn(mode), batch_inputs(batch, vocab, sampled, False)) for name, mode in NONE.items()}
         variants.update({mode: (pick_fn(mode), batch_inputs(batch, vocab, sampled, True)) for mode in LOGPROBS_MODES})
         for fn, args in variants.values():  # compile, and one warm call
             jax.block_until_ready(fn(*args))

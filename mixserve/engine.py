@@ -140,7 +140,7 @@ class Engine(Frontend):
         # What those logprobs are of (vLLM's --logprobs-mode): the model's own distribution ("raw"),
         # or the one each token was drawn from ("processed": temperature, truncation, bias,
         # penalties, grammar), as log-probabilities or logits. RL wants the processed ones: they
-        # are the rollout policy's. Prompt logprobs are of the raw logits (no prompt token was sampled).
+        # are the rollout policy's. Prompt logprobs are the raw log-probabilities in every mode (vLLM's).
         self.logprobs_mode = logprobs_mode
         if max_seq_len is not None and not 0 < max_seq_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [1, max_position_embeddings={cfg.max_position_embeddings}]")

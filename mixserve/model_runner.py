@@ -444,7 +444,7 @@ def steps_for(spec: StepSpec) -> Steps:
         step_fn = checkify.checkify(step_fn) if spec.integrity == "strict" else step_fn
         return jax.jit(step_fn, donate_argnums=1, static_argnames="width")  # argument 1: the pools
 
-    return Steps(jit(_prefill), jit(_decode), jit(_speculative), jax.jit(functools.partial(_picked, spec=spec)))
+    return Steps(jit(_prefill), jit(_decode), jit(_speculative), jax.jit(functools.partial(pick, spec=spec)))
 
 
 def _paged_kv(spec: StepSpec, pools, scales, step: StepInputs, width: int, verify_tokens: int = 1) -> PagedKV:
@@ -511,8 +511,7 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
         def project(x_RCD, head_DV):
             x_last = jnp.take_along_axis(x_RCD, last_R[:, None, None], axis=1)
             return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
-                    blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs,
-                                     normalized=_normalized(spec)))
+                    blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs))
 
         out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
                                     return_hidden=return_hidden)
@@ -520,8 +519,7 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
     if targets_RC is None:
         logits = out
     elif spec.mesh is not None:
-        prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), spec.max_logprobs,
-                                      _normalized(spec))
+        prompt_logprobs = logprobs_of(out.reshape(R * C, -1), targets_RC.reshape(-1), spec.max_logprobs)
         logits = jnp.take_along_axis(out, last_R[:, None, None], axis=1)
     else:
         logits, prompt_logprobs = out
@@ -591,7 +589,7 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
 
 
 def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, *, spec: StepSpec, width: int):
-    """A decode step's forward: the new pools, each row's logits and its integrity ok (_picked
+    """A decode step's forward: the new pools, each row's logits and its integrity ok (pick
     samples them, a program of its own: the host builds its inputs while this one runs)."""
     step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
     kv = _paged_kv(spec, pools, scales, step, width)
@@ -599,7 +597,7 @@ def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, 
     return _placed(spec, kv.new_pools), logits_R1V[:, 0], ok_R, routes_R1LK
 
 
-def _picked(logits_RV, sampling, *, spec: StepSpec):
+def pick(logits_RV, sampling, *, spec: StepSpec):
     """A decode step's sampling: each row's token and its logprobs."""
     tokens_R, picked_RV = sample(logits_RV, sampling)
     return tokens_R, token_logprobs(spec, logits_RV, picked_RV, tokens_R, sampling)
@@ -638,7 +636,7 @@ def token_logprobs(spec: StepSpec, raw_BV, picked_BV, tokens_B, s: Sampling) -> 
     """Each row's token's log-probability and rank, and its max_logprobs likeliest tokens, in the
     spec's logprobs mode (vLLM's): of the model's raw logits, or of those the token was picked from
     (picked_BV: sampling.sample's, with the temperature, truncation, bias, penalties and grammar
-    the row applied; what it left out is at -inf), normalized to logprobs or not ("*_logits").
+    the row applied; what it left out is at -inf), as log-probabilities or as logits ("*_logits").
     Computed only when a row asked (lax.cond: a top-n over the vocabulary is no free pass)."""
     B, n = raw_BV.shape[0], spec.max_logprobs
     logits_BV = picked_BV if spec.logprobs_mode.startswith("processed") else raw_BV
@@ -646,14 +644,8 @@ def token_logprobs(spec: StepSpec, raw_BV, picked_BV, tokens_B, s: Sampling) -> 
     def skip(_):
         return Logprobs(jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.zeros((B, n), jnp.int32), jnp.zeros((B, n)))
 
-    return jax.lax.cond(jnp.any(s.logprobs_B), lambda x: logprobs_of(x, tokens_B, n, _normalized(spec)), skip,
-                        logits_BV)
-
-
-def _normalized(spec: StepSpec) -> bool:
-    """Whether the spec's logprobs are log-probabilities, not logits. Prompt logprobs follow this,
-    but are always of the raw logits: no prompt token was sampled."""
-    return spec.logprobs_mode.endswith("logprobs")
+    normalized = spec.logprobs_mode.endswith("logprobs")
+    return jax.lax.cond(jnp.any(s.logprobs_B), lambda x: logprobs_of(x, tokens_B, n, normalized), skip, logits_BV)
 
 
 def logprobs_of(logits_BV, tokens_B, n: int, normalized: bool = True) -> Logprobs:
@@ -669,8 +661,8 @@ def logprobs_of(logits_BV, tokens_B, n: int, normalized: bool = True) -> Logprob
 
 
 def blocked_logprobs(x_ND: jax.Array, head_DV: jax.Array, tokens_N: jax.Array, n: int,
-                     block: int = VOCAB_BLOCK, normalized: bool = True) -> Logprobs:
-    """logprobs_of(x @ head, tokens, n, normalized), a vocabulary block at a time: [rows, block] float32 logits
+                     block: int = VOCAB_BLOCK) -> Logprobs:
+    """logprobs_of(x @ head, tokens, n), a vocabulary block at a time: [rows, block] float32 logits
     at once, not [rows, vocab] (Kimi's 163,840-entry vocabulary over 8 rows of 64 prompt positions
     would be 335 MB). One pass keeps a running log-sum-exp, the token's logit and the n likeliest;
     a second counts the logits above the token's for its rank (the same products, so the same
@@ -710,7 +702,7 @@ def blocked_logprobs(x_ND: jax.Array, head_DV: jax.Array, tokens_N: jax.Array, n
     peak_N, total_N, chosen_N, top_NK, ids_NK = jax.lax.fori_loop(0, blocks, first, start)
     rank_N = 1 + jax.lax.fori_loop(0, blocks, lambda b, r: r + jnp.sum(logits_of(b) > chosen_N[:, None], axis=-1,
                                                                        dtype=jnp.int32), jnp.zeros(rows, jnp.int32))
-    norm_N = peak_N + jnp.log(total_N) if normalized else jnp.zeros(rows)
+    norm_N = peak_N + jnp.log(total_N)
     return Logprobs(chosen_N - norm_N, rank_N, ids_NK.astype(jnp.int32), top_NK - norm_N[:, None])
 
 
@@ -718,4 +710,4 @@ def _token_logprobs(host: Logprobs, row: int, n: int) -> TokenLogprobs:
     """Row `row` of a step's logprobs (read to the host), with its n likeliest tokens: fewer where
     a processed mode's truncation left fewer than n (those past it, at -inf, name no token)."""
     top = zip(host.top_ids_BN[row, :n].tolist(), host.top_BN[row, :n].tolist())
-    return TokenLogprobs(float(host.token_B[row]), int(host.rank_B[row]), tuple((t, v) for t, v in top if v > -np.inf))
+    return TokenLogprobs(float(host.token_B[row]), int(host.rank_B[row]), tuple((t, v) for t, v in top if v != -np.inf))

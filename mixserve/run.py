@@ -110,7 +110,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="what a request's logprobs are of (vLLM's flag): the model's raw distribution, or the one "
                         "each token was drawn from (processed: temperature, min-p, top-k, top-p, logit bias, "
                         "penalties, structured output; what they left out at -inf), as logprobs or logits. "
-                        "Prompt logprobs are of the raw logits in every mode")
+                        "Prompt logprobs are the raw log-probabilities in every mode, as vLLM's")
     p.add_argument("--schedule-policy", default="fcfs", choices=list(SCHEDULE_POLICIES),
                    help="admission order of waiting requests: first come, first served, the longest cached "
                         "prefix first (SGLang's lpm; first come, first served past 128 waiting), or each request's "
@@ -474,7 +474,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         if args.chat and r["reasoning_content"] and not random_weights:
             print(f"    reasoning: {r['reasoning_content']!r}")
         if r["prompt_logprobs"] and len(r["prompt_logprobs"]) > 1:
-            print(f"    prompt: {perplexity(r['prompt_logprobs'][1:], args.logprobs_mode)} over its last "
+            print(f"    prompt: {perplexity(r['prompt_logprobs'][1:], 'raw_logprobs')} over its last "
                   f"{len(r['prompt_logprobs']) - 1} tokens")
         if r["logprobs"]:
             print(f"    generated: {perplexity(r['logprobs'], args.logprobs_mode)}, ranks {[lp['rank'] for lp in r['logprobs']]}")

@@ -763,8 +763,9 @@ def test_logprobs_mode_script_runs(tmp_path):
     """Every variant of both batches is timed and compared with raw_logprobs, itself at 1."""
     out = run("logprobs_mode.py", "--batch", "2", "--vocab", "64", "--rounds", "1", "--out", str(tmp_path / "l.md"))
     rows = [line.split("|")[1:5] for line in out.splitlines() if line.startswith("| 2 ")]
-    assert [name.strip() for _, name, _, _ in rows] == ["no logprobs", "raw_logprobs", "processed_logprobs",
-                                                         "raw_logits", "processed_logits"] * 2
+    assert [name.strip() for _, name, _, _ in rows] == ["no logprobs (raw engine)", "no logprobs (processed engine)",
+                                                         "raw_logprobs", "processed_logprobs", "raw_logits",
+                                                         "processed_logits"] * 2
     assert all(ratio.startswith(" 1.000 ") for _, name, _, ratio in rows if name.strip() == "raw_logprobs")
     assert (tmp_path / "l.md").read_text() in out
 

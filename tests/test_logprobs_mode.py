@@ -2,6 +2,8 @@
 distribution or of the one each token was drawn from (temperature, truncation, logit bias,
 penalties), as log-probabilities or logits; against a float64 statement of the sampler."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ import mixserve
 from mixserve import run, server
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
+from mixserve.sampling import Sampling, sample
 from test_engine import _kept_distribution, engine, prompts
 from test_penalties import dense_penalties
 from test_server import FLAGS, PROMPT, post, serving
@@ -20,12 +23,13 @@ REQUESTS = (dict(temperature=0.8, top_k=4, top_p=0.9, min_p=0.05, seed=3),
 TOP = 6
 
 
-def served(e, prompts, **common):
-    """REQUESTS on prompts, submitted together (greedy and sampled rows share steps), each asking
+def served(e, prompts, requests=REQUESTS, before_step=lambda: None, **common):
+    """requests on prompts, submitted together (greedy and sampled rows share steps), each asking
     for its TOP likeliest tokens -> their Results."""
-    rids = [e.submit(p, logprobs=TOP, **common, **o) for p, o in zip(prompts, REQUESTS)]
+    rids = [e.submit(p, logprobs=TOP, **common, **o) for p, o in zip(prompts, requests)]
     done = {}
     while e.has_work():
+        before_step()
         done.update({u.rid: u.result for u in e.step() if u.result is not None})
     return [done[rid] for rid in rids]
 
@@ -58,59 +62,92 @@ def reference(model, prompt, tokens, options, mode):
     return out
 
 
-def assert_mode(model, results, mode):
+def assert_mode(model, prompts, results, mode, requests=REQUESTS):
     """Each token's value and its TOP likeliest (only tokens it could have drawn) are the
-    reference's, within 1e-5. Bound: float32 throughout, KV included, so the logits differ from
-    the cache-free forward's in summation order only (4.8e-7 seen in the raw logprobs test); a
-    processed value divides them by T >= 0.8 and subtracts a log-sum-exp over the kept tokens, whose
-    error is at most the largest logit error: under 2 x 4.8e-7 / 0.8 = 1.2e-6; 1e-5 is 8 of those."""
-    for p, options, r in zip(prompts(2), REQUESTS, results):
+    reference's, within 1e-5 x max(1, 0.8 / T). Bound: float32 throughout, KV included, so the
+    logits differ from the cache-free forward's in summation order only (4.8e-7 seen in the raw
+    logprobs test); a repetition penalty multiplies a negative one by 1.3, a processed value
+    divides them by T and subtracts a log-sum-exp over the kept tokens, whose error is at most the
+    largest logit's: under 2 x 4.8e-7 x 1.3 / T, 1.6e-6 at T = 0.8; the bound is 6 of those."""
+    for p, options, r in zip(prompts, requests, results):
         assert r.status == "ok", r.reason
+        T = options["temperature"]
+        atol = 1e-5 * max(1.0, 0.8 / T) if mode.startswith("processed") and T > 0 else 1e-5
         for token, got, want_V in zip(r.tokens, r.logprobs, reference(model, p, r.tokens, options, mode)):
-            np.testing.assert_allclose(got.logprob, want_V[token], atol=1e-5)
-            assert got.rank == 1 + np.sum(want_V > want_V[token] + 1e-5)
+            np.testing.assert_allclose(got.logprob, want_V[token], atol=atol)
+            assert got.rank == 1 + np.sum(want_V > want_V[token] + atol)
             finite = np.sort(want_V[np.isfinite(want_V)])[::-1]
             assert len(got.top) == min(TOP, len(finite)), (mode, got.top)
             ids = [t for t, _ in got.top]
-            np.testing.assert_allclose([v for _, v in got.top], want_V[ids], atol=1e-5)
-            np.testing.assert_allclose(finite[: len(ids)], want_V[ids], atol=1e-5)
+            np.testing.assert_allclose([v for _, v in got.top], want_V[ids], atol=atol)
+            np.testing.assert_allclose(finite[: len(ids)], want_V[ids], atol=atol)
 
 
 def test_each_mode_reports_what_the_sampler_drew_from_and_samples_the_same_tokens():
     """The mode changes what is reported, never what is drawn: the same seeds give the same tokens
     in every mode. Processed values are of the distribution each token was drawn from: the
     truncated tokens are gone from `top` (fewer than asked where fewer were kept), and the
-    sampled token is always among those kept. Prompt logprobs stay of the raw logits in every
-    mode (log-probabilities, or logits in a "*_logits" mode)."""
+    sampled token is always among those kept. Prompt logprobs are the raw log-probabilities in
+    every mode, as vLLM's."""
     model = mixserve.load("tiny-kimi", dtype="float32")
     runs = {}
     for mode in ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"):
         runs[mode] = served(engine(model, max_logprobs=TOP, logprobs_mode=mode), prompts(2), max_new_tokens=6,
                             prompt_logprobs=2)
-        assert_mode(model, runs[mode], mode)
+        assert_mode(model, prompts(2), runs[mode], mode)
     tokens = {mode: [r.tokens for r in results] for mode, results in runs.items()}
     assert len({str(t) for t in tokens.values()}) == 1, tokens
     truncated = [lp for lp in runs["processed_logprobs"][0].logprobs if len(lp.top) < TOP]
     assert truncated  # top-k 4: at most 4 tokens could be drawn
-    for mode in ("processed_logprobs", "raw_logits"):
-        raw, other = runs["raw_logprobs"][0].prompt_logprobs, runs[mode][0].prompt_logprobs
-        shift = [o.logprob - r.logprob for r, o in zip(raw[1:], other[1:])]
-        # a logits mode shifts each position by its log-sum-exp; a logprobs mode by nothing
-        assert (np.ptp(shift) > 1e-3 if mode == "raw_logits" else np.max(np.abs(shift)) == 0), (mode, shift)
+    raw = [lp.logprob for lp in runs["raw_logprobs"][0].prompt_logprobs[1:]]
+    assert len(raw) == len(prompts(2)[0]) - 1 and max(raw) < 0
+    for mode in ("processed_logprobs", "raw_logits", "processed_logits"):  # other programs: float32 rounding apart
+        np.testing.assert_allclose([lp.logprob for lp in runs[mode][0].prompt_logprobs[1:]], raw, atol=1e-6)
 
 
 def test_speculative_verification_reports_each_positions_own_distribution():
-    """With n-gram drafts, kept or not, each emitted token's processed logprob is that of its own
-    position's distribution, its penalties counting the output before it (drafts included)."""
+    """Drafts kept or rejected (a rejected draft's replacement is drawn from the rest of the
+    distribution): each emitted token's processed logprob, rank and likeliest tokens are those of
+    its own position's distribution, its penalties counting the output before it. Before each
+    step a request's draft is the cache-free forward's likeliest next token: a sampled row keeps it
+    with its probability, so both happen. The tiny random model is nearly flat: low temperatures
+    make that probability large enough."""
     model = mixserve.load("tiny-kimi", dtype="float32")
+    requests = (dict(temperature=0.05, top_k=3, seed=3), REQUESTS[1],
+                dict(temperature=0.1, top_p=0.9, frequency_penalty=0.4, presence_penalty=0.2, seed=5))
     e = Engine(model, num_pages=64, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=3, draft="ngram",
                max_logprobs=TOP, logprobs_mode="processed_logprobs", min_decode_rows=4, min_prefill_rows=4)
-    repeated = [(p * 4)[:24] for p in prompts(2)]  # a repeating prompt: the n-gram drafts match
-    results = served(e, repeated, max_new_tokens=8)
-    assert e.counters.accepted_tokens > 0
-    for p, options, r in zip(repeated, REQUESTS, results):
-        for token, got, want_V in zip(r.tokens, r.logprobs, reference(model, p, r.tokens, options, "processed_logprobs")):
-            np.testing.assert_allclose(got.logprob, want_V[token], atol=1e-5)
+
+    def draft():
+        for r in e.scheduler.running:
+            if r.prefilled:
+                seq = np.zeros((1, 32), np.int32)  # one shape: one compile (causal: the padding is unseen)
+                seq[0, :len(r.tokens)] = r.tokens
+                r.drafts = [int(np.argmax(np.asarray(model.logits(seq))[0, len(r.tokens) - 1]))]
+
+    results = served(e, prompts(2), requests, before_step=draft, max_new_tokens=10)
+    assert 0 < e.counters.accepted_tokens < e.counters.drafted_tokens, e.counters
+    assert_mode(model, prompts(2), results, "processed_logprobs", requests)
+
+
+def test_the_sampler_returns_a_grammars_mask_in_what_each_row_picked_from():
+    """A structured output's mask is part of the processed distribution: outside it, -inf in
+    what a greedy and a sampled row picked from; inside, each row's logits (the sampled row's
+    divided by its temperature: no truncation asked)."""
+    V = 70
+    logits = jax.random.normal(jax.random.key(0), (2, V)) * 2
+    allowed = np.zeros(V, bool)
+    allowed[[3, 17, 40, 64, 69]] = True
+    words = np.zeros(3, np.uint32)  # token v: bit v % 32 of word v // 32 (mixserve/grammar.py)
+    for v in np.flatnonzero(allowed):
+        words[v // 32] |= np.uint32(1 << (v % 32))
+    words = words.view(np.int32)
+    s = Sampling.greedy(2, words=3)._replace(temperature_B=jnp.array([0.0, 0.5]), allowed_BW=jnp.asarray(np.tile(words, (2, 1))),
+                                             key_ints_B3=jnp.ones((2, 3), jnp.uint32))
+    tokens, picked = map(np.asarray, jax.jit(sample)(logits, s))
+    assert allowed[tokens].all()
+    assert np.all(np.isneginf(picked[:, ~allowed]))
+    np.testing.assert_allclose(picked[:, allowed], np.asarray(logits)[:, allowed] / np.array([[1.0], [0.5]]), rtol=1e-6)
 
 
 def test_a_bad_mode_or_a_pair_of_two_modes_is_refused_and_run_reports_the_mode(capsys):
