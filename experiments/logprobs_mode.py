@@ -29,8 +29,9 @@ from mixserve.model_runner import LOGPROBS_MODES, pick
 from mixserve.sampling import Sampling
 
 TOP = 20  # vLLM's default max_logprobs
-# No row asks for logprobs, in an engine of each kind: the raw modes never read the sampler's
-# logits; the processed ones are written out of its conditional all the same.
+# No row asks for logprobs, in an engine of each kind: a raw engine's program never reads the
+# sampler's logits; a processed one's copies the step's logits once all the same (XLA puts the copy
+# the slow path's in-place scatters need in front of the sampler's conditional).
 NONE = {"no logprobs (raw engine)": "raw_logprobs", "no logprobs (processed engine)": "processed_logprobs"}
 
 

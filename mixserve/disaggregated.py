@@ -80,7 +80,7 @@ class DisaggregatedEngine(Frontend):
                              "host_kv_bytes to the prefill engine")
         super().__init__()
         self.prefill, self.decode = prefill, decode
-        self.routes_shape, self.logprobs_mode = prefill.routes_shape, prefill.logprobs_mode
+        self.routes_shape = prefill.routes_shape
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()

@@ -12,6 +12,7 @@ from mixserve import run, server
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.sampling import Sampling, sample
+from conftest import ONE_ROW_SHAPE
 from test_engine import _kept_distribution, engine, prompts
 from test_penalties import dense_penalties
 from test_server import FLAGS, PROMPT, post, serving
@@ -116,7 +117,7 @@ def test_speculative_verification_reports_each_positions_own_distribution():
     requests = (dict(temperature=0.05, top_k=3, seed=3), REQUESTS[1],
                 dict(temperature=0.1, top_p=0.9, frequency_penalty=0.4, presence_penalty=0.2, seed=5))
     e = Engine(model, num_pages=64, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=3, draft="ngram",
-               max_logprobs=TOP, logprobs_mode="processed_logprobs", min_decode_rows=4, min_prefill_rows=4)
+               max_logprobs=TOP, logprobs_mode="processed_logprobs", **ONE_ROW_SHAPE)
 
     def draft():
         for r in e.scheduler.running:
@@ -150,7 +151,7 @@ def test_the_sampler_returns_a_grammars_mask_in_what_each_row_picked_from():
     np.testing.assert_allclose(picked[:, allowed], np.asarray(logits)[:, allowed] / np.array([[1.0], [0.5]]), rtol=1e-6)
 
 
-def test_a_bad_mode_or_a_pair_of_two_modes_is_refused_and_run_reports_the_mode(capsys):
+def test_a_bad_mode_or_a_pair_of_two_modes_is_refused_and_run_reports_the_mode():
     model = mixserve.load("tiny-kimi", dtype="float32")
     with pytest.raises(ValueError, match="logprobs_mode must be one of raw_logprobs, processed_logprobs, raw_logits, "
                                          "processed_logits, got 'processed'"):
