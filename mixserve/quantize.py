@@ -128,10 +128,13 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
 def require_finite(name: str, w) -> None:
     """Refuse a weight with inf or NaN: its scale covers a whole group or block, which the value
     would spoil (one inf turns its 128 x 128 FP8 block into NaN, its INT4 group likewise)."""
-    bad = int(np.size(w)) - int(jnp.count_nonzero(jnp.isfinite(jnp.asarray(w))))
+    bad = int(np.size(w)) - int(_count_finite(w))
     if bad:
         raise ValueError(f"{name} has {bad} non-finite value(s); quantizing would spread them over its scale "
                          "group or block: fix the source weights")
+
+
+_count_finite = jax.jit(lambda w: jnp.count_nonzero(jnp.isfinite(w)))  # one program per shape, not two
 
 
 def require_finite_targets(source: dict, abstract) -> None:
