@@ -27,11 +27,13 @@ def dots_below_the_mma_minimum(ttir: str) -> list:
     dot contracting 8 compiled and returned twice the product."""
     return [dot for dot in ttir_dots(ttir) if dot[2] != "f32" and min(dot[0] + dot[1]) < 16]
 
-# Test engines run every decode step and prefill call at max_batch rows (a minimum past any
-# max_batch): one shape of each to compile, where serving rounds the rows up to a power of two.
-# Compiling dominates the suite: test_engine.py took 90 s against 129 s with it (2 cores,
-# 2026-12-07). The tests of that rounding pass their own minimums.
-ONE_ROW_SHAPE = dict(min_decode_rows=1 << 16, min_prefill_rows=1 << 16)
+# Test engines run every decode step and prefill call at max_batch rows and every prefill chunk at
+# prefill_chunk tokens (minimums past any max_batch and chunk): one shape of each to compile, where
+# serving rounds rows and chunks up to powers of two. Compiling dominates the suite: test_engine.py
+# took 90 s against 129 s with the rows (2 cores, 2026-12-07), and the speculative, prefix-cache,
+# structured and logprobs-mode files 355 s against 437 s of test time with the chunks too (the
+# same day). The tests of that rounding pass their own minimums.
+ONE_STEP_SHAPE = dict(min_decode_rows=1 << 16, min_prefill_rows=1 << 16, min_prefill_tokens=1 << 16)
 
 # One persistent compilation cache per test run, shared by the xdist workers and the scripts the
 # tests start (they inherit the environment, set here before anything imports jax). In one process

@@ -20,11 +20,11 @@ from mixserve.engine import Engine
 from mixserve.kv_cache import KVFormat, init_pools, kv_format
 from mixserve.kv_cache import bytes_per_token as kv_bytes_per_token
 from models.presets import TINY_PRESETS
-from conftest import ONE_ROW_SHAPE
+from conftest import ONE_STEP_SHAPE
 
 PAGE = 4
 # One decode row count and one prefill chunk length: fewer compiles (the shapes are tested elsewhere).
-CFG = dict(page_size=PAGE, max_batch=4, prefill_chunk=8, integrity="check", min_prefill_tokens=8, **ONE_ROW_SHAPE)
+CFG = dict(page_size=PAGE, max_batch=4, prefill_chunk=8, integrity="check", **ONE_STEP_SHAPE)
 
 
 def prompts(seed, lengths=(5, 11, 1, 14)):

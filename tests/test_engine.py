@@ -19,7 +19,7 @@ from mixserve.model_runner import blocked_logprobs, logprobs_of, steps_for
 from mixserve.sampling import Sampling, _kept_by_top_k_top_p, sample
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
-from conftest import ONE_ROW_SHAPE
+from conftest import ONE_STEP_SHAPE
 
 PROMPT_LENGTHS = [5, 11, 1, 14]  # page size 4: prompts end mid-page and span several pages
 NEW = 6
@@ -47,7 +47,7 @@ def greedy_reference(model, prompt, new):
 
 
 def engine(model, **kw):
-    args = dict(num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, stop_tokens=(), **ONE_ROW_SHAPE)
+    args = dict(num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, stop_tokens=(), **ONE_STEP_SHAPE)
     return Engine(model, **{**args, **kw})
 
 

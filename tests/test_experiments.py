@@ -458,20 +458,29 @@ def test_gpu_profile_stopped_by_sigterm_still_stops_ncu(tmp_path):
     _assert_killed(int(pid_file.read_text()))
 
 
-def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit(tmp_path):
+def test_gpu_profile_keeps_the_parts_profiled_before_a_failure_or_the_time_limit(tmp_path, monkeypatch):
     """Each part is its own ncu run: INT4 is profiled and written, a failed ncu
     run for GQA is reported and the next part still runs, and MLA, hung, is
-    cut at the limit without costing the parts before it."""
+    cut at the limit without costing the parts before it. The limit reaches MLA
+    2 s after it starts (its deadline, moved in): INT4 runs the interpreted
+    kernels for real, whose time on a loaded machine no limit of a few seconds
+    can bound, and a long limit would have the test wait it out."""
+    import time
+
     sys.path.insert(0, ROOT)
     from experiments import gpu_profile as gp
 
+    def part_with_a_near_deadline(ncu, part, tmp, deadline, _profile_part=gp.profile_part):
+        return _profile_part(ncu, part, tmp, min(deadline, time.monotonic() + 2) if part == "mla" else deadline)
+
+    monkeypatch.setattr(gp, "profile_part", part_with_a_near_deadline)
     flaky = "import sys, time\npart = sys.argv[sys.argv.index('--part') + 1] if '--part' in sys.argv else ''\n" \
             "if part == 'gqa':\n    sys.exit(1)\nif part == 'mla':\n    time.sleep(600)\n" + FAKE_NCU
-    table, complete = gp.profile(_script(tmp_path / "ncu", flaky), tmp_path / "out", "cpu", timeout_s=30)
+    table, complete = gp.profile(_script(tmp_path / "ncu", flaky), tmp_path / "out", "cpu", timeout_s=300)
     assert not complete
     int4_rows = [line for line in table.splitlines() if line.startswith("| INT4 matmul")]
     assert len(int4_rows) == 6 and all("| int4_matmul_x |" in row for row in int4_rows)
-    assert "| gqa: RuntimeError: ncu exited with 1 |" in table and "| mla: not profiled, the 30 s limit was reached |" in table
+    assert "| gqa: RuntimeError: ncu exited with 1 |" in table and "| mla: not profiled, the 300 s limit was reached |" in table
     assert (tmp_path / "out" / "gpu_profile.md").read_text() == table
     assert [f.name for f in sorted((tmp_path / "out").glob("gpu_profile_raw_*.csv"))] == ["gpu_profile_raw_int4.csv"]
 

@@ -11,6 +11,7 @@ from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.host_cache import HostKVCache
 
+from conftest import ONE_STEP_SHAPE
 from test_engine import greedy_reference
 from test_prefix_cache import S, tokens, written_pages
 
@@ -54,7 +55,7 @@ def test_a_prefix_the_device_evicted_comes_back_from_the_host(preset, kv_dtype, 
     keys; BF16, FP8 and tile-scaled FP8 pages (FP8: half the host bytes)."""
     model = mixserve.load(preset, dtype="float32", mtp=mtp)
     options = dict(num_pages=12, page_size=S, max_batch=2, prefill_chunk=8, stop_tokens=(), integrity="check",
-                   kv_dtype=kv_dtype, speculative_tokens=2 if mtp else 0)
+                   kv_dtype=kv_dtype, speculative_tokens=2 if mtp else 0, **ONE_STEP_SHAPE)
     first, others, new = tokens(1, 13), [tokens(10 + i, 14) for i in range(3)], 6
     runs = {}
     for host_bytes in (0, 1 << 20):
@@ -89,7 +90,7 @@ def test_a_prefix_the_device_evicted_comes_back_from_the_host(preset, kv_dtype, 
 
 def test_the_host_tier_is_emptied_with_the_cache_and_refused_where_it_cannot_serve():
     model = mixserve.load("tiny-kimi", dtype="float32")
-    options = dict(num_pages=12, page_size=S, max_batch=2, stop_tokens=())
+    options = dict(num_pages=12, page_size=S, max_batch=2, stop_tokens=(), **ONE_STEP_SHAPE)
     e = Engine(model, host_kv_bytes=1 << 20, **options)
     e.generate([tokens(i, 14) for i in range(4)], max_new_tokens=4)
     assert len(e.host_cache) > 0 and e.counters.evicted_pages == e.host_cache.stored_pages
@@ -107,7 +108,8 @@ def test_pages_the_allocation_drops_from_a_full_host_are_computed_instead():
     pages and more to the host, which drops the 3 (the newest stay): they are prefilled, not restored, and
     the tokens are the cache-free forward's."""
     model = mixserve.load("tiny-kimi", dtype="float32")
-    options = dict(num_pages=8, page_size=S, max_batch=2, prefill_chunk=8, stop_tokens=(), integrity="check")
+    options = dict(num_pages=8, page_size=S, max_batch=2, prefill_chunk=8, stop_tokens=(), integrity="check",
+                   **ONE_STEP_SHAPE)
     page_bytes = Engine(model, **options).bytes_per_token * S
     e = Engine(model, host_kv_bytes=4 * page_bytes, **options)
     first, new = tokens(1, 13), 6

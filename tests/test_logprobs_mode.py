@@ -12,7 +12,7 @@ from mixserve import run, server
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.sampling import Sampling, sample
-from conftest import ONE_ROW_SHAPE
+from conftest import ONE_STEP_SHAPE
 from test_engine import _kept_distribution, engine, prompts
 from test_penalties import dense_penalties
 from test_server import FLAGS, PROMPT, post, serving
@@ -117,7 +117,7 @@ def test_speculative_verification_reports_each_positions_own_distribution():
     requests = (dict(temperature=0.05, top_k=3, seed=3), REQUESTS[1],
                 dict(temperature=0.1, top_p=0.9, frequency_penalty=0.4, presence_penalty=0.2, seed=5))
     e = Engine(model, num_pages=64, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=3, draft="ngram",
-               max_logprobs=TOP, logprobs_mode="processed_logprobs", **ONE_ROW_SHAPE)
+               max_logprobs=TOP, logprobs_mode="processed_logprobs", **ONE_STEP_SHAPE)
 
     def draft():
         for r in e.scheduler.running:

@@ -11,7 +11,7 @@ from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 
 from test_engine import greedy_reference
-from conftest import ONE_ROW_SHAPE
+from conftest import ONE_STEP_SHAPE
 
 S = 4  # page size
 
@@ -23,7 +23,7 @@ def model(request):
 
 def engine(model, **kw):
     return Engine(model, **{**dict(num_pages=48, page_size=S, max_batch=4, prefill_chunk=8, stop_tokens=(),
-                                   integrity="check", **ONE_ROW_SHAPE), **kw})
+                                   integrity="check", **ONE_STEP_SHAPE), **kw})
 
 
 def tokens(seed, n):

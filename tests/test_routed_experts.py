@@ -13,6 +13,7 @@ import mixserve
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from models.moe import sown_routes
+from conftest import ONE_STEP_SHAPE
 from test_engine import engine, prompts
 
 NEW = 6
@@ -138,7 +139,7 @@ def test_speculative_decoding_returns_the_rows_of_the_kept_positions():
     model = mixserve.load("tiny-kimi", dtype="float32")
     ps = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
     e = Engine(model, num_pages=128, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=4, draft="ngram",
-               return_routed_experts=True)
+               return_routed_experts=True, **ONE_STEP_SHAPE)
     for p, r in zip(ps, e.generate(ps, max_new_tokens=48)):
         assert_cache_free_routes(model, p, r)
     assert e.counters.accepted_tokens > 0 and e.counters.steps < 47
@@ -148,7 +149,7 @@ def test_a_disaggregated_pair_hands_the_prompt_routing_over_with_the_pages():
     """The prefill engine's rows go with the request to the decode engine, whose own follow. The
     flag must be on both engines or on neither."""
     model = mixserve.load("tiny-glm5", dtype="float32")
-    kw = dict(num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, stop_tokens=())
+    kw = dict(num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, stop_tokens=(), **ONE_STEP_SHAPE)
     pair = DisaggregatedEngine(Engine(model, prefill_only=True, return_routed_experts=True, **kw),
                                Engine(model, return_routed_experts=True, **kw))
     ps = prompts()

@@ -17,7 +17,7 @@ import pytest
 
 import hf_reference as ref
 import mixserve
-from conftest import ONE_ROW_SHAPE, host_devices_env
+from conftest import ONE_STEP_SHAPE, host_devices_env
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine
 from mixserve.model_runner import steps_for
@@ -76,7 +76,7 @@ def _prompts(vocab, n=3):
 
 
 def _engine(model, **kw):
-    return Engine(model, **{"num_pages": 64, "page_size": 8, "max_batch": 4, **ONE_ROW_SHAPE, **kw})
+    return Engine(model, **{"num_pages": 64, "page_size": 8, "max_batch": 4, **ONE_STEP_SHAPE, **kw})
 
 
 def _run_with_oracle(engine, prompts, reference, k, wrong_at, **request):

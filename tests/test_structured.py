@@ -18,7 +18,7 @@ from mixserve.engine import Engine
 from mixserve.grammar import ALL_ALLOWED, Grammars, StructuredOutput
 from mixserve.sampling import Sampling, adjusted_logits
 from mixserve.tokenizer import ByteTokenizer, HFTokenizer
-from conftest import ONE_ROW_SHAPE
+from conftest import ONE_STEP_SHAPE
 from test_speculative import _run_with_oracle
 
 EOS = 257  # the tiny presets' end token; their ids 0-255 are bytes
@@ -125,7 +125,7 @@ def test_speculative_verification_keeps_only_drafts_the_grammar_allows():
     model = byte_model("tiny-glm4", mtp=True)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
     request = dict(max_new_tokens=12, structured_output=StructuredOutput(choice=CHOICES))
-    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE, **kw)
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, **kw)
     plain = engine().generate(prompts, **request)
     for k, wrong_at in ((3, None), (3, 0), (2, 1)):
         spec = engine(speculative_tokens=k)
@@ -144,7 +144,7 @@ def test_a_grammar_after_a_free_part_starts_at_its_end_plain_and_speculative():
     end (the grammar's mask starts at the position after it) and one wrong draft, the same."""
     model = byte_model("tiny-glm4", mtp=True)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 6 + 5 * i)] for i in range(2)]
-    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE, **kw)
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, **kw)
     free = []
     for f in engine().generate(prompts, max_new_tokens=6):
         end = next(i for i in range(1, 6) if f.tokens[i] not in f.tokens[:i])
@@ -222,7 +222,7 @@ def test_an_output_opening_its_free_part_is_free_to_its_end_plain_and_speculativ
     drafts, right and one wrong: none verified while the output may still open) gives the same."""
     model = byte_model("tiny-glm4", mtp=True)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 6 + 5 * i)] for i in range(2)]
-    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE, **kw)
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, **kw)
     for p in prompts:
         (first,) = engine().generate([p], max_new_tokens=1)
         f0 = first.tokens[0]
@@ -257,14 +257,14 @@ def test_forced_tokens_are_drafted_and_all_kept(temperature):
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
     regex = "(alpha|beta)-constant-suffix-[0-9]"
     request = dict(max_new_tokens=40, temperature=temperature, seed=1, structured_output=StructuredOutput(regex=regex))
-    spec = Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE, speculative_tokens=3, draft="ngram")
+    spec = Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, speculative_tokens=3, draft="ngram")
     got = spec.generate(prompts, **request)
     spans = [21 if r.tokens[0] == ord("a") else 20 for r in got]
     assert spec.counters.accepted_tokens == sum(f - f // 4 for f in spans)
     for r in got:
         assert re.fullmatch(regex, bytes(r.tokens[:-1]).decode()) and r.stop_reason == EOS, r.tokens
     if temperature == 0:
-        plain = Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE)
+        plain = Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE)
         assert [r.tokens for r in plain.generate(prompts, **request)] == [r.tokens for r in got]
 
 
@@ -275,7 +275,7 @@ def test_a_disaggregated_pair_drafts_the_forced_tokens_from_its_first_decode_ste
     model = byte_model("tiny-glm4", mtp=True)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
     request = dict(max_new_tokens=40, structured_output=StructuredOutput(regex="(alpha|beta)-constant-suffix-[0-9]"))
-    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_ROW_SHAPE, speculative_tokens=3, **kw)
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, speculative_tokens=3, **kw)
     one = engine()
     want = one.generate(prompts, **request)
     pair = DisaggregatedEngine(engine(prefill_only=True), engine())
