@@ -148,10 +148,14 @@ class DisaggregatedEngine(Frontend):
         dropped = [x for asleep in finish for x in asleep()]  # neither side asleep unless both are
         return let_go(dropped)
 
+    @property
+    def weights_discarded(self) -> bool:
+        return self.prefill.weights_discarded or self.decode.weights_discarded
+
     def wake_up(self, tags=SLEEP_TAGS) -> None:
         """Engine.wake_up on both sides; weights discarded on either are refused before either wakes."""
         tags = check_sleep(1, tags)
-        if "weights" in tags and (self.prefill.weights_discarded or self.decode.weights_discarded):
+        if "weights" in tags and self.weights_discarded:
             raise WeightsDiscarded()
         made = {}  # an array both sides served, placed once
         self.prefill._wake(tags, made)

@@ -51,6 +51,8 @@ from collections.abc import Callable
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
 from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded
+
+SGLANG_MEMORY_TAGS = (*SLEEP_TAGS, "cuda_graph")  # what SGLang's release and resume take
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
@@ -818,6 +820,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path in ("/sleep", "/wake_up"):  # vLLM's: free memory for a trainer, and take it back
             self.read_body()
             self.send_json(200, self.sleep_or_wake())
+        elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):  # SGLang's
+            self.send_json(200, self.release_or_resume())
         elif self.path == "/update_weights_from_disk":
             self.send_json(200, self.update_weights(self.read_json()))
         elif self.path in TOKENIZER_POSTS:
@@ -825,7 +829,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         else:
-            served = [*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up"]
+            served = [*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up",
+                      "/release_memory_occupation", "/resume_memory_occupation"]
             raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join(served)}", 404)
 
     def sleep_or_wake(self) -> dict:
@@ -847,6 +852,40 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(str(e)) from e
         except (EngineBusy, WeightsDiscarded) as e:
             raise BadRequest(str(e), 409, "conflict") from e
+
+    def release_or_resume(self) -> dict:
+        """SGLang's /release_memory_occupation and /resume_memory_occupation, {"tags": [...]} (every
+        tag if none or null), as an RL trainer on the same devices calls them (verl, slime):
+        release is sleep at level 2, the weights discarded as SGLang's memory saver drops them, or at
+        level 1 with --enable-weights-cpu-backup (SGLang's flag: they come back on resume). Resume
+        wakes what was released, but discarded weights: SGLang allocates them empty for an update to
+        fill; JAX arrays are replaced, not filled, so they come with the next update_weights, which
+        wakes them. "cuda_graph" frees nothing here (XLA's programs keep no graph memory pool) and is
+        accepted so that SGLang's clients work."""
+        release = self.path == "/release_memory_occupation"
+        body = self.read_json() if self.headers.get("Content-Length", "0") != "0" else {}  # SGLang's client may send none
+        if unknown := sorted(set(body) - {"tags"}):
+            raise BadRequest(f"unknown fields {unknown}: {self.path} takes ['tags']")
+        tags = body.get("tags")
+        tags = list(SGLANG_MEMORY_TAGS) if tags is None else tags
+        if not (isinstance(tags, list) and tags and all(t in SGLANG_MEMORY_TAGS for t in tags)):
+            raise BadRequest(f"tags must be a non-empty list of {list(SGLANG_MEMORY_TAGS)}, got {tags!r}")
+        engine_tags = set(tags) & set(SLEEP_TAGS)
+        level = 1 if self.server.weights_cpu_backup else 2
+
+        def call(engine: Frontend) -> int:
+            if release:
+                return engine.sleep(level, engine_tags) if engine_tags else 0
+            woken = engine_tags - ({"weights"} if engine.weights_discarded else set())
+            if woken:
+                engine.wake_up(woken)
+            return 0
+
+        try:
+            freed = self.server.loop.between_steps(call, 600.0)
+        except EngineBusy as e:
+            raise BadRequest(str(e), 409, "conflict") from e
+        return {"freed_bytes": freed} if release else {}
 
     def update_weights(self, body: dict) -> dict:
         """SGLang's /update_weights_from_disk: the checkpoint at model_path, loaded as the server's
@@ -1043,8 +1082,10 @@ class Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False,
-                 api_key: str | None = None, reload: Callable[[str], tuple] | None = None):
+                 api_key: str | None = None, reload: Callable[[str], tuple] | None = None,
+                 weights_cpu_backup: bool = False):
         super().__init__(address, Handler)
+        self.weights_cpu_backup = weights_cpu_backup  # SGLang's release keeps the weights in host memory
         self.loop = EngineLoop(engine)
         self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
         # checkpoint path -> the engine's weight sets, as update_weights takes them (None: no reloads)
@@ -1091,6 +1132,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse requests without `Authorization: Bearer KEY` (but /health and /metrics); "
                         "default: $MIXSERVE_API_KEY, else none needed")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="/release_memory_occupation keeps the weights in host memory for /resume_memory_occupation "
+                        "(SGLang's flag); without it they are discarded until /update_weights_from_disk")
     return p
 
 
@@ -1111,7 +1155,8 @@ def make_server(argv=None) -> Server:
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
     return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
-                                           setup.prefiller is setup.decoder))
+                                           setup.prefiller is setup.decoder),
+                  weights_cpu_backup=args.enable_weights_cpu_backup)
 
 
 def reloaded(args, backend: str, mesh, one_engine: bool, path: str) -> tuple:

@@ -231,8 +231,9 @@ def sleep_states(s) -> list[str]:
 
 def test_the_servers_sleep_holds_completions_until_wake_up():
     """vLLM's endpoints: asleep, a completion waits (it is not refused) and is served on wake_up;
-    /sleep while one runs is a 409."""
-    s = serving(server.make_server([*FLAGS, "--port", "0"]))
+    /sleep while one runs is a 409. SGLang's release and resume with --enable-weights-cpu-backup:
+    the weights to host memory and back, and a release while a request runs is a 409 too."""
+    s = serving(server.make_server([*FLAGS, "--port", "0", "--enable-weights-cpu-backup"]))
     try:
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         status, awake = post(s, body)
@@ -263,12 +264,18 @@ def test_the_servers_sleep_holds_completions_until_wake_up():
         status, error = post(s, {**body, "prompt": [5, 6, 99999]})  # asleep, bad input is still a 400 at once
         assert status == 400 and "99999" in error["error"]["message"], error
         assert post(s, {}, "/wake_up") == (200, {})
+        status, reply = post(s, {"tags": ["cuda_graph", "kv_cache", "weights"]}, "/release_memory_occupation")
+        assert status == 200 and reply["freed_bytes"] == held and sleep_states(s) == ["weights_offloaded"], reply
+        assert post(s, b"", "/resume_memory_occupation") == (200, {}) and sleep_states(s) == ["awake"]
+        assert post(s, body)[1]["choices"][0]["text"] == awake["choices"][0]["text"]
         with contextlib.closing(http.client.HTTPConnection(*s.server_address[:2], timeout=60)) as c:
             c.request("POST", "/v1/completions", json.dumps({**body, "max_tokens": 400, "ignore_eos": True,
                                                              "stream": True}))
             stream = c.getresponse()
             assert stream.readline()  # its headers are read; its first chunk is on its way: it runs
             status, error = post(s, {}, "/sleep")
+            assert status == 409 and "unfinished" in error["error"]["message"], error
+            status, error = post(s, b"", "/release_memory_occupation")
             assert status == 409 and "unfinished" in error["error"]["message"], error
     finally:
         s.close()

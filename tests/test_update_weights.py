@@ -342,6 +342,22 @@ def test_update_weights_from_disk_serves_the_new_checkpoint_and_refuses_another_
         assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}, reply  # the pools still are
         assert post(s, {}, "/wake_up") == (200, {})
         assert complete() == (new, 0)
+        # The same step through SGLang's endpoints (verl's and slime's order): release everything,
+        # resume the weights (discarded: they come with the update), update, resume the KV cache.
+        for fields, message in (({"tags": ["pools"]}, "tags must be a non-empty list"), ({"tags": "weights"}, "list"),
+                                ({"tags": []}, "non-empty"), ({"level": 1}, r"unknown fields \['level'\]")):
+            status, error = post(s, fields, "/release_memory_occupation")
+            assert status == 400 and re.search(message, error["error"]["message"]), error
+        assert get(s, "/is_sleeping")[1] == {"is_sleeping": False}
+        status, reply = post(s, b"", "/release_memory_occupation")  # no body: every tag
+        assert status == 200 and reply["freed_bytes"] > 0, reply
+        assert metrics(s)['engine_sleep_state{role="engine",sleep_state="discard_all"}'] == 1
+        assert post(s, {"tags": ["weights"]}, "/resume_memory_occupation") == (200, {})
+        assert metrics(s)['engine_sleep_state{role="engine",sleep_state="discard_all"}'] == 1  # nothing to wake
+        status, reply = update(model_path=checkpoints["a"])
+        assert status == 200 and get(s, "/is_sleeping")[1] == {"is_sleeping": True}, reply
+        assert post(s, {"tags": ["kv_cache", "cuda_graph"]}, "/resume_memory_occupation") == (200, {})
+        assert get(s, "/is_sleeping")[1] == {"is_sleeping": False} and complete() == (old, 0)
     finally:
         s.close()
 
