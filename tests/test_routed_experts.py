@@ -145,6 +145,18 @@ def test_speculative_decoding_returns_the_rows_of_the_kept_positions():
     assert e.counters.accepted_tokens > 0 and e.counters.steps < 47
 
 
+def test_mtp_drafts_leave_the_rows_the_models_own_layers_chose():
+    """The MTP layer is a MoE layer too, run beside every prefill and verify step (its KV, its
+    drafts): its choices are not the model's and must not reach the rows (a random MTP layer, whose
+    drafts are mostly rejected: each step keeps the fed token's row and its accepted drafts')."""
+    model = mixserve.load("tiny-kimi", dtype="float32", mtp=True)
+    e = engine(model, speculative_tokens=2, return_routed_experts=True)
+    ps = prompts()
+    for p, r in zip(ps, e.generate(ps, max_new_tokens=NEW)):
+        assert_cache_free_routes(model, p, r)
+    assert e.counters.verified_rows > 0
+
+
 def test_a_disaggregated_pair_hands_the_prompt_routing_over_with_the_pages():
     """The prefill engine's rows go with the request to the decode engine, whose own follow. The
     flag must be on both engines or on neither."""
