@@ -82,8 +82,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
-# The modules whose tests take the longest (the 8-device scripts, 70-160 s each; the experiment
-# scripts and notebooks, 15-70 s) go first: xdist deals the first tests out in turn, so the two
+# The modules whose tests take the longest (the 8-device scripts, 50-70 s each; the experiment
+# scripts and notebooks, 10-35 s) go first: xdist deals the first tests out in turn, so the two
 # workers start on them together and the run does not end with one worker alone on a long test.
 _LONG_FIRST = ("test_sharding.py", "test_experiments.py", "test_notebooks.py", "test_run.py")
 
