@@ -111,15 +111,26 @@ want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=6
 assert [r.tokens for r in split.generate(prompts, max_new_tokens=6)] == want
 assert [x.sharding for x in jax.tree.leaves(split.runner.model.params)] == shardings
 assert split.runner.decode_step._cache_size() == compiled
-# A structured output's mask (replicated, [rows, W] words) over the vocabulary-split logits: the same sample.
+# A structured output's mask (replicated, [rows, W] words) over the vocabulary-split logits: the same
+# sample, and the same logprobs of what it was drawn from (the grammar's mask at temperature 1).
 from mixserve.grammar import StructuredOutput
 from mixserve.tokenizer import ByteTokenizer
 byte_glm = dataclasses.replace(mixserve.load("tiny-glm4", dtype="float32"), tokenizer=ByteTokenizer())
-held = dict(max_new_tokens=8, temperature=1.0, seed=3, structured_output=StructuredOutput(regex="[a-z]{2,5}"))
-want = [r.tokens for r in Engine(byte_glm, **{**kw, "stop_tokens": (257,)}).generate(prompts, **held)]
+held = dict(max_new_tokens=8, temperature=1.0, seed=3, structured_output=StructuredOutput(regex="[a-z]{2,5}"), logprobs=2)
+held_kw = {**kw, "stop_tokens": (257,), "logprobs_mode": "processed_logprobs"}
+one = Engine(byte_glm, **held_kw).generate(prompts, **held)
+want = [r.tokens for r in one]
 assert all(bytes(w[:-1]).isalpha() and w[-1] == 257 for w in want), want
-got = Engine(byte_glm, mesh=mesh_for(2), **{**kw, "stop_tokens": (257,)}).generate(prompts, **held)
+got = Engine(byte_glm, mesh=mesh_for(2), **held_kw).generate(prompts, **held)
 assert [r.tokens for r in got] == want
+# (a grammar's mask may leave one token: top holds what it kept)
+ids = lambda results: [[i for i, _ in lp.top] for r in results for lp in r.logprobs]
+values = lambda results: np.array([x for r in results for lp in r.logprobs for x in (lp.logprob, *(p for _, p in lp.top))])
+assert ids(got) == ids(one)
+# TP2 sums each row-parallel product in two halves: a logit moves by a few float32 ulps of its size
+# (a random model's are O(1): ulp ~1e-7), a logprob by about twice that (its logit and the
+# logsumexp), and the sampled tokens are the same: 1e-5 is a wide margin. Measured 4.8e-7 (2026-12-07).
+np.testing.assert_allclose(values(got), values(one), rtol=0, atol=1e-5)
 # Quantized weights whose TP4 shares would cut their scale blocks (tiny-kimi: 16 of a 128-block's rows
 # at FP8, 8 of down_proj's 2 INT4 g16 groups): the scales are re-blocked (FP8 8-row blocks for
 # down_proj's 32 rows, INT4 g8) and split with the values, and no weight moves in prefill or decode.
@@ -401,7 +412,8 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
     (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
-    per-device bytes. A structured output samples the same at TP2. New weights swapped in (GLM-4 at
+    per-device bytes. A structured output samples the same at TP2, with the same processed logprobs
+    (logprobs_mode). New weights swapped in (GLM-4 at
     TP2; INT4 and FP8-block Kimi at TP4, re-blocked) keep their placement and compiled steps and
     serve the one-device tokens, and so do those woken from host memory after sleep."""
     run_on_8_devices(XLA_PATH)
