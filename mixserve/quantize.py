@@ -125,6 +125,9 @@ def quantize_model(model: Model, plan: WeightPlan, *, method: str = "rtn",
     return dataclasses.replace(model, params=params, plan=plan, kv_scales=kv_scales), reports
 
 
+_count_finite = jax.jit(lambda w: jnp.count_nonzero(jnp.isfinite(w)))  # one program per shape, not two
+
+
 def require_finite(name: str, w) -> None:
     """Refuse a weight with inf or NaN: its scale covers a whole group or block, which the value
     would spoil (one inf turns its 128 x 128 FP8 block into NaN, its INT4 group likewise)."""
@@ -132,9 +135,6 @@ def require_finite(name: str, w) -> None:
     if bad:
         raise ValueError(f"{name} has {bad} non-finite value(s); quantizing would spread them over its scale "
                          "group or block: fix the source weights")
-
-
-_count_finite = jax.jit(lambda w: jnp.count_nonzero(jnp.isfinite(w)))  # one program per shape, not two
 
 
 def require_finite_targets(source: dict, abstract) -> None:

@@ -51,8 +51,6 @@ from collections.abc import Callable
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
 from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded
-
-SGLANG_MEMORY_TAGS = (*SLEEP_TAGS, "cuda_graph")  # what SGLang's release and resume take
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
@@ -169,6 +167,7 @@ TOKENIZE = Endpoint({"add_special_tokens": False}, {
 DETOKENIZE = Endpoint({}, {"model": (str,), "tokens": (list,)}, sampled=False)
 POLL_S = 0.25  # how often a waiting handler looks whether its client is still there
 OPEN_PATHS = ("/health", "/metrics")  # served without the API key
+SGLANG_MEMORY_TAGS = (*SLEEP_TAGS, "cuda_graph")  # what SGLang's release and resume take
 
 
 class BadRequest(Exception):
