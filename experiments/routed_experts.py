@@ -1,11 +1,13 @@
-"""What returning the routed experts costs (Engine(return_routed_experts=True), for routing replay).
+"""What returning the routed experts costs (Engine(return_routed_experts=True), for routing replay),
+and what GLM-5's DSA indexer top-k adds (return_indexer_topk, for indexer replay).
 
     python experiments/routed_experts.py [--out experiments/results/routed_experts.md] [--repeats 21]
 
 Three tables:
-  bytes     per token, for the full presets: the routing rows (int16, a K-expert row per MoE layer)
-            against the KV cache's bytes (BF16 and FP8), and per decode step of 64 requests the rows
-            read back from the device. The rows are the prefix cache's host-side companion too:
+  bytes     per token, for the full presets: the routing rows (int16, a K-expert row per MoE layer;
+            GLM-5 also the indexer rows, int32, index_topk positions per indexer layer) against the
+            KV cache's bytes (BF16 and FP8), and per decode step of 64 requests the rows read back
+            from the device. The rows are the prefix cache's host-side companion too:
             a cached page keeps its tokens' rows in host memory.
   time      one engine serving the same closed batch with the flag off and on, in interleaved rounds
             (a tiny model on this CPU, so the per-step host work of reading and keeping the rows is
@@ -19,7 +21,10 @@ Three tables:
             construction), and |trainer - engine| log-probability of each sampled token, free and
             replayed (mean, 99th percentile, largest), also over the tokens a differing decision
             reaches (its position or any before it: a flip changes every later position through
-            attention). Random tiny models: the mechanism, not a real model's rates.
+            attention). A model with a DSA indexer (GLM-5) is scored a third time with the rollout's
+            indexer top-k replayed too (each token attending to the positions the rollout's indexer
+            chose), and its indexer choices (position x indexer layer) that differ are counted.
+            Random tiny models: the mechanism, not a real model's rates.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from experiments.report import interleaved, publish
 import mixserve
 from mixserve.engine import Engine
 from mixserve.kv_cache import bytes_per_token, kv_format
+from models.attention import sown_indexer_topk
 from models.moe import sown_routes
 from models.presets import FULL_PRESETS
 
@@ -50,17 +56,20 @@ def routes_bytes(cfg) -> int:
 
 
 def bytes_table() -> list[str]:
-    rows = ["| model | MoE layers x top-k | routing bytes / token | BF16 KV bytes / token | share | FP8 KV "
+    rows = ["| model | rows | layers x top-k | bytes / token | BF16 KV bytes / token | share | FP8 KV "
             f"bytes / token | share | read back per decode step of {STEP_ROWS} (KiB) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("kimi-k2", "glm-4.5", "glm-4.5-air", "glm-5"):  # K2.6, GLM-4.6 and 4.7 differ in context only
         cfg = FULL_PRESETS[name]
-        layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        routing = routes_bytes(cfg)
         bf16, fp8 = (bytes_per_token(cfg, kv_format(dtype, "bfloat16")) for dtype in ("bfloat16", "fp8_e4m3"))
-        rows.append(f"| {name} | {layers} x {cfg.num_experts_per_tok} | {routing} | {bf16:,} | "
-                    f"{100 * routing / bf16:.2f}% | {fp8:,} | {100 * routing / fp8:.2f}% | "
-                    f"{STEP_ROWS * routing / 1024:.1f} |")
+        kinds = [("routed experts", sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.num_experts_per_tok,
+                  routes_bytes(cfg))]
+        if cfg.indexer_layers:  # int32 positions: a context past 32k tokens does not fit int16
+            kinds.append(("indexer top-k", len(cfg.indexer_layers), cfg.index_topk,
+                          4 * len(cfg.indexer_layers) * cfg.index_topk))
+        for kind, layers, k, size in kinds:
+            rows.append(f"| {name} | {kind} | {layers} x {k} | {size:,} | {bf16:,} | {100 * size / bf16:.2f}% | "
+                        f"{fp8:,} | {100 * size / fp8:.2f}% | {STEP_ROWS * size / 1024:,.1f} |")
     return rows
 
 
@@ -97,20 +106,26 @@ def time_table(model_name: str, batch: int, prompt_len: int, new_tokens: int, re
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def forward(module, params, ids, replay):
-    """The trainer's forward: log-softmax of the logits, and the routing it used."""
-    logits, state = module.apply({"params": params}, ids, routed_experts=replay, mutable=["intermediates"])
-    return jax.nn.log_softmax(logits, axis=-1), sown_routes(state["intermediates"], module.cfg)
+def forward(module, params, ids, replay, chosen):
+    """The trainer's forward: log-softmax of the logits, the routing it used and (DSA) the
+    positions its indexers chose (else None)."""
+    logits, state = module.apply({"params": params}, ids, routed_experts=replay, indexer_topk=chosen,
+                                 mutable=["intermediates"])
+    used = sown_indexer_topk(state["intermediates"], module.cfg) if module.cfg.indexer_layers else None
+    return jax.nn.log_softmax(logits, axis=-1), sown_routes(state["intermediates"], module.cfg), used
 
 
-def trainer_logprobs(model, tokens: list[int], prompt_len: int, routes=None) -> tuple[np.ndarray, np.ndarray]:
-    """(log-probability of each output token, the forward's routing int [positions, L, K]) of the
-    cache-free forward over tokens[:-1], its routing replayed from `routes` if given."""
+def trainer_logprobs(model, tokens: list[int], prompt_len: int, routes=None, chosen=None):
+    """(log-probability of each output token, the forward's routing int [positions, L, K], its
+    indexer choices int [positions, L, index_topk] or None) of the cache-free forward over
+    tokens[:-1], its routing and indexer choices replayed from `routes` and `chosen` if given."""
     ids = np.asarray([tokens[:-1]], np.int32)
     replay = None if routes is None else model.replayed(routes[None], ids.shape)
-    logprobs, used = forward(model.module, model.params, ids, replay)
+    chosen = None if chosen is None else model.replayed_indexer_topk(chosen[None], ids.shape)
+    logprobs, used, used_chosen = forward(model.module, model.params, ids, replay, chosen)
     out = tokens[prompt_len:]
-    return np.asarray(logprobs)[0, prompt_len - 1:][np.arange(len(out)), out], np.asarray(used)[0]
+    return (np.asarray(logprobs)[0, prompt_len - 1:][np.arange(len(out)), out], np.asarray(used)[0],
+            None if used_chosen is None else np.asarray(used_chosen)[0])
 
 
 def stats(diffs: np.ndarray) -> str:
@@ -123,35 +138,43 @@ def replay_rows(preset: str, rollouts: int, prompt_len: int, new_tokens: int) ->
     trainer = mixserve.load(preset, dtype="float32")
     served = dataclasses.replace(mixserve.load(preset, dtype="bfloat16"),
                                  params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), trainer.params))
+    dsa = bool(trainer.config.indexer_layers)
     engine = Engine(served, kv_dtype="fp8_e4m3", num_pages=rollouts * -(-(prompt_len + new_tokens) // 16),
-                    page_size=16, max_batch=rollouts, stop_tokens=(), return_routed_experts=True)
+                    page_size=16, max_batch=rollouts, stop_tokens=(), return_routed_experts=True,
+                    return_indexer_topk=dsa)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, prompt_len)] for _ in range(rollouts)]
     results = engine.generate(prompts, max_new_tokens=new_tokens, temperature=1.0, seed=0, logprobs=0)
-    flipped_decisions = decisions = 0
-    free, replayed, free_hit, replayed_hit = [], [], [], []
+    # each trainer forward: what it replays from the rollout (routing, indexer choices)
+    modes = {"free": (False, False), "replayed": (True, False)} | ({"replayed, indexer too": (True, True)} if dsa else {})
+    flipped = {m: np.zeros(2, int) for m in modes}  # its routing and indexer decisions that differ from the rollout's
+    decisions = np.zeros(2, int)
+    gaps, gaps_hit = {m: [] for m in modes}, {m: [] for m in modes}
     for prompt, r in zip(prompts, results):
         assert r.status == "ok", r.reason
         engine_lp = np.array([lp.logprob for lp in r.logprobs])
         tokens = prompt + r.tokens
-        own_lp, own_routes = trainer_logprobs(trainer, tokens, prompt_len)
-        replay_lp, replay_routes = trainer_logprobs(trainer, tokens, prompt_len, r.routed_experts)
-        assert np.array_equal(replay_routes, r.routed_experts)  # the replayed forward routed as the rollout
-        differs = (np.sort(own_routes, -1) != np.sort(r.routed_experts, -1)).any(-1)  # [positions, L]
-        flipped_decisions += int(differs.sum())
-        decisions += differs.size
-        # a sampled token is scored at position prompt_len - 1 + j; a flip there or before reaches it
-        reached = np.maximum.accumulate(differs.any(-1))[prompt_len - 1:]
-        free.append(np.abs(own_lp - engine_lp))
-        replayed.append(np.abs(replay_lp - engine_lp))
-        free_hit.append(free[-1][reached])
-        replayed_hit.append(replayed[-1][reached])
-    free, replayed, free_hit, replayed_hit = map(np.concatenate, (free, replayed, free_hit, replayed_hit))
-    shape = f"{rollouts} x ({prompt_len} + {new_tokens})"
-    return [f"| {preset} | {shape} | free | {flipped_decisions} / {decisions} ({100 * flipped_decisions / decisions:.2f}%) | "
-            f"{stats(free)} | {free_hit.size} / {free.size} | {stats(free_hit)} |",
-            f"| {preset} | {shape} | replayed | 0 / {decisions} | {stats(replayed)} | {replayed_hit.size} / {replayed.size} | "
-            f"{stats(replayed_hit)} |"]
+        reached = None
+        for m, (routes, chosen) in modes.items():
+            lp, used_routes, used_chosen = trainer_logprobs(trainer, tokens, prompt_len, r.routed_experts if routes else None,
+                                                            r.indexer_topk if chosen else None)
+            differs = [(np.sort(used_routes, -1) != np.sort(r.routed_experts, -1)).any(-1)]  # [positions, L]
+            if dsa:  # the rows are sets in ascending order: equal sets are equal rows
+                differs.append((used_chosen != r.indexer_topk).any(-1))  # [positions, indexer layers]
+            assert not (routes and differs[0].any()) and not (chosen and differs[1].any())  # replayed as the rollout
+            flipped[m] += [int(d.sum()) for d in differs] + [0] * (2 - len(differs))
+            if reached is None:  # the free forward's: a sampled token is scored at position prompt_len - 1 + j,
+                decisions += [d.size for d in differs] + [0] * (2 - len(differs))  # and a flip there or before reaches it
+                reached = np.maximum.accumulate(np.concatenate(differs, axis=1).any(-1))[prompt_len - 1:]
+            gaps[m].append(np.abs(lp - engine_lp))
+            gaps_hit[m].append(gaps[m][-1][reached])
+    shape, out = f"{rollouts} x ({prompt_len} + {new_tokens})", []
+    for m in modes:
+        every, hit = np.concatenate(gaps[m]), np.concatenate(gaps_hit[m])
+        counts = [f"{n} / {d} ({100 * n / d:.2f}%)" if d else "-" for n, d in zip(flipped[m], decisions)]
+        out.append(f"| {preset} | {shape} | {m} | {counts[0]} | {counts[1]} | {stats(every)} | {hit.size} / {every.size} | "
+                   f"{stats(hit)} |")
+    return out
 
 
 def main(argv=None) -> None:
@@ -167,9 +190,10 @@ def main(argv=None) -> None:
                    help="the replay table's rollouts per model, as COUNTxPROMPT+SAMPLED tokens (6 + 10: GLM-5's "
                         "indexer, top-16, keeps every key)")
     args = p.parse_args(argv)
-    replay = ["| model | rollouts x (prompt + sampled) | trainer routing | decisions that differ from the rollout's | "
-              "abs(trainer - engine) logprob: mean | p99 | max | tokens a differing decision reaches | their "
-              "abs(diff): mean | p99 | max |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    replay = ["| model | rollouts x (prompt + sampled) | trainer routing | routing decisions that differ from the "
+              "rollout's | indexer choices that differ | abs(trainer - engine) logprob: mean | p99 | max | tokens a "
+              "differing decision reaches | their abs(diff): mean | p99 | max |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for shape in args.rollouts:
         count, lengths = shape.split("x")
         prompt_len, new_tokens = map(int, lengths.split("+"))
@@ -184,7 +208,10 @@ def main(argv=None) -> None:
              "Rollouts of random prompt tokens, sampled at temperature 1 (seed 0); each sampled token's "
              "log-probability as the engine computed it against the trainer's cache-free forward.", "", *replay, "",
              "Replayed, what is left is the BF16 weights' and FP8 KV's own error, the routing weights' included "
-             "(replay fixes which experts, not their weights)."], args.out)
+             "(replay fixes which experts, not their weights). GLM-5's DSA indexer top-k is a second discrete "
+             "choice: replaying the routing alone leaves it free, and 'replayed, indexer too' replays both. An "
+             "indexer choice differs when its set of positions does; 'tokens a differing decision reaches' "
+             "counts either kind."], args.out)
 
 
 if __name__ == "__main__":

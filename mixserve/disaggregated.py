@@ -70,8 +70,9 @@ class DisaggregatedEngine(Frontend):
             raise ValueError("MTP speculative decoding needs speculative_tokens with draft='mtp' on both engines or on "
                              f"neither, got {prefill.speculative_tokens} ({prefill.draft}) and "
                              f"{decode.speculative_tokens} ({decode.draft})")
-        if prefill.routes_shape != decode.routes_shape:  # a request's routing goes with it to the decode engine
-            raise ValueError("return_routed_experts must be on both engines or on neither")
+        if prefill.replay_dtype != decode.replay_dtype:  # a request's rows go with it to the decode engine
+            raise ValueError("return_routed_experts and return_indexer_topk must each be on both engines or on "
+                             "neither")
         if prefill.logprobs_mode != decode.logprobs_mode:  # the first token's logprobs are the prefill engine's
             raise ValueError(f"logprobs_mode must be the same on both engines, got {prefill.logprobs_mode!r} and "
                              f"{decode.logprobs_mode!r}")
@@ -80,7 +81,7 @@ class DisaggregatedEngine(Frontend):
                              "host_kv_bytes to the prefill engine")
         super().__init__()
         self.prefill, self.decode = prefill, decode
-        self.routes_shape = prefill.routes_shape
+        self.replay_dtype = prefill.replay_dtype
         self.grammars = prefill.grammars  # a request's matcher goes with it to the decode engine
         decode.grammars.share_tokenizer(prefill.grammars)  # which prepare() reads for both
         self.counters = HandoverCounters()

@@ -44,7 +44,7 @@ from mixserve.device_memory import holders, let_go
 from mixserve.kv_cache import bytes_per_token, is_fp8, kv_format, layer_scales
 from mixserve.model import Model, committed, on_host, placed_like, skeleton
 from mixserve.model_runner import LOGPROBS_MODES, ModelRunner, RunnerConfig
-from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason
+from mixserve.request import Request, Result, TokenLogprobs, Update, reject_reason, replay_dtype
 from mixserve.scheduler import Counters, PageManager, Scheduler
 
 __all__ = ["Counters", "Engine", "EngineBusy", "Result", "SLEEP_TAGS", "TokenLogprobs", "Update", "WeightsDiscarded"]
@@ -69,7 +69,8 @@ class Engine(Frontend):
                  mesh: Mesh | None = None, expert_parallel: bool = False, decode_context_parallel: bool = False,
                  prefill_only: bool = False, max_logprobs: int = 20, speculative_tokens: int = 0,
                  draft: str = "mtp", schedule_policy: str = "fcfs", host_kv_bytes: int = 0,
-                 return_routed_experts: bool = False, logprobs_mode: str = "raw_logprobs"):
+                 return_routed_experts: bool = False, return_indexer_topk: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         super().__init__()
         cfg = model.config
         if integrity not in ("off", "check", "strict"):
@@ -89,10 +90,7 @@ class Engine(Frontend):
             raise ValueError(f"prefill_calls_per_step must be positive or None, got {prefill_calls_per_step}")
         if host_kv_bytes and not prefix_caching:
             raise ValueError("host_kv_bytes is the prefix cache's host tier: it needs prefix_caching")
-        if return_routed_experts:
-            if not cfg.is_moe:
-                raise ValueError("return_routed_experts needs an MoE model: this one routes no token")
-            self.routes_shape = (sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts_per_tok)
+        self.replay_dtype = replay_dtype(cfg, return_routed_experts, return_indexer_topk)
         if (num_pages is None) == (kv_memory_bytes is None):
             raise ValueError("give exactly one of num_pages or kv_memory_bytes")
         decode_model = None if decode_model is model else decode_model  # one set, held once
@@ -170,7 +168,8 @@ class Engine(Frontend):
         # Prefix caching (mixserve/scheduler.py): full pages outlive their requests until evicted,
         # and an identical prefix shares them; False computes every prompt whole (the ablation).
         self.page_manager = PageManager(self.num_pages, page_size, max_batch, self.max_pages_per_seq, prefix_caching,
-                                        self.counters, lookahead=int(mtp), routes=return_routed_experts)
+                                        self.counters, lookahead=int(mtp),
+                                        replay_rows=self.replay_dtype is not None)
         self.scheduler = Scheduler(self.page_manager, max_batch, self.counters, schedule_policy)
         # Hybrid precision: prefill runs `model` (e.g. FP8 weights), decode `decode_model` (e.g.
         # INT4); the KV pages written by prefill are what decode reads. On one device this holds
@@ -181,7 +180,8 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft,
-            routed_experts=return_routed_experts, logprobs_mode=logprobs_mode), self.grammars)
+            routed_experts=return_routed_experts, indexer_topk=return_indexer_topk, logprobs_mode=logprobs_mode),
+            self.grammars)
         self._weights_asleep = False  # sleep let go of the weights (runner.model's params: their skeleton)
         # sleep level 1's copies of the weight sets, and what it let go that others may still hold
         self._host_weights: tuple[Model, Model, dict] | None = None

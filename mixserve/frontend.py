@@ -25,9 +25,9 @@ class Frontend:
     def __init__(self):
         self._next_rid = 0
         self.weight_version = "default"  # the served weights' name (SGLang's), set by update_weights
-        # return_routed_experts: (L, K), a position's routing (the MoE layers, the experts per
-        # token); each request's Result.routed_experts has rows of that shape. None: not returned.
-        self.routes_shape: tuple[int, int] | None = None
+        # return_routed_experts / return_indexer_topk: a position's rows (request.replay_dtype:
+        # a field per Result array returned, routed_experts, indexer_topk). None: neither.
+        self.replay_dtype: np.dtype | None = None
         self._unreported: dict[int, Request] = {}  # submitted, not yet reported finished by step()
         self._seeds = np.random.default_rng()  # fresh entropy: the seeds of requests that give none
 
@@ -194,8 +194,8 @@ class Frontend:
         else:
             req.max_new_tokens = int(req.max_new_tokens)  # the engine's arithmetic on it must not wrap (numpy)
             req.weights_changed(self.weight_version)
-            if self.routes_shape is not None:
-                req.routes = np.zeros((0, *self.routes_shape), np.int16)
+            if self.replay_dtype is not None:
+                req.replay_rows = np.zeros(0, self.replay_dtype)
             self._enqueue(req)
         self._unreported[req.rid] = req
         return req

@@ -10,8 +10,9 @@ KV, in the pools' own format (FP8 pages are half the host bytes of BF16 ones, as
 Full, it drops its least recently used pages. A restored page is a fresh allocation, stamped
 with a new tag and cached on the device like any other: the integrity check covers it as it
 covers every page; the host copy itself is immutable, so no later write can change what a key
-restores. A page may carry its tokens' routing rows (Engine(return_routed_experts=True)): they
-stay with its KV, so a restored page brings the routing of the forward that computed that KV.
+restores. A page may carry its tokens' replay rows (Engine(return_routed_experts=True) or
+return_indexer_topk: mixserve.request.replay_dtype): they stay with its KV, so a restored page
+brings the routing and indexer choices of the forward that computed that KV.
 
 The host copies go through two callbacks of the model runner, so this file holds no JAX:
 read(page_ids) -> per page, per layer, {pool name: that page's slice} on the host; and
@@ -26,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 Page = list[dict[str, np.ndarray]]  # one page of KV: per layer, each pool's slice
-Rows = np.ndarray | None  # a page's routing rows (int16 [page size, MoE layers, top-k]), or None
+Rows = np.ndarray | None  # a page's replay rows ([page size] of request.replay_dtype), or None
 
 
 class HostKVCache:
@@ -36,7 +37,7 @@ class HostKVCache:
             raise ValueError(f"the host KV cache needs a positive capacity, got {capacity_bytes} bytes")
         self.capacity_bytes = capacity_bytes
         self._read, self._write = read, write
-        # least recently used first; each page with its routing rows
+        # least recently used first; each page with its replay rows
         self._pages: collections.OrderedDict[bytes, tuple[Page, Rows]] = collections.OrderedDict()
         self.bytes = 0  # held: the sum of the pages' array bytes, rows included
         self.stored_pages = 0  # copied in from the device (evicted there)
@@ -61,7 +62,7 @@ class HostKVCache:
 
     def store(self, keys: list[bytes], page_ids: list[int], rows: list[Rows] | None = None) -> None:
         """Copy device pages page_ids, cached under keys (least recently used first, as the device
-        evicts them), to the host, each with its routing rows if given: those it does not hold
+        evicts them), to the host, each with its replay rows if given: those it does not hold
         already (the same key is the same prefix; the held page keeps its own rows, those of its
         KV), and all of them as used now, in that order; then drop the least recently used past
         the capacity."""
@@ -83,7 +84,7 @@ class HostKVCache:
 
     def load(self, keys: list[bytes], page_ids: list[int]) -> list[Rows]:
         """Copy the host's pages of keys (all held: `prefix`) into device pages page_ids, and mark
-        them used now; returns their routing rows."""
+        them used now; returns their replay rows."""
         self._write(page_ids, [self._pages[key][0] for key in keys])
         self.touch(keys)
         self.loaded_pages += len(keys)

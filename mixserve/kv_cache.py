@@ -37,7 +37,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from models import partitioning
 from models.config import ModelConfig
-from models.kv import NoCache, expand_mla, index_scores, masked_attention, top_k_mask, top_k_positions
+from models.kv import (NoCache, chosen_positions, expand_mla, index_scores, masked_attention, top_k_mask,
+                       top_k_positions)
 from models.weights import saturating_cast
 from pallas_kernels.flash_decoding import merge_over_axis
 from pallas_kernels.paged_attention_mla import TiledLatentPages
@@ -487,22 +488,28 @@ class LayerKV:
         return jnp.concatenate([self._context_mask(T, False), self._fresh_mask(T)], axis=-1)
 
     def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
-        """DSA over the cache: the index keys live in their own pool; same masks as attention."""
+        """DSA over the cache: the index keys live in their own pool; same masks as attention.
+        The chosen positions are logical: a key's index in the pages is its position."""
         T = q_BTHD.shape[1]
         scale_1 = pool_scale("index", *self.scales)
         k_ctx = self._read(self._write("index", k_BTD, scale_1, False), "index", scale_1, jnp.float32)
         if T == 1:  # each verified token scores the keys its request's pages hold, read once
             valid_B1S = self._context_mask(1, True)
-            scores = lambda: index_scores(self._per_request(q_BTHD), k_ctx, self._per_request(w_BTH), scale)
+            scores = index_scores(self._per_request(q_BTHD), k_ctx, self._per_request(w_BTH), scale)
+            chosen_B1K = chosen_positions(scores, self._per_request(valid_B1S), top_k).reshape(-1, 1, top_k)
             if self.kv.backend == "xla" and self._slot_mesh(SPLIT_ENTRY) is None:
-                return top_k_mask(scores(), self._per_request(valid_B1S), top_k).reshape(valid_B1S.shape)
+                return top_k_mask(scores, self._per_request(valid_B1S), top_k).reshape(valid_B1S.shape), chosen_B1K
             # top_k_mask's choice, kept as positions for the sparse kernel (or its reference).
             if top_k >= valid_B1S.shape[-1]:
-                return None  # every cached token is chosen: the dense kernel reads them page by page
-            chosen_BK = top_k_positions(scores(), self._per_request(valid_B1S), top_k).reshape(-1, top_k)
-            return TokenSelection(chosen_BK, jnp.minimum(jnp.sum(valid_B1S[:, 0], axis=-1), top_k))
+                return None, chosen_B1K  # every cached token is chosen: the dense kernel reads them page by page
+            picked_BK = top_k_positions(scores, self._per_request(valid_B1S), top_k).reshape(-1, top_k)
+            return TokenSelection(picked_BK, jnp.minimum(jnp.sum(valid_B1S[:, 0], axis=-1), top_k)), chosen_B1K
         keys = jnp.concatenate([k_ctx, k_BTD], axis=1)
-        return top_k_mask(index_scores(q_BTHD, keys, w_BTH, scale), self._prefill_mask(T), top_k)
+        ctx = k_ctx.shape[1]
+        key_positions_BS = jnp.concatenate([jnp.broadcast_to(jnp.arange(ctx), (q_BTHD.shape[0], ctx)),
+                                            self.kv.step.start_B[:, None] + jnp.arange(T)], axis=1)
+        scores, valid = index_scores(q_BTHD, keys, w_BTH, scale), self._prefill_mask(T)
+        return top_k_mask(scores, valid, top_k), chosen_positions(scores, valid, top_k, key_positions_BS)
 
 
 @dataclasses.dataclass

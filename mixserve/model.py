@@ -64,17 +64,21 @@ class Model:
 
     @functools.cached_property
     def _logits_fn(self):
-        return jax.jit(lambda params, ids, routes=None: self.module.apply({"params": params}, ids, routed_experts=routes))
+        return jax.jit(lambda params, ids, routes=None, chosen=None: self.module.apply(
+            {"params": params}, ids, routed_experts=routes, indexer_topk=chosen))
 
-    def logits(self, input_ids, routed_experts=None) -> jax.Array:
+    def logits(self, input_ids, routed_experts=None, indexer_topk=None) -> jax.Array:
         """int32 [B, T] -> float32 [B, T, vocab]: a full causal forward without any cache.
         routed_experts (optional int [B, T, MoE layers, top-k]): routing replay, each token sent to
         these experts (a rollout's Result.routed_experts holds them for tokens[:-1], the positions
-        whose logits score tokens[1:])."""
+        whose logits score tokens[1:]).
+        indexer_topk (optional int [B, T, indexer layers, index_topk], GLM-5): DSA indexer replay,
+        each token attending to these positions (a rollout's Result.indexer_topk, likewise)."""
         ids = jnp.asarray(input_ids, jnp.int32)
         if ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {ids.shape}")
-        return self._logits_fn(self.params, ids, None if routed_experts is None else self.replayed(routed_experts, ids.shape))
+        return self._logits_fn(self.params, ids, None if routed_experts is None else self.replayed(routed_experts, ids.shape),
+                               None if indexer_topk is None else self.replayed_indexer_topk(indexer_topk, ids.shape))
 
     def replayed(self, routed_experts, shape: tuple[int, int]) -> jax.Array:
         """routed_experts checked for a forward over `shape` [B, T] tokens, as int32 (Transformer's
@@ -94,6 +98,27 @@ class Model:
         if (ordered[..., 1:] == ordered[..., :-1]).any():
             raise ValueError("routed_experts names an expert twice for one token and layer")
         return jnp.asarray(routes, jnp.int32)
+
+    def replayed_indexer_topk(self, indexer_topk, shape: tuple[int, int]) -> jax.Array:
+        """indexer_topk checked for a forward over `shape` [B, T] tokens, as int32 (Transformer's
+        indexer_topk): per token and indexer layer, positions at or before the token's, -1 for
+        none, at least one. A later position would let a token see the future, and a row of none
+        would attend to every key alike (the mask's fill is finite), so they fail here."""
+        cfg, chosen = self.config, np.asarray(indexer_topk)
+        if not cfg.indexer_layers:
+            raise ValueError("indexer_topk needs a model with a DSA indexer (GLM-5): this one has none")
+        want = (*shape, len(cfg.indexer_layers), cfg.index_topk)
+        if chosen.shape != want:
+            raise ValueError(f"indexer_topk must be [batch, time, indexer layers, index_topk] = {list(want)}, got "
+                             f"{list(chosen.shape)}")
+        if not np.issubdtype(chosen.dtype, np.integer):
+            raise ValueError(f"indexer_topk must be integer positions, got {chosen.dtype}")
+        token_BT11 = np.arange(shape[1])[None, :, None, None]
+        if ((chosen < -1) | (chosen > token_BT11)).any():
+            raise ValueError("indexer_topk must hold, for token t, positions in [0, t] (or -1: none)")
+        if not (chosen >= 0).any(axis=-1).all():
+            raise ValueError("indexer_topk chooses no position for a token")
+        return jnp.asarray(chosen, jnp.int32)
 
     @functools.cached_property
     def param_axes(self):

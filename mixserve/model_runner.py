@@ -45,9 +45,9 @@ from mixserve import kv_transfer, sharding, speculative
 from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
-from mixserve.request import Request, TokenLogprobs
+from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs, replay_dtype
 from mixserve.sampling import Sampling, sample
-from models import moe
+from models import attention, moe
 from models.transformer import Transformer
 
 
@@ -100,7 +100,8 @@ class RunnerConfig:
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
     speculative_tokens: int = 0  # draft tokens per decode step (mixserve/speculative.py); 0: none
     draft: str = "mtp"  # who drafts them: the MTP layer (in the steps) or "ngram" (the engine, on the host)
-    routed_experts: bool = False  # the steps return the experts each MoE layer chose per token (Request.routes)
+    routed_experts: bool = False  # the steps return the experts each MoE layer chose per token (Request.replay_rows)
+    indexer_topk: bool = False  # and the positions each DSA indexer layer chose (GLM-5)
     logprobs_mode: str = "raw_logprobs"  # what a request's logprobs are of (LOGPROBS_MODES; token_logprobs)
 
     @property
@@ -124,6 +125,7 @@ class StepSpec:
     speculative_tokens: int
     mtp_drafts: bool
     routed_experts: bool
+    indexer_topk: bool
     logprobs_mode: str
     # The pools' and page table's shapes: the trace does not read them, but with them in the key
     # one cached Steps compiles one engine size's programs, so the cache's bound bounds memory.
@@ -148,11 +150,12 @@ class ModelRunner:
         self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
                         cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.routed_experts,
-                        cfg.logprobs_mode, cfg.num_pages, cfg.kv_format, cfg.max_batch)
+                        cfg.indexer_topk, cfg.logprobs_mode, cfg.num_pages, cfg.kv_format, cfg.max_batch)
         decode_steps = steps_for(dataclasses.replace(spec, module=decode_model.module))
         self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
         self.speculative_step = decode_steps.speculative
         self.pick_step = decode_steps.pick
+        self.replay_dtype = replay_dtype(model.config, cfg.routed_experts, cfg.indexer_topk)  # the Requests' rows
         self.scales = self.placed_scales(cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
         self.pools = self.new_pools()
 
@@ -211,7 +214,7 @@ class ModelRunner:
         last_call = [None] * len(reqs)  # (sampled tokens, logprobs, its row, drafts) of the call that finished reqs[i]
         checks, errors, calls = [], [], 0  # checks: (ok per row of a call, index in reqs of each row)
         prompt_rows = []  # (a call's prompt logprobs, its chunk length, row, index in reqs, first position, count)
-        route_rows = []  # (a call's routed experts, row, index in reqs, first position, count)
+        replay_rows = []  # (a call's replay rows, row, index in reqs, first position, count)
         while (max_calls is None or calls < max_calls) and (
                 todo := [(i, r) for i, r in enumerate(reqs) if r.cached < len(r.tokens)]):
             n = [min(c.prefill_chunk, len(r.tokens) - r.cached) for _, r in todo]
@@ -231,7 +234,7 @@ class ModelRunner:
                 if after_R is not None:
                     after_R[row] = r.tokens[r.cached + k] if r.cached + k < len(r.tokens) else -1
                     room[row] = r.num_pages * c.page_size
-            sampled, logprobs, prompt_lp, ok_R, drafts, routes = self._run(
+            sampled, logprobs, prompt_lp, ok_R, drafts, rows = self._run(
                 errors, self.prefill_step, self.model.params, table, jnp.asarray(slots), jnp.asarray(start),
                 jnp.asarray(count), jnp.asarray(chunk),
                 self._sampling([r for _, r in todo], range(len(todo)), R,
@@ -244,8 +247,8 @@ class ModelRunner:
             for row, ((i, r), k) in enumerate(zip(todo, n)):
                 if r.wants_prompt_logprobs:
                     prompt_rows.append((prompt_lp, chunk.shape[1], row, i, r.cached, k))
-                if routes is not None:
-                    route_rows.append((routes, row, i, r.cached, k))
+                if rows is not None:
+                    replay_rows.append((rows, row, i, r.cached, k))
                 r.cached += k
                 if r.cached == len(r.tokens):
                     last_call[i] = (sampled, logprobs, row, drafts)  # read once all calls are queued: no sync per chunk
@@ -256,10 +259,10 @@ class ModelRunner:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
         self._keep_prompt_logprobs(reqs, prompt_rows, ok)
-        host_routes = {id(call): np.asarray(call) for call, *_ in route_rows}  # one read per call
-        for call, row, i, first, k in route_rows:
+        host_rows = {id(call): self._host_rows(call) for call, *_ in replay_rows}  # one read per call
+        for call, row, i, first, k in replay_rows:
             if ok[i]:
-                reqs[i].keep_routes(first, host_routes[id(call)][row, :k])
+                reqs[i].keep_replay_rows(first, host_rows[id(call)][row, :k])
         tokens = [None if call is None else int(host[id(call[0])][call[2]]) for call in last_call]
         asked = [call is not None and r.logprobs is not None for r, call in zip(reqs, last_call)]
         host_lp = {id(call[1]): jax.device_get(call[1]) for call, a in zip(last_call, asked) if a}  # once per call
@@ -299,27 +302,36 @@ class ModelRunner:
         inputs = (table, jnp.asarray(slots), jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens))
         width = self._width(table, start + count)
         sampling = None if self.overlap_inputs else self._sampling(live, range(len(live)), R)
-        logits, ok, routes = self._run(errors, self.decode_step, self.decode_model.params, *inputs, width=width)
+        logits, ok, rows = self._run(errors, self.decode_step, self.decode_model.params, *inputs, width=width)
         if sampling is None:  # built while the forward runs (JAX dispatches it asynchronously)
             sampling = self._sampling(live, range(len(live)), R)
         with jax.set_mesh(self.cfg.mesh):
             next_tok, logprobs = self.pick_step(logits, sampling)
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None  # read only if asked
         ok = np.asarray(ok)
-        self._keep_routes(live, routes, start, count, ok)
+        self._keep_replay_rows(live, rows, start, count, ok)
         return Output(np.asarray(next_tok), ok, errors,
                       [None if r.logprobs is None else _token_logprobs(host_lp, i, r.logprobs) for i, r in enumerate(live)])
 
-    @staticmethod
-    def _keep_routes(live: list[Request], routes_RJLK, start: np.ndarray, count: np.ndarray, ok: np.ndarray) -> None:
-        """Give each request that passed its check the experts chosen at the first count[i]
-        positions of its row (from start[i]); nothing when the step returns none."""
-        if routes_RJLK is None:
+    def _host_rows(self, rows: dict) -> np.ndarray:
+        """A step's replay rows ({Result field: [R, J, ...]} on the device) as one structured
+        array [R, J] of request.replay_dtype (one read)."""
+        host = jax.device_get(rows)
+        out = np.empty(next(iter(host.values())).shape[:2], self.replay_dtype)
+        for name, array in host.items():
+            out[name] = array
+        return out
+
+    def _keep_replay_rows(self, live: list[Request], rows: dict | None, start: np.ndarray, count: np.ndarray,
+                          ok: np.ndarray) -> None:
+        """Give each request that passed its check the rows of the first count[i] positions of
+        its row (from start[i]); nothing when the step returns none."""
+        if rows is None:
             return
-        host = np.asarray(routes_RJLK)
+        host = self._host_rows(rows)
         for i, r in enumerate(live):
             if ok[i]:
-                r.keep_routes(int(start[i]), host[i, : count[i]])
+                r.keep_replay_rows(int(start[i]), host[i, : count[i]])
 
     def _run(self, errors: list, step: Callable, params, *args, width: int):
         """Call a jitted step on the runner's pools and scales under the mesh (the kernels run per
@@ -395,13 +407,13 @@ class ModelRunner:
             slots[i], start[i], count[i], room[i] = r.slot, len(r.tokens) - 1, 1 + len(drafts), r.num_pages * c.page_size
             tokens[i, : 1 + len(drafts)] = [r.tokens[-1], *drafts]
         errors = []
-        emitted, accepted, drafts, logprobs, ok, routes = self._run(
+        emitted, accepted, drafts, logprobs, ok, rows = self._run(
             errors, self.speculative_step, self.decode_model.params, table, jnp.asarray(slots),
             jnp.asarray(start), jnp.asarray(count), jnp.asarray(tokens), jnp.asarray(room),
             self._sampling(live, range(len(live)), R, [r.drafts[:n] for r, n in zip(live, n_drafts)]),
             width=self._width(table, np.maximum(start + count, room if c.mtp_drafts else 0)))  # the MTP's writes reach room
         emitted, accepted, ok = np.asarray(emitted), np.asarray(accepted), np.asarray(ok)
-        self._keep_routes(live, routes, start, accepted + 1, ok)  # the fed token and the kept drafts
+        self._keep_replay_rows(live, rows, start, accepted + 1, ok)  # the fed token and the kept drafts
         drafts = None if drafts is None else [d.tolist() for d in np.asarray(drafts)[: len(live)]]
         host_lp = jax.device_get(logprobs) if any(r.logprobs is not None for r in live) else None
         got = [emitted[i, : accepted[i] + 1].tolist() for i in range(len(live))]
@@ -461,12 +473,18 @@ def _placed(spec: StepSpec, pools):
 
 
 def _forward(spec: StepSpec, params, *args, **kwargs):
-    """spec.module's forward -> (its output, and when the spec returns routed experts the experts
-    each MoE layer chose per token, int16 [B, T, L, K]; else None)."""
-    if not spec.routed_experts:
+    """spec.module's forward -> (its output, and the replay rows the spec returns, {Result field:
+    [B, T, ...]}: the experts each MoE layer chose per token, int16 [B, T, L, K], and the positions
+    each DSA indexer layer chose, int32 [B, T, L, index_topk]; None: neither)."""
+    if not (spec.routed_experts or spec.indexer_topk):
         return spec.module.apply({"params": params}, *args, **kwargs), None
     out, state = spec.module.apply({"params": params}, *args, mutable=["intermediates"], **kwargs)
-    return out, moe.sown_routes(state["intermediates"], spec.module.cfg)
+    cfg, rows = spec.module.cfg, {}
+    if spec.routed_experts:
+        rows[ROUTED_EXPERTS] = moe.sown_routes(state["intermediates"], cfg)
+    if spec.indexer_topk:
+        rows[INDEXER_TOPK] = attention.sown_indexer_topk(state["intermediates"], cfg)
+    return out, rows
 
 
 def _checked_step(spec: StepSpec, table: pt.PageTable, slots_R, start_R, count_R) -> tuple[StepInputs, jax.Array]:
@@ -501,10 +519,10 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
     prompt_logprobs = None
     return_hidden = after_R is not None
     if targets_RC is None:
-        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, logits_at=last_R,
+        out, rows_RC = _forward(spec, params, tokens_RC, positions_RC, kv, logits_at=last_R,
                                     valid_BT=valid_RC, return_hidden=return_hidden)
     elif spec.mesh is not None:  # each device holds its share of the vocabulary's logits
-        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
+        out, rows_RC = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC,
                                     return_hidden=return_hidden)
     else:  # rows flattened: position j of row r is row r * C + j
 
@@ -513,7 +531,7 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
             return (jnp.einsum("btd,dv->btv", x_last, head_DV, preferred_element_type=jnp.float32),
                     blocked_logprobs(x_RCD.reshape(R * C, -1), head_DV, targets_RC.reshape(-1), spec.max_logprobs))
 
-        out, routes_RCLK = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
+        out, rows_RC = _forward(spec, params, tokens_RC, positions_RC, kv, valid_BT=valid_RC, project=project,
                                     return_hidden=return_hidden)
     out, hidden_RCD = out if return_hidden else (out, None)
     if targets_RC is None:
@@ -531,7 +549,7 @@ def _prefill(params, pools, scales, table, slots_R, start_R, count_R, tokens_RC,
         shifted_RC = jnp.where(jnp.arange(C)[None, :] == last_R[:, None], after_R[:, None], shifted_RC)
         pools, drafts_RK = _draft(spec, params, pools, scales, step, shifted_RC, hidden_RCD, room_R, width)
     return (_placed(spec, pools), tokens_R, token_logprobs(spec, logits[:, 0], picked_RV, tokens_R, sampling),
-            prompt_logprobs, ok_R, drafts_RK, routes_RCLK)
+            prompt_logprobs, ok_R, drafts_RK, rows_RC)
 
 
 def _draft(spec: StepSpec, params, pools, scales, step: StepInputs, tokens_RT, hidden_RTD, room_R, width: int):
@@ -572,7 +590,7 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
     count_X = (jnp.arange(J)[None, :] < count_R[:, None]).reshape(-1).astype(jnp.int32)
     step_X, ok_X = _checked_step(spec, table, jnp.repeat(slots_R, J), start_X, count_X)
     kv = _paged_kv(spec, pools, scales, step_X, width, verify_tokens=J)  # the kernels read a request's pages once
-    (logits_X1V, hidden_X1D), routes_X1LK = _forward(spec, params, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
+    (logits_X1V, hidden_X1D), rows_X1 = _forward(spec, params, tokens_RJ.reshape(-1, 1), start_X[:, None], kv,
                                                      valid_BT=step_X.count_B[:, None] > 0, return_hidden=True)
     ok_R = ok_X.reshape(R, J)[:, 0]  # a request's rows share its slot, so its check
     s_X = speculative.per_position(sampling, J)
@@ -584,8 +602,8 @@ def _speculative(params, pools, scales, table, slots_R, start_R, count_R, tokens
         kept = StepInputs(table.pages_BN[slots_R], start_R, jnp.where(ok_R & (count_R > 0), accepted_R + 1, 0))
         pools, drafts_RK = _draft(spec, params, pools, scales, kept, emitted_RJ, hidden_X1D.reshape(R, J, -1),
                                   room_R, width)
-    routes_RJLK = None if routes_X1LK is None else routes_X1LK.reshape(R, J, *routes_X1LK.shape[2:])
-    return _placed(spec, pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R, routes_RJLK
+    rows_RJ = None if rows_X1 is None else {name: a.reshape(R, J, *a.shape[2:]) for name, a in rows_X1.items()}
+    return _placed(spec, pools), emitted_RJ, accepted_R, drafts_RK, logprobs, ok_R, rows_RJ
 
 
 def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, *, spec: StepSpec, width: int):
@@ -593,8 +611,8 @@ def _decode(params, pools, scales, table, slots_R, start_R, count_R, tokens_R1, 
     samples them, a program of its own: the host builds its inputs while this one runs)."""
     step, ok_R = _checked_step(spec, table, slots_R, start_R, count_R)
     kv = _paged_kv(spec, pools, scales, step, width)
-    logits_R1V, routes_R1LK = _forward(spec, params, tokens_R1, start_R[:, None], kv, valid_BT=step.count_B[:, None] > 0)
-    return _placed(spec, kv.new_pools), logits_R1V[:, 0], ok_R, routes_R1LK
+    logits_R1V, rows_R1 = _forward(spec, params, tokens_R1, start_R[:, None], kv, valid_BT=step.count_B[:, None] > 0)
+    return _placed(spec, kv.new_pools), logits_R1V[:, 0], ok_R, rows_R1
 
 
 def pick(logits_RV, sampling, *, spec: StepSpec):

@@ -15,6 +15,26 @@ from mixserve.grammar import StructuredOutput
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias: the sampling argument of the steps has this fixed width
+# What an RL trainer replays, a row per position fed to the model: the experts each MoE layer
+# chose (int16 [MoE layers, top-k]) and GLM-5's DSA indexer positions (int32 [indexer layers,
+# index_topk]). A request keeps them as one numpy structured array, a field for each the engine
+# returns, so every path that moves rows (prefix cache, host tier, hand-over) moves both.
+ROUTED_EXPERTS, INDEXER_TOPK = "routed_experts", "indexer_topk"
+
+
+def replay_dtype(cfg, routed_experts: bool, indexer_topk: bool) -> np.dtype | None:
+    """The rows' structured dtype for a model config (models.config.ModelConfig); None: neither."""
+    fields = []
+    if routed_experts:
+        if not cfg.is_moe:
+            raise ValueError("return_routed_experts needs an MoE model: this one routes no token")
+        fields.append((ROUTED_EXPERTS, np.int16, (sum(map(cfg.is_moe_layer, range(cfg.num_layers))),
+                                                 cfg.num_experts_per_tok)))
+    if indexer_topk:
+        if not cfg.indexer_layers:
+            raise ValueError("return_indexer_topk needs a model with a DSA indexer (GLM-5): this one has none")
+        fields.append((INDEXER_TOPK, np.int32, (len(cfg.indexer_layers), cfg.index_topk)))
+    return np.dtype(fields) if fields else None
 
 
 class TokenLogprobs(NamedTuple):
@@ -60,6 +80,11 @@ class Result:
     # shared since its last admission (none while it waited after a preemption). None: not asked,
     # or rejected.
     routed_experts: np.ndarray | None = None
+    # Engine(return_indexer_topk=True), GLM-5 (SGLang's indexer top-k): int32 [positions, L,
+    # index_topk], row p the positions each of the L layers that run a DSA indexer
+    # (config.indexer_layers) let token p attend to, ascending, -1 past those chosen (fewer keys
+    # than index_topk); the positions as routed_experts' (model.logits(indexer_topk=...) replays them).
+    indexer_topk: np.ndarray | None = None
 
     def step_gaps_s(self) -> list[float]:
         """The gaps between the steps that gave it tokens (a speculative step's later tokens, 0
@@ -132,12 +157,12 @@ class Request:
     cache_hit_tokens: int | None = None
     queue_s: float | None = None  # submit to that first admission
     weight_versions: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # Result.weight_versions
-    # Result.routed_experts as the steps give them: rows [0, routes_end) hold a position's routing
-    # (written in position order from 0 since its admission, rewritten when a position is computed
-    # again; a preemption empties them); None: off
+    # Result.routed_experts and indexer_topk as the steps give them (replay_dtype's rows): rows
+    # [0, replay_end) hold a position's (written in position order from 0 since its admission,
+    # rewritten when a position is computed again; a preemption empties them); None: off
     # (Frontend.submit makes it, with no row, for an engine that returns them)
-    routes: np.ndarray | None = dataclasses.field(default=None, repr=False)
-    routes_end: int = 0
+    replay_rows: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    replay_end: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -261,19 +286,25 @@ class Request:
                              cached_tokens=self.cache_hit_tokens or 0, queue_s=self.queue_s,
                              weight_versions=self.weight_versions[:1] + [
                                  span for span in self.weight_versions[1:] if span[0] < len(self.out)],
-                             routed_experts=None if self.routes is None else
-                             self.routes[: min(self.routes_end, len(self.tokens) - 1)].copy())
+                             **self.replayed())
 
-    def keep_routes(self, first: int, rows_TLK: np.ndarray) -> None:
-        """The experts chosen at positions first .. first + len(rows_TLK) - 1 (the buffer doubles as
-        it grows, so a long request copies it a logarithmic number of times)."""
-        end = first + len(rows_TLK)
-        if len(self.routes) < end:
-            grown = np.zeros((max(end, 2 * len(self.routes)), *self.routes.shape[1:]), np.int16)
-            grown[: self.routes_end] = self.routes[: self.routes_end]
-            self.routes = grown
-        self.routes[first:end] = rows_TLK
-        self.routes_end = max(self.routes_end, end)
+    def replayed(self) -> dict[str, np.ndarray]:
+        """Result's routed_experts and indexer_topk: the rows of every position fed to the model."""
+        if self.replay_rows is None:
+            return {}
+        rows = self.replay_rows[: min(self.replay_end, len(self.tokens) - 1)]
+        return {name: rows[name].copy() for name in rows.dtype.names}
+
+    def keep_replay_rows(self, first: int, rows_T: np.ndarray) -> None:
+        """The rows (replay_dtype) of positions first .. first + len(rows_T) - 1 (the buffer doubles
+        as it grows, so a long request copies it a logarithmic number of times)."""
+        end = first + len(rows_T)
+        if len(self.replay_rows) < end:
+            grown = np.zeros(max(end, 2 * len(self.replay_rows)), self.replay_rows.dtype)
+            grown[: self.replay_end] = self.replay_rows[: self.replay_end]
+            self.replay_rows = grown
+        self.replay_rows[first:end] = rows_T
+        self.replay_end = max(self.replay_end, end)
 
     def weights_changed(self, version: str) -> None:
         """Its next tokens come from the weights named version (a span starts at them; the last

@@ -106,6 +106,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="return the experts each MoE layer chose for every token fed to the model (vLLM's flag, for "
                         "an RL trainer's routing replay): --json's routed_experts, the server's prompt_routed_experts "
                         "and routed_experts")
+    p.add_argument("--enable-return-indexer-topk", action="store_true",
+                   help="GLM-5: return the positions each DSA indexer layer let every token fed to the model attend to "
+                        "(SGLang's flag, for an RL trainer's indexer replay): --json's indexer_topk, the server's "
+                        "prompt_indexer_topk and indexer_topk")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES),
                    help="what a request's logprobs are of (vLLM's flag): the model's raw distribution, or the one "
                         "each token was drawn from (processed: temperature, min-p, top-k, top-p, logit bias, "
@@ -330,7 +334,7 @@ def build(args, backend: str, prefill_mesh, mesh, progress: bool) -> Setup:
                   expert_parallel=args.expert_parallel, max_logprobs=min(args.max_logprobs, model.config.vocab_size),
                   speculative_tokens=args.speculative_tokens, draft=args.draft, prefix_caching=not args.no_prefix_caching,
                   schedule_policy=args.schedule_policy, return_routed_experts=args.enable_return_routed_experts,
-                  logprobs_mode=args.logprobs_mode)
+                  return_indexer_topk=args.enable_return_indexer_topk, logprobs_mode=args.logprobs_mode)
     if args.disaggregate:
         engine = DisaggregatedEngine(
             Engine(prefill_model, kv_dtype=args.prefill_kv_cache_dtype, mesh=prefill_mesh, prefill_only=True,
@@ -415,7 +419,8 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
              "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
              "latency_s": r.latency_s, "queue_s": r.queue_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
              "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs],
-             "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist()}
+             "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist(),
+             "indexer_topk": None if r.indexer_topk is None else r.indexer_topk.tolist()}
             for p, r in zip(prompts, results)
         ],
     }

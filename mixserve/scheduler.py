@@ -87,7 +87,7 @@ class Counters:
 
 class PageManager:
     def __init__(self, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
-                 prefix_caching: bool, counters: Counters, lookahead: int = 0, routes: bool = False):
+                 prefix_caching: bool, counters: Counters, lookahead: int = 0, replay_rows: bool = False):
         self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, page_size, max_pages_per_seq
         # Tokens past a page its KV depends on: 1 when the MTP layer's cache is in the pages (its
         # entry at position p holds token p + 1), so a page is shared only where that token agrees.
@@ -104,10 +104,11 @@ class PageManager:
         # The host tier (mixserve/host_cache.py; the engine's, if it has one): evicted pages go
         # there, and a prefix found there comes back into fresh pages.
         self.host: HostKVCache | None = None
-        # Routed experts return: page key -> the routing of its tokens (int16 [S, L, K]), for every
-        # key the device cache holds (the host tier keeps its pages' own), so a request sharing a
-        # cached prefix gets the routing of the forward that computed its KV (None: not returned).
-        self.routes: dict[bytes, np.ndarray] | None = {} if routes else None
+        # Routed experts / indexer top-k return: page key -> its tokens' rows (request.replay_dtype,
+        # [S]), for every key the device cache holds (the host tier keeps its pages' own), so a
+        # request sharing a cached prefix gets the rows of the forward that computed its KV (None:
+        # not returned).
+        self.replay_rows: dict[bytes, np.ndarray] | None = {} if replay_rows else None
 
     @property
     def available(self) -> int:
@@ -166,13 +167,13 @@ class PageManager:
             return False
         self.counters.shared_pages += len(shared)
         restored = self.host.prefix(keys) if restored else 0  # a host smaller than the evictions dropped some
-        if self.routes is not None and shared:
-            req.keep_routes(0, np.concatenate([self.routes[h] for h in self.page_keys(req)[:len(shared)]]))
+        if self.replay_rows is not None and shared:
+            req.keep_replay_rows(0, np.concatenate([self.replay_rows[h] for h in self.page_keys(req)[:len(shared)]]))
         if restored:
             pages = np.asarray(self.table.pages_BN[slot, len(shared):len(shared) + restored]).tolist()
             rows = self.host.load(keys[:restored], pages)
-            if self.routes is not None:
-                req.keep_routes(len(shared) * self.page_size, np.concatenate(rows))
+            if self.replay_rows is not None:
+                req.keep_replay_rows(len(shared) * self.page_size, np.concatenate(rows))
             req.cached = (len(shared) + restored) * self.page_size
             self.register_prefix(req)  # which marks its cached pages used, as below
         else:
@@ -193,7 +194,7 @@ class PageManager:
             self.register_prefix(req)
         self.release_slot(req.slot)
         req.slot, req.num_pages, req.cached, req.prefilled, req.drafts = None, 0, 0, False, []
-        req.routes_end = 0  # its routing rows are those of positions computed (or shared) once admitted again
+        req.replay_end = 0  # its replay rows are those of positions computed (or shared) once admitted again
 
     def release_slot(self, slot: int) -> None:
         """Return a slot's pages (a page another request shares, or the cache holds, stays theirs)."""
@@ -277,20 +278,20 @@ class PageManager:
             ok, row, tags = jax.device_get(read)
             if ok:  # else a fault broke req's mappings: nothing of it is cached
                 self._cache.update((h, (int(row[i]), int(tags[i]))) for i, h in enumerate(keys) if want[i])
-                self._cache_routes(req, [i for i in range(len(keys)) if want[i]])
+                self._cache_replay_rows(req, [i for i in range(len(keys)) if want[i]])
         self._touch(req)
 
-    def _cache_routes(self, req: Request, pages: list[int]) -> None:
-        """Keep the routing of req's newly cached pages: their tokens' rows of req.routes."""
-        if self.routes is not None:
+    def _cache_replay_rows(self, req: Request, pages: list[int]) -> None:
+        """Keep the replay rows of req's newly cached pages: their tokens' rows of req.replay_rows."""
+        if self.replay_rows is not None:
             S, keys = self.page_size, self.page_keys(req)
-            self.routes.update((keys[i], req.routes[i * S:(i + 1) * S].copy()) for i in pages)
+            self.replay_rows.update((keys[i], req.replay_rows[i * S:(i + 1) * S].copy()) for i in pages)
 
     def _uncache(self, keys: list[bytes]) -> list[tuple[int, int]]:
-        """Take keys out of the device cache (and their routing rows); returns their (page, tag) pairs."""
-        if self.routes is not None:
+        """Take keys out of the device cache (and their replay rows); returns their (page, tag) pairs."""
+        if self.replay_rows is not None:
             for h in keys:
-                del self.routes[h]
+                del self.replay_rows[h]
         return [self._cache.pop(h) for h in keys]
 
     def _touch(self, req: Request) -> None:
@@ -313,7 +314,7 @@ class PageManager:
             out = [h for (h, _), out in zip(part, evicted) if out]
             if offload and self.host is not None and out:  # a part at a time: a device copy of N pages at most
                 self.host.store(out, [self._cache[h][0] for h in out],
-                                None if self.routes is None else [self.routes[h] for h in out])
+                                None if self.replay_rows is None else [self.replay_rows[h] for h in out])
             gone += out
             if not self.evictable:  # every page left in the cache is mapped: scanning on frees none
                 break

@@ -672,9 +672,11 @@ class Choice:
                "stop_reason": r.stop_reason if done else None}
         if done:  # which weights gave which tokens (a span per update_weights it ran through)
             out["weight_versions"] = [[first, version] for first, version in r.weight_versions]
-        if done and r.routed_experts is not None:  # --enable-return-routed-experts: [position][MoE layer][k]
-            out["prompt_routed_experts"] = r.routed_experts[: len(self.prompt)].tolist()
-            out["routed_experts"] = r.routed_experts[len(self.prompt):].tolist()  # the tokens fed back: all but the last
+        # --enable-return-routed-experts: [position][MoE layer][k]; --enable-return-indexer-topk:
+        # [position][indexer layer][index_topk]. The output's rows: the tokens fed back, all but the last.
+        for name, rows in (("routed_experts", r.routed_experts), ("indexer_topk", r.indexer_topk)) if done else ():
+            if rows is not None:
+                out[f"prompt_{name}"], out[name] = rows[: len(self.prompt)].tolist(), rows[len(self.prompt):].tolist()
         if self.returned.token_ids:
             out["token_ids"] = self.tokens[start:]
             if start == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
@@ -18,6 +19,9 @@ from models.layers import Dtype, LayerNorm, Linear, RMSNorm, apply_rope, weight_
 from models.weights import BF16, WeightFormat, dequantize, matmul
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
+# Each DSA indexer sows the positions it chose per token (models.kv.chosen_positions) under this
+# name in the "intermediates" collection, as the MoE layers sow their experts (models/moe.py).
+INDEXER_TOPK = "indexer_topk"
 
 
 class GQAAttention(nn.Module):
@@ -58,8 +62,9 @@ class MLAAttention(nn.Module):
     runs_indexer: bool = False  # GLM-5 "full" layers; "shared" layers reuse the previous selection
 
     @nn.compact
-    def __call__(self, x_BTD, cos, sin, kv, index_mask=None):
-        """Returns (out_BTD, index_mask): GLM-5's indexer selection, reused by 'shared' layers."""
+    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, index_replay_BTK=None):
+        """Returns (out_BTD, index_mask): GLM-5's indexer selection, reused by 'shared' layers.
+        index_replay_BTK: the positions its indexer chooses instead (DSAIndexer)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, V, L = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -79,12 +84,21 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(ckv[..., L:], cos, sin, interleaved=cfg.rope_interleave)
 
         if self.runs_indexer:
-            index_mask = DSAIndexer(cfg, self.fmt, self.dtype, self.backend, name="indexer")(x_BTD, q_resid, cos, sin, kv)
+            index_mask = DSAIndexer(cfg, self.fmt, self.dtype, self.backend, name="indexer")(x_BTD, q_resid, cos, sin, kv,
+                                                                                           index_replay_BTK)
 
         kv_b = LatentUpProjection(L, H * (N + V), name="kv_b_proj", **lin | {"fmt": dataclasses.replace(self.fmt, w4a4=False)})
         out_BTHV = kv.attend_mla(q_nope, q_pe, c_kv, k_pe, kv_b, scale=cfg.softmax_scale, index_mask=index_mask)
         out = Linear(cfg.hidden_size, ("heads", "embed"), cfg.attention_bias, name="o_proj", **lin)(out_BTHV.reshape(B, T, H * V))
         return out, index_mask
+
+
+def sown_indexer_topk(intermediates: dict, cfg: ModelConfig) -> jax.Array:
+    """int32 [B, T, L, index_topk]: the positions each of the L indexer layers (cfg.indexer_layers)
+    chose per token, from a forward applied with mutable=["intermediates"] (the MTP layer's
+    indexer drafts; its choices are not the model's)."""
+    return jnp.stack([intermediates[f"layers_{i}"]["self_attn"]["indexer"][INDEXER_TOPK][0]
+                      for i in cfg.indexer_layers], axis=2)
 
 
 class LatentUpProjection(nn.Module):
@@ -116,6 +130,9 @@ class DSAIndexer(nn.Module):
 
     score[t, s] = sum_h w_h(x_t) * relu(q_h(t) . k(s) / sqrt(index_head_dim)), w = weights_proj(x) / sqrt(n_heads).
     Keys use interleaved RoPE on their first qk_rope_head_dim dims and a LayerNorm.
+    replay_BTK (optional int [B, T, index_topk], indexer replay): the positions each token attends
+    to instead of its own choice, as chosen_positions gives them (-1: none); nothing is scored,
+    since the selection is all that attention takes from the indexer.
     """
 
     cfg: ModelConfig
@@ -124,8 +141,11 @@ class DSAIndexer(nn.Module):
     backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTD, q_resid, cos, sin, kv):
+    def __call__(self, x_BTD, q_resid, cos, sin, kv, replay_BTK=None):
         cfg = self.cfg
+        if replay_BTK is not None:
+            self.sow("intermediates", INDEXER_TOPK, replay_BTK)
+            return kv.index_replay(replay_BTK)
         B, T, _ = x_BTD.shape
         nh, hd, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         lin = dict(fmt=self.fmt, dtype=self.dtype, backend=self.backend)
@@ -136,4 +156,7 @@ class DSAIndexer(nn.Module):
         # weights_proj stays float32, as transformers keeps it.
         w = Linear(nh, ("embed", "index_heads"), name="weights_proj", dtype=jnp.float32)(x_BTD.astype(jnp.float32))
         w = w * nh**-0.5
-        return kv.index_select(q.astype(jnp.float32), k.astype(jnp.float32), w, scale=hd**-0.5, top_k=cfg.index_topk)
+        index_mask, chosen_BTK = kv.index_select(q.astype(jnp.float32), k.astype(jnp.float32), w, scale=hd**-0.5,
+                                                 top_k=cfg.index_topk)
+        self.sow("intermediates", INDEXER_TOPK, chosen_BTK)
+        return index_mask

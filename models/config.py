@@ -130,6 +130,12 @@ class ModelConfig:
         return self.family == "glm_moe_dsa" and (layer >= self.num_layers or self.indexer_types[layer] == "full")
 
     @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """The decoder layers that run their own DSA indexer (GLM-5's "full" ones; none elsewhere):
+        indexer top-k rows have a column per layer here, in this order (the MTP layer's is not one)."""
+        return tuple(i for i in range(self.num_layers) if self.runs_indexer(i))
+
+    @property
     def mtp_layer(self) -> int:
         """The index of the first MTP layer (its weights are model.layers.{mtp_layer}.*)."""
         return self.num_layers

@@ -3,9 +3,11 @@
 An attention module projects q/k/v and calls one of:
   kv.attend_gqa(q_BTHD, k_BTKD, v_BTKD, scale)                           -> out_BTHD
   kv.attend_mla(q_nope_BTHN, q_pe_BTHR, c_kv_BTL, k_pe_BTR, kv_b, scale, index_mask) -> out_BTHV
-  kv.index_select(q_BTHD, k_BTD, w_BTH, scale, top_k)                   -> index_mask (DSA)
+  kv.index_select(q_BTHD, k_BTD, w_BTH, scale, top_k)    -> (index_mask, chosen_BTK) (DSA)
 `NoCache` attends causally over the T tokens it is given (the plain forward). The paged pools in
-mixserve.kv_cache implement the same three calls over their pages.
+mixserve.kv_cache implement the same three calls over their pages. `chosen_BTK` names the keys
+the indexer chose by their positions in the request (chosen_positions), whatever form index_mask
+takes; NoCache also replays such a choice (index_replay: DSA indexer replay for RL).
 """
 
 from __future__ import annotations
@@ -56,6 +58,23 @@ def top_k_positions(scores_BTS, valid_BTS, top_k: int):
     return jax.lax.top_k(jnp.where(valid_BTS, scores_BTS, -jnp.inf), top_k)[1]
 
 
+def chosen_positions(scores_BTS, valid_BTS, top_k: int, key_positions_BS=None):
+    """int32 [B, T, top_k]: the positions of the keys top_k_mask chooses, ascending, then -1 (a
+    query with fewer valid keys than top_k). key_positions_BS: key s's position in its request
+    (None: s). The rows Engine(return_indexer_topk=True) returns (SGLang's sequence-relative
+    indexer top-k): a set, so its order is the positions', not the scores' (which rounding reorders)."""
+    B, T, S = scores_BTS.shape
+    k = min(top_k, S)
+    picked = top_k_positions(scores_BTS, valid_BTS, k)  # the same top_k as top_k_mask's: XLA computes it once
+    taken = jnp.take_along_axis(valid_BTS, picked, axis=-1)
+    if key_positions_BS is not None:
+        picked = jnp.take_along_axis(jnp.broadcast_to(key_positions_BS[:, None], (B, T, S)), picked, axis=-1)
+    none = jnp.iinfo(jnp.int32).max  # sorts after every position
+    ordered = jnp.sort(jnp.where(taken, picked.astype(jnp.int32), none), axis=-1)
+    ordered = jnp.where(ordered == none, -1, ordered)
+    return jnp.pad(ordered, ((0, 0), (0, 0), (0, top_k - k)), constant_values=-1)
+
+
 def top_k_mask(scores_BTS, valid_BTS, top_k: int):
     """Boolean mask of the top_k highest valid scores per query (all valid ones if fewer)."""
     S = scores_BTS.shape[-1]
@@ -91,4 +110,11 @@ class NoCache:
 
     def index_select(self, q_BTHD, k_BTD, w_BTH, *, scale, top_k):
         B, T = q_BTHD.shape[:2]
-        return top_k_mask(index_scores(q_BTHD, k_BTD, w_BTH, scale), self.causal_mask(B, T), top_k)
+        scores, causal = index_scores(q_BTHD, k_BTD, w_BTH, scale), self.causal_mask(B, T)
+        return top_k_mask(scores, causal, top_k), chosen_positions(scores, causal, top_k)
+
+    def index_replay(self, chosen_BTK):
+        """The mask of a given choice (chosen_positions' rows, -1 for none): query t attends to
+        the keys at those positions (model.Model.replayed_indexer_topk checks they are causal)."""
+        T = chosen_BTK.shape[1]
+        return jnp.any(chosen_BTK[..., None] == jnp.arange(T), axis=-2)

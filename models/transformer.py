@@ -41,10 +41,10 @@ class DecoderLayer(nn.Module):
     expert_parallel: bool = False
 
     @nn.compact
-    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None, replay_BTK=None):
-        return self.block(x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK)
+    def __call__(self, x_BTD, cos, sin, kv, index_mask=None, valid_BT=None, replay_BTK=None, index_replay_BTK=None):
+        return self.block(x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK, index_replay_BTK)
 
-    def block(self, x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK=None):
+    def block(self, x_BTD, cos, sin, kv, index_mask, valid_BT, replay_BTK=None, index_replay_BTK=None):
         """The layer itself (called from a compact __call__: the MTP layer reuses it)."""
         cfg = self.cfg
         common = dict(dtype=self.dtype, backend=self.backend)
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
         else:
             runs_indexer = cfg.runs_indexer(self.layer)
             attn, index_mask = MLAAttention(cfg, self.plan.linear, runs_indexer=runs_indexer, name="self_attn", **common)(
-                h, cos, sin, kv, index_mask
+                h, cos, sin, kv, index_mask, index_replay_BTK
             )
         x_BTD = x_BTD + attn
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="post_attention_layernorm")(x_BTD)
@@ -109,6 +109,9 @@ class Transformer(nn.Module):
     model's MoE layers) routes token t to routed_experts[:, t, l] instead of its own top-k, with
     its own router's weights for them (mixserve.Engine(return_routed_experts=True) gives a
     rollout's; an RL trainer replays them so its forward routes as the rollout did).
+    `indexer_topk` (optional int [B, T, L, index_topk], DSA indexer replay, GLM-5): indexer layer l
+    (cfg.indexer_layers[l]) lets token t attend to the positions indexer_topk[:, t, l] (-1: none)
+    instead of its own choice (Engine(return_indexer_topk=True) gives a rollout's). Plain forward only.
     `mtp_plan` (None: no MTP layer): the MTP layer's weight formats. Then `draft_from` (hidden_BTD)
     runs the MTP layer alone, on tokens_BT = the tokens after those positions, and returns
     (logits, its x_BTD); the MTP's KV cache is kv.layer(cfg.mtp_layer).
@@ -123,7 +126,7 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, kv=None, logits_at=None, valid_BT=None, project=None,
-                 return_hidden=False, draft_from=None, routed_experts=None):
+                 return_hidden=False, draft_from=None, routed_experts=None, indexer_topk=None):
         cfg = self.cfg
         kv = NoCache() if kv is None else kv
         if positions_BT is None:
@@ -146,7 +149,9 @@ class Transformer(nn.Module):
                 layer = DecoderLayer(cfg, i, self.plan, self.dtype, self.backend, self.expert_parallel, name=f"layers_{i}")
                 replay = None if routed_experts is None or not cfg.is_moe_layer(i) else \
                     routed_experts[:, :, i - cfg.first_k_dense_replace]  # the MoE layers follow the dense ones
-                x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT, replay)
+                index_replay = None if indexer_topk is None or i not in cfg.indexer_layers else \
+                    indexer_topk[:, :, cfg.indexer_layers.index(i)]
+                x, index_mask = layer(x, cos, sin, kv.layer(i), index_mask, valid_BT, replay, index_replay)
             x = RMSNorm(cfg.rms_norm_eps, self.dtype, "embed", name="norm")(x)
             if self.mtp_plan is not None and self.is_initializing():  # create the MTP layer's parameters
                 mtp(embed(tokens_BT), x, cos, sin, kv.layer(cfg.mtp_layer), valid_BT)

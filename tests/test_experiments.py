@@ -781,18 +781,24 @@ def test_logprobs_mode_script_runs(tmp_path):
 
 def test_routed_experts_script_runs(tmp_path):
     """The bytes table from the configs (Kimi K2: 60 MoE layers x top-8 int16 = 960 bytes a token,
-    1.37% of its BF16 KV); the timed one rounds an engine with the flag and one without: the rows
-    returned are those of every position fed to the model (2 x (2 + 2 - 1) here), none without it;
-    the replay table scores 2 rollouts of 4 + 4 tokens (28 decisions: 7 positions x 2 MoE layers x
-    2 rollouts), the replayed forward differing in none."""
+    1.37% of its BF16 KV; GLM-5's indexer rows: 78 indexer layers x 2048 int32 positions, 5.8x its
+    BF16 KV); the timed one rounds an engine with the flag and one without: the rows returned are
+    those of every position fed to the model (2 x (2 + 2 - 1) here), none without it; the replay
+    table scores 2 GLM-5 rollouts of 4 + 4 tokens (28 decisions of each kind: 7 positions x 2 MoE
+    or indexer layers x 2 rollouts) three ways, the replayed forwards differing in none of what
+    they replay."""
     out = run("routed_experts.py", "--repeats", "1", "--batch", "2", "--prompt-len", "2", "--new-tokens", "2",
-              "--presets", "tiny-kimi", "--rollouts", "2x4+4",
+              "--presets", "tiny-glm5", "--rollouts", "2x4+4",
               "--out", str(tmp_path / "r.md"))
-    assert "| kimi-k2 | 60 x 8 | 960 | 70,272 | 1.37% |" in out
+    assert "| kimi-k2 | routed experts | 60 x 8 | 960 | 70,272 | 1.37% |" in out
+    assert "| glm-5 | indexer top-k | 78 x 2048 | 638,976 | 109,824 | 581.82% |" in out
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in out.splitlines()
             if line.startswith("| o")}
     assert rows == {"off": "0", "on": "6"}, rows
-    replay = [line.split("|")[3:5] for line in out.splitlines() if line.startswith("| tiny-kimi | 2 x (4 + 4) |")]
-    assert [(how.strip(), decisions.split("(")[0].strip().split(" / ")[1]) for how, decisions in replay] == [
-        ("free", "28"), ("replayed", "28")] and replay[1][1].strip() == "0 / 28", replay
+    replay = [[c.strip() for c in line.split("|")[3:6]] for line in out.splitlines()
+              if line.startswith("| tiny-glm5 | 2 x (4 + 4) |")]
+    assert [(how, routing.split("(")[0].strip().split(" / ")[1], indexer.split("(")[0].strip().split(" / ")[1])
+            for how, routing, indexer in replay] == [("free", "28", "28"), ("replayed", "28", "28"),
+                                                     ("replayed, indexer too", "28", "28")], replay
+    assert replay[1][1] == "0 / 28" and replay[2][1:] == ["0 / 28", "0 / 28"], replay
     assert (tmp_path / "r.md").read_text() in out
