@@ -19,7 +19,7 @@ from mixserve.chat import ChatTemplate
 from mixserve.device_memory import buffers, host_copy
 from mixserve.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
-from models.presets import FULL_PRESETS, get_preset
+from models.presets import FULL_PRESETS, PRESETS, TINY_PRESETS, get_preset
 from models.transformer import Transformer
 from models.weights import WeightPlan
 
@@ -256,6 +256,10 @@ def load(path_or_preset: str, *, dtype="bfloat16", seed: int = 0, plan: WeightPl
     if nvfp4_activations or plan is not None and plan.w4a4:
         raise ValueError("NVFP4 activations (W4A4) need calibrated input scales, which a preset has none of: load "
                          "a W4A4 checkpoint, or quantize_model a preset with a W4A4 plan (it calibrates them)")
+    if path_or_preset not in PRESETS:  # most likely a checkpoint's path with a typo: say so, not "unknown preset"
+        what = "a file, not a directory" if os.path.exists(path_or_preset) else "no such directory"
+        raise ValueError(f"{path_or_preset!r} is neither a checkpoint directory ({what}) nor a preset; the presets a "
+                         f"model is made from: {', '.join(sorted(TINY_PRESETS))}")
     config = get_preset(path_or_preset)
     plan = plan or WeightPlan()
     mtp_plan = plan if mtp else None

@@ -310,7 +310,12 @@ def file_or_text(arg: str, parse):
     if os.path.isfile(arg):
         with open(arg) as f:
             return parse(f.read())
-    return parse(arg)
+    try:
+        return parse(arg)
+    except ValueError as e:  # json's errors among them
+        if not arg.lstrip().startswith(("{", "[", '"')):  # not meant inline: a path whose file is missing
+            raise OSError(f"{arg}: no such file (nor is it inline: {e})") from e
+        raise
 
 
 @dataclasses.dataclass

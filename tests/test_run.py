@@ -198,7 +198,9 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--page-size", "0"): "--page-size: must be at least 1, got 0",
         ("--tensor-parallel", "0"): "--tensor-parallel: must be at least 1",
         ("--prefill-calls-per-step", "-1"): "must be at least 0, got -1",
-        ("--model", "no-such-model"): "unknown preset 'no-such-model'",
+        ("--model", "no-such-model"): "'no-such-model' is neither a checkpoint directory (no such directory) nor a "
+                                      "preset; the presets a model is made from: tiny-glm4, tiny-glm5, tiny-kimi",
+        ("--model", __file__): "is neither a checkpoint directory (a file, not a directory)",
         ("--model", "tiny-glm4", "--kv-cache-dtype", "fp8_ds_mla"): "fp8_ds_mla is FlashMLA's layout",
         ("--kv-memory", "1k"): "the KV budget holds no page",
         ("--kv-memory", "1e30"): "the page table holds at most 2**31 - 1",
@@ -218,6 +220,7 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--draft", "ngram"): "--draft says who guesses the --speculative-tokens",
         ("--regex", "a(b"): "unclosed group",
         ("--json-schema", "{not json"): "--json-schema: Expecting property name",
+        ("--json-schema", "/no/such/schema.json"): "/no/such/schema.json: no such file (nor is it inline: Expecting value",
         ("--regex", "a", "--choice", "a"): "exactly one of",
         ("--json-object", "--ignore-eos"): "ignore_eos",
         ("--json-schema", "false"): "Unsatisfiable schema",  # a schema nothing fits, not "no schema"
