@@ -705,10 +705,11 @@ class Choice:
         if self.returned.echo and start == 0:  # the prompt's first, as OpenAI echoes them (null for the first)
             tokens, offsets = [*self.prompt, *tokens], [*self.echo_offsets, *offsets]
             logprobs = [*self.prompt_logprobs, *logprobs]
-        top = self.returned.top
+        top = self.returned.top  # with the token itself, as OpenAI's legacy API and vLLM list them: up to top + 1
         return {"tokens": [self.name(t) for t in tokens],
                 "token_logprobs": [lp and lp.logprob for lp in logprobs],
-                "top_logprobs": [lp and {self.name(t): v for t, v in lp.top[:top]} for lp in logprobs],
+                "top_logprobs": [lp and {self.name(t): v for t, v in [(token, lp.logprob), *lp.top[:top]]}
+                                 for token, lp in zip(tokens, logprobs)],
                 "text_offset": offsets}
 
     def name(self, token: int) -> str:

@@ -119,6 +119,11 @@ def test_a_completion_is_what_mixserve_run_serves(srv, reference):
     assert body["object"] == "text_completion" and body["model"] == "tiny-kimi"
     _, named = post(srv, greedy(return_tokens_as_token_ids=True, logprobs=1))
     assert named["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference["tokens"]]
+    # logprobs=0: the token's own logprob alone (OpenAI's legacy API lists the sampled token beside the n likeliest)
+    _, sampled = post(srv, {"prompt": PROMPT, "max_tokens": 4, "temperature": 5.0, "seed": 3, "logprobs": 0,
+                            "return_tokens_as_token_ids": True})
+    lp = sampled["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
 
 
 def test_a_streamed_completion_adds_up_to_the_whole_one(srv, reference):
@@ -177,7 +182,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_scores_them(srv):
         assert choice["text"] == "KV cache pages" + ByteTokenizer().decode(choice["token_ids"])
         assert lp["tokens"][:14] == list("KV cache pages") and lp["text_offset"] == list(range(15))
         assert lp["token_logprobs"][:14] == [p and p["logprob"] for p in prompt] and lp["token_logprobs"][0] is None
-        assert lp["top_logprobs"][0] is None and all(len(top) == 1 for top in lp["top_logprobs"][1:])  # logprobs=1
+        assert lp["top_logprobs"][0] is None  # logprobs=1: the likeliest, and the token itself (OpenAI's, vLLM's)
+        assert all(top[t] == v and len(top) <= 2 for t, v, top in zip(lp["tokens"][1:14], lp["token_logprobs"][1:14],
+                                                                      lp["top_logprobs"][1:14]))
         assert max(len(p) for p in choice["prompt_logprobs"][1:]) == 4  # prompt_logprobs=3, and the token's own
         total, likeliest = lm_eval_loglikelihood(choice, len(context))
         assert total == pytest.approx(sum(p["logprob"] for p in prompt[len(context):]))
@@ -192,7 +199,7 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_scores_them(srv):
     assert post(srv, greedy(echo=True))[1]["choices"][0]["text"].startswith(PROMPT)  # without logprobs: the text
     (more,) = post(srv, greedy(echo=True, max_tokens=1, logprobs=3, prompt_logprobs=1,
                                return_tokens_as_token_ids=True))[1]["choices"]  # named apart
-    assert all(len(top) == 3 for top in more["logprobs"]["top_logprobs"][1:])  # the most asked is computed,
+    assert all(len(top) in (3, 4) for top in more["logprobs"]["top_logprobs"][1:])  # the most asked is computed,
     assert all(len(p) <= 2 for p in more["prompt_logprobs"][1:])  # and each field shows what it asked
 
 
