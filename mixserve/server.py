@@ -696,8 +696,8 @@ class Choice:
         return "tool_calls" if called else "stop"
 
     def openai_logprobs(self, start: int, logprobs: list[TokenLogprobs]) -> dict:
-        if self.chat:  # each token with its text's UTF-8 bytes, and its likeliest alternatives
-            named = lambda t, v: {"token": self.name(t), "logprob": v, "bytes": list(self.name(t).encode())}
+        if self.chat:  # each token with its own bytes (part of a character's, maybe), and its likeliest alternatives
+            named = lambda t, v: {"token": self.name(t), "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
             return {"content": [{**named(t, lp.logprob), "top_logprobs": [named(a, v) for a, v in lp.top]}
                                 for t, lp in zip(self.tokens[start:], logprobs)]}
         tokens = self.tokens[start : start + len(logprobs)]

@@ -35,6 +35,21 @@ def copy_tokenizer_files(src: str | None, dst: str, names: tuple[str, ...] = TOK
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    # One token's own bytes (OpenAI's logprobs "bytes"): a token may hold part of a character,
+    # which its decoded text shows as U+FFFD; the bytes of consecutive tokens join into the text.
+    def token_bytes(self, token: int) -> bytes: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """A byte-level BPE vocabulary's characters (GPT-2's, tokenizers' ByteLevel) -> the byte each
+    stands for: printable Latin-1 characters stand for their own byte, the other bytes for the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
 class HFTokenizer:
@@ -42,12 +57,27 @@ class HFTokenizer:
         import tokenizers
 
         self._tok = tokenizers.Tokenizer.from_file(path)
+        spec = json.loads(self._tok.to_str())
+        decoders = [spec.get("decoder") or {}]
+        decoders += decoders[0].get("decoders") or []  # a Sequence's
+        self._byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
+        self._added = {t["id"] for t in spec.get("added_tokens") or []}
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A byte-level vocabulary's token: its characters' bytes; an added token, or another
+        vocabulary's: its text's UTF-8 (an id past the vocabulary: none)."""
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._byte_level and token not in self._added and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        return self.decode([token]).encode()
 
     def to_json(self) -> str:
         return self._tok.to_str()
@@ -98,6 +128,10 @@ class TiktokenTokenizer:
         # An id past the tokenizer (a model vocab padded beyond it) is dropped, as `tokenizers` does.
         return self.encoding.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
 
+    def token_bytes(self, token: int) -> bytes:
+        known = 0 <= token < self._ranks or token in self._special_ids
+        return self.encoding.decode_single_token_bytes(token) if known else b""
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0-255: the tiny presets' vocabulary starts with the 256 bytes (what
@@ -108,6 +142,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if 0 <= token < 256 else b""
 
 
 class IncrementalDecoder:

@@ -160,6 +160,25 @@ def assert_incremental_text_follows_decode(tok, ids):
         assert inc.text == tok.decode(ids)
 
 
+def test_token_bytes_join_into_the_texts_bytes(model_dir, tmp_path, kimi_tok):
+    """Each token's own bytes (the server's chat logprobs "bytes"), for byte-level BPE, Kimi's
+    tiktoken and UTF-8 bytes: joined, a text's UTF-8, though CJK and emoji characters split across
+    tokens whose text alone is U+FFFD; a special token's bytes are its text; ids past the
+    vocabulary have none."""
+    hf = mixserve.load(checkpoint_with(model_dir, tmp_path, tokenizer__json=byte_level_bpe_json()),
+                       dtype="float32", progress=False).tokenizer
+    split = 0
+    for tok in (hf, kimi_tok, ByteTokenizer()):
+        for text in TEXTS:
+            ids = tok.encode(text)
+            assert b"".join(tok.token_bytes(t) for t in ids) == text.encode(), (tok, text)
+            split += sum("\ufffd" in tok.decode([t]) for t in ids)
+    assert split > 10
+    assert hf.token_bytes(hf.encode("<|endoftext|>")[0]) == b"<|endoftext|>"
+    assert kimi_tok.token_bytes(300) == b"<|im_end|>" and kimi_tok.token_bytes(10**6) == b""
+    assert hf.token_bytes(10**6) == b"" and ByteTokenizer().token_bytes(300) == b""
+
+
 def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_tok):
     """Token by token, for byte-level BPE, SentencePiece-style BPE (context-dependent leading
     spaces), Kimi's tiktoken (CJK and emoji bytes split across tokens) and UTF-8 bytes: the text is
