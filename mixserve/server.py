@@ -1083,10 +1083,15 @@ class Server(http.server.ThreadingHTTPServer):
     """The HTTP server around one EngineLoop. `serve_forever` serves; `close` stops both."""
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], engine: Frontend, served: Served, verbose: bool = False,
+    def __init__(self, address: tuple[str, int] | socket.socket, engine: Frontend, served: Served, verbose: bool = False,
                  api_key: str | None = None, reload: Callable[[str], tuple] | None = None,
                  weights_cpu_backup: bool = False):
-        super().__init__(address, Handler)
+        """address: where to bind, or a socket already listening (make_server binds before it loads)."""
+        bound = isinstance(address, socket.socket)
+        super().__init__(address.getsockname() if bound else address, Handler, bind_and_activate=not bound)
+        if bound:
+            self.socket.close()
+            self.socket, self.server_address = address, address.getsockname()
         self.weights_cpu_backup = weights_cpu_backup  # SGLang's release keeps the weights in host memory
         self.loop = EngineLoop(engine)
         self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
@@ -1141,11 +1146,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_server(argv=None) -> Server:
-    """Load the model, build the engine as mixserve.run does, and bind (not yet serving)."""
+    """Bind, then load the model and build the engine as mixserve.run does (not yet serving): a
+    port in use fails at once, not after a checkpoint's load (as vLLM binds first)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template}: no such file")
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        parser.error(f"cannot listen on --host {args.host} --port {args.port}: {e.strerror or e}")
     backend, _, setup = run.start(parser, args, progress=True)
     template = setup.model.chat_template
     if args.chat_template is not None:
@@ -1155,7 +1165,7 @@ def make_server(argv=None) -> Server:
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
                     min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
-    return Server((args.host, args.port), setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
+    return Server(sock, setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
                                            setup.prefiller is setup.decoder),
                   weights_cpu_backup=args.enable_weights_cpu_backup)

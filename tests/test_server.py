@@ -376,6 +376,17 @@ def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
         server.Completion.parse_chat(chat(), served)
 
 
+def test_a_port_in_use_fails_before_the_model_loads(capsys):
+    """make_server binds first: a port another socket listens on is a usage error at once, naming
+    the port, and the model (here a checkpoint path that does not exist) is never read."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            server.make_server(["--model", "/no/such/checkpoint", "--host", "127.0.0.1", "--port", str(port)])
+    assert exit_.value.code == 2
+    assert f"cannot listen on --host 127.0.0.1 --port {port}: Address already in use" in capsys.readouterr().err
+
+
 class Scripted(Frontend):
     """An engine whose every request replies `reply` (its UTF-8 bytes: the tiny presets' tokens) and
     then EOS, two tokens a step: the server's side of a reply, without a model to write it."""
