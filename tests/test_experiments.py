@@ -800,5 +800,5 @@ def test_routed_experts_script_runs(tmp_path):
     assert [(how, routing.split("(")[0].strip().split(" / ")[1], indexer.split("(")[0].strip().split(" / ")[1])
             for how, routing, indexer in replay] == [("free", "28", "28"), ("replayed", "28", "28"),
                                                      ("replayed, indexer too", "28", "28")], replay
-    assert replay[1][1] == "0 / 28" and replay[2][1:] == ["0 / 28", "0 / 28"], replay
+    assert replay[1][1] == "0 / 28 (0.00%)" and replay[2][1:] == ["0 / 28 (0.00%)"] * 2, replay
     assert (tmp_path / "r.md").read_text() in out
