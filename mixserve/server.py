@@ -933,10 +933,30 @@ class Handler(http.server.BaseHTTPRequestHandler):
         super().send_response(code, message)
 
     def read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":  # curl's when it reads stdin
+            return self.read_chunks()
         length = self.headers.get("Content-Length", "0")
         if not length.isdigit():  # read(-1) would wait for a kept-alive connection to close
             raise BadRequest(f"Content-Length must be a byte count, got {length!r}")
         return self.rfile.read(int(length))
+
+    def read_chunks(self) -> bytes:
+        """A chunked body (HTTP/1.1): hexadecimal size lines, each chunk after its own, until size 0,
+        then trailer lines until an empty one."""
+        parts = []
+        while True:
+            line = self.rfile.readline(1 << 16)
+            try:
+                size = int(line.split(b";")[0], 16)  # a chunk extension follows ';'
+            except ValueError:
+                raise BadRequest(f"a chunk's size must be hexadecimal, got {line[:40]!r}") from None
+            if size == 0:
+                break
+            parts.append(self.rfile.read(size))
+            self.rfile.readline(1 << 16)  # the chunk's line end
+        while self.rfile.readline(1 << 16) not in (b"\r\n", b"\n", b""):
+            pass
+        return b"".join(parts)
 
     def read_json(self) -> dict:
         body = self.read_body()

@@ -770,6 +770,23 @@ def test_a_bug_in_a_handler_is_that_requests_500_and_the_server_goes_on(srv, mon
     assert post(srv, {"prompt": "ok", "max_tokens": 2})[0] == 200
 
 
+def test_a_chunked_body_is_read_as_a_whole_one(srv):
+    """Transfer-Encoding: chunked (curl's when it posts stdin, http.client's for an iterable body):
+    the same completion as a sized body's; a chunk size that is not hexadecimal is a 400."""
+    body = json.dumps(greedy(max_tokens=3)).encode()
+    with contextlib.closing(connect(srv)) as c:
+        c.request("POST", "/v1/completions", iter([body[:7], body[7:20], body[20:]]), encode_chunked=True,
+                  headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        r = c.getresponse()
+        assert r.status == 200
+        chunked = json.loads(r.read())
+    assert chunked["choices"][0]["text"] == post(srv, greedy(max_tokens=3))[1]["choices"][0]["text"]
+    with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 400") and "a chunk's size must be hexadecimal" in reply
+
+
 def test_a_bad_content_length_is_refused_not_waited_on(srv):
     with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}")
