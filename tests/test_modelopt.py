@@ -7,9 +7,11 @@ mixserve's reading of the format against the tool that writes it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -39,18 +41,26 @@ W4A4 = "quantizes activations to NVFP4 \\(W4A4\\); mixserve serves it weight-onl
 KV = "declares a quantized KV cache"
 # One model of each family; Kimi and GLM-5 also with ModelOpt's FP8 KV cache calibration.
 FAMILIES = {"kimi-yarn-groups": True, "glm4-qknorm-bias": False, "glm5-dsa-shared": True}
-_EXPORTED: dict[tuple[str, bool], str] = {}
 
 
 def exported(name: str, tmp_path_factory, kv_only: bool = False) -> str:
     """OUT with OUT/modelopt, OUT/dequantized and OUT/plain (tests/modelopt_export.py), once per
-    session: NVFP4 (with FP8 KV scales for FAMILIES[name]), or with kv_only FP8 KV scales alone."""
+    test run: NVFP4 (with FP8 KV scales for FAMILIES[name]), or with kv_only FP8 KV scales alone.
+    The run's xdist workers share it (an export is a 10 s subprocess, 6 s of it importing
+    ModelOpt): the first to ask writes it under a file lock, the others wait and read it. Tests
+    read it; those that edit a checkpoint edit a copy."""
     flags = ["--kv-only"] if kv_only else ["--kv-fp8"] if FAMILIES[name] else []
-    if (name, kv_only) not in _EXPORTED:
-        out = str(tmp_path_factory.mktemp(name))
-        subprocess.run([sys.executable, EXPORT, name, out, *flags], check=True, capture_output=True)
-        _EXPORTED[name, kv_only] = out
-    return _EXPORTED[name, kv_only]
+    run_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is a directory of the run's
+        run_dir = run_dir.parent
+    out = run_dir / f"modelopt-{name}{'-kv-only' if kv_only else ''}"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / "done").exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a failed export left
+            subprocess.run([sys.executable, EXPORT, name, str(out), *flags], check=True, capture_output=True)
+            (out / "done").touch()
+    return str(out)
 
 
 def load(directory: str, *notices: str):
