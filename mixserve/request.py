@@ -429,10 +429,10 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
         return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else int(req.max_new_tokens))  # numpy ints would wrap
+    counted = f"prompt ({len(p)})" if prompt_only else f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
     if total > max_seq_len:
-        counted = f"prompt ({len(p)})" if prompt_only else f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
         return f"{counted} exceeds the context limit {max_seq_len}"
     pages = -(-total // page_size)
     if pages > num_pages:
-        return f"needs {pages} pages, the pool has {num_pages} in all"
+        return f"{counted} tokens need {pages} pages of {page_size}, and the KV pool holds {num_pages} in all"
     return None

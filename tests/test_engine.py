@@ -251,7 +251,7 @@ def test_bad_requests_are_rejected_per_request(model):
         "outside the vocabulary": ([1, model.config.vocab_size], 4, 0.0),
         "exceeds the context limit": ([1] * 30, 20, 0.0),
         "max_new_tokens must be a positive": (good, 0, 0.0),
-        "pages, the pool has": ([1] * 35, 4, 0.0),
+        "prompt (35) + max_new_tokens (4) = 39 tokens need 10 pages of 4, and the KV pool holds 8": ([1] * 35, 4, 0.0),
         "temperature must be a finite number": (good, 4, float("nan")),
     }
     for needle, (p, n, temp) in cases.items():
