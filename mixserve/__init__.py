@@ -2,7 +2,9 @@
 
 from mixserve.disaggregated import DisaggregatedEngine
 from mixserve.engine import Engine, Result, TokenLogprobs, Update
+from mixserve.grammar import StructuredOutput
 from mixserve.model import Model, count_params, load
 from mixserve.weight_bytes import weight_bytes
 
-__all__ = ["DisaggregatedEngine", "Engine", "Model", "Result", "TokenLogprobs", "Update", "count_params", "load", "weight_bytes"]
+__all__ = ["DisaggregatedEngine", "Engine", "Model", "Result", "StructuredOutput", "TokenLogprobs", "Update", "count_params",
+           "load", "weight_bytes"]

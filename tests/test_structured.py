@@ -107,6 +107,7 @@ def test_greedy_choice_equals_the_cache_free_forward_restricted_to_the_choices(p
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 11, 14)]
     engine = Engine(model, num_pages=48, page_size=4, max_batch=4, prefill_chunk=8)
     plain = engine.generate(prompts[:1], max_new_tokens=6)
+    assert mixserve.StructuredOutput is StructuredOutput  # the README's examples name it from the package
     rids = [engine.submit(p, max_new_tokens=12, structured_output=StructuredOutput(choice=CHOICES)) for p in prompts]
     rids.append(engine.submit(prompts[0], max_new_tokens=6))
     got = {}
