@@ -38,6 +38,7 @@ import http.server
 import json
 import os
 import queue
+import re
 import select
 import socket
 import sys
@@ -173,9 +174,10 @@ SGLANG_MEMORY_TAGS = (*SLEEP_TAGS, "cuda_graph")  # what SGLang's release and re
 class BadRequest(Exception):
     """A request this server refuses, with the HTTP status and OpenAI's error type."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.headers = status, kind, headers or {}
 
 
 @dataclasses.dataclass
@@ -377,6 +379,13 @@ class Completion:
     chat: bool = False
     reply: ReplyParser | None = None
     one_call: bool = False
+    # submit's keywords whose body field is named otherwise: a rejection names the field sent
+    fields: tuple[tuple[str, str], ...] = (("max_new_tokens", "max_tokens"),)
+
+    def in_body_terms(self, reason: str) -> str:
+        for keyword, field in self.fields:
+            reason = re.sub(rf"\b{keyword}\b", field, reason)
+        return reason
 
     @classmethod
     def parse(cls, body: dict, served: Served) -> Completion:
@@ -417,8 +426,9 @@ class Completion:
         reply = ReplyParser.for_request(fmt, text, tools, forced) if fmt.reasoning or tools else None
         if reply is not None and options["structured_output"] is not None:  # the reasoning is free
             options["structured_output"] = reply.hold_answer(options["structured_output"], served.tokenizer)
+        limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return cls([prompt], options, choices_per_prompt(body), *answer_form(body), chat=True, reply=reply,
-                   one_call=one_call)
+                   one_call=one_call, fields=(("max_new_tokens", limit_field), ("logprobs", "top_logprobs")))
 
     def call(self) -> Call:
         """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
@@ -459,6 +469,9 @@ def tokenizer_info(served: Served) -> dict:
 
 
 TOKENIZER_POSTS = {"/tokenize": tokenize, "/detokenize": detokenize}
+GET_PATHS = ("/health", "/v1/models", "/tokenizer_info", "/get_weight_version", "/is_sleeping", "/metrics")
+POST_PATHS = (*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up",
+              "/release_memory_occupation", "/resume_memory_occupation")
 
 
 MAX_N = 128  # OpenAI's limit on n
@@ -768,6 +781,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self.respond(self.post)
 
+    def do_PUT(self):
+        self.respond(self.not_served)
+
+    do_DELETE = do_PATCH = do_OPTIONS = do_PUT
+
     def respond(self, handle) -> None:
         """handle() the request, if authorized: a BadRequest is its 4xx, any other failure (a bug)
         its 500 (or its stream cut), and the server goes on."""
@@ -779,7 +797,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             handle()
         except BadRequest as e:
-            self.send_json(e.status, error_body(e))
+            self.send_json(e.status, error_body(e), e.headers)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as e:  # noqa: BLE001
@@ -812,8 +830,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         else:
-            raise BadRequest(f"no GET {self.path}: GET /health, /v1/models, /tokenizer_info, /get_weight_version, "
-                             "/is_sleeping or /metrics", 404)
+            self.not_served()
 
     def post(self) -> None:
         if self.path == "/reset_prefix_cache":  # vLLM's: cached pages no request maps are freed
@@ -831,9 +848,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path in PARSERS:
             self.complete(PARSERS[self.path](self.read_json(), self.server.served))
         else:
-            served = [*PARSERS, *TOKENIZER_POSTS, "/reset_prefix_cache", "/update_weights_from_disk", "/sleep", "/wake_up",
-                      "/release_memory_occupation", "/resume_memory_occupation"]
-            raise BadRequest(f"no POST {self.path}: this server serves POST {', '.join(served)}", 404)
+            self.not_served()
+
+    def not_served(self) -> None:
+        """A path this server does not serve (404), or not with this method (405, with what it takes)."""
+        self.close_connection = True  # a body it may have sent is left unread
+        takes = "GET" if self.path in GET_PATHS else "POST" if self.path in POST_PATHS else None
+        if takes is not None:
+            raise BadRequest(f"{self.command} {self.path}: it takes {takes}", 405, headers={"Allow": takes})
+        raise BadRequest(f"no {self.command} {self.path}: this server serves GET {', '.join(GET_PATHS)} and POST "
+                         f"{', '.join(POST_PATHS)}", 404)
 
     def sleep_or_wake(self) -> dict:
         """vLLM's /sleep?level=N (what Engine.sleep frees: tags too, as SGLang's release takes
@@ -975,7 +999,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         head = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": served.model_name}
         try:
-            first = self.first_updates(call)  # a rejection comes in the first: a 400
+            first = self.first_updates(call, request.in_body_terms)  # a rejection comes in the first: a 400
             choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat,
                               None if request.reply is None else ReplyStream(request.reply, request.one_call))
                        for i, (p, _) in enumerate(call.requests)]
@@ -994,9 +1018,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         finally:  # whatever is left of the call (nothing, once answered): its client gone, a rejection, an error here
             s.loop.cancel(call)
 
-    def first_updates(self, call: Call) -> list[tuple[int, Update]]:
+    def first_updates(self, call: Call, in_body_terms: Callable[[str], str]) -> list[tuple[int, Update]]:
         """The updates until every choice has had its first; a 400 naming each rejected prompt (once,
-        however many of its choices were)."""
+        however many of its choices were), in the body's field names."""
         got, seen = [], set()
         while len(seen) < len(call.requests):
             got.append(self.next_update(call))
@@ -1007,7 +1031,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 rejected.setdefault(i // call.n, u.result.reason)
         if rejected:
             several = len(call.requests) > call.n
-            raise BadRequest("; ".join(f"prompt {i}: {why}" if several else why for i, why in rejected.items()))
+            raise BadRequest(in_body_terms("; ".join(f"prompt {i}: {why}" if several else why
+                                                     for i, why in rejected.items())))
         return got
 
     def updates(self, call: Call, first: list):
@@ -1073,9 +1098,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
         self.wfile.flush()
 
-    def send_json(self, status: int, body: dict) -> None:
+    def send_json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(run.finite_or_null(body), allow_nan=False).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()

@@ -647,7 +647,8 @@ def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_f
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
      "messages[0].tool_calls must be a list of"),
     (chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
-    (chat(logprobs=True, top_logprobs=21), "max_logprobs=20"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs must be None or an integer in [0, max_logprobs=20]"),
+    (chat(max_completion_tokens=0), "max_completion_tokens must be a positive integer"),
     (chat(chat_template_kwargs={"messages": [], "add_generation_prompt": False}),
      "may not set add_generation_prompt, messages"),
     (chat(add_generation_prompt=True, continue_final_message=True), "exclude each other"),
@@ -682,6 +683,7 @@ def test_bad_chat_input_is_a_clear_error_and_the_server_goes_on(srv, body, messa
     ({"prompt": [1, True]}, 400, "list of integer token ids"),
     ({"prompt": "x", "max_tokens": 600}, 400, "exceeds the context limit 512"),
     ({"prompt": "x", "logprobs": 21}, 400, "max_logprobs=20"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be a positive integer"),
     ({"prompt": "x", "stop": [""]}, 400, "non-empty strings"),
     ({"prompt": ["fine", [1, -1]]}, 400, "prompt 1: token ids outside"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objectx"}}}},
@@ -773,18 +775,20 @@ def test_a_bug_in_a_handler_is_that_requests_500_and_the_server_goes_on(srv, mon
 def test_a_chunked_body_is_read_as_a_whole_one(srv):
     """Transfer-Encoding: chunked (curl's when it posts stdin, http.client's for an iterable body):
     the same completion as a sized body's; a chunk size that is not hexadecimal is a 400."""
-    body = json.dumps(greedy(max_tokens=3)).encode()
+    fresh = lambda: greedy(max_tokens=3, cache_salt=str(uuid.uuid4()))  # both compute the whole prompt (FP8 KV)
+    body = json.dumps(fresh()).encode()
     with contextlib.closing(connect(srv)) as c:
         c.request("POST", "/v1/completions", iter([body[:7], body[7:20], body[20:]]), encode_chunked=True,
                   headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
         r = c.getresponse()
         assert r.status == 200
         chunked = json.loads(r.read())
-    assert chunked["choices"][0]["text"] == post(srv, greedy(max_tokens=3))[1]["choices"][0]["text"]
-    with socket.create_connection(srv.server_address[:2], timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")
-        reply = sock.recv(65536).decode()
-    assert reply.startswith("HTTP/1.1 400") and "a chunk's size must be hexadecimal" in reply
+    assert chunked["choices"][0]["text"] == post(srv, fresh())[1]["choices"][0]["text"]
+    with contextlib.closing(connect(srv)) as c:  # the body as given: a Transfer-Encoding header stops http.client's
+        c.request("POST", "/v1/completions", b"zz\r\n{}\r\n0\r\n\r\n", headers={"Transfer-Encoding": "chunked"})
+        r = c.getresponse()
+        error = json.loads(r.read())["error"]
+    assert r.status == 400 and "a chunk's size must be hexadecimal" in error["message"], error
 
 
 def test_a_bad_content_length_is_refused_not_waited_on(srv):
@@ -801,6 +805,14 @@ def test_the_other_endpoints(srv):
     assert get(srv, "/nowhere")[0] == 404
     status, error = post(srv, {"prompt": "x"}, path="/v1/nowhere")
     assert status == 404 and "/v1/completions, /v1/chat/completions, /tokenize, /detokenize" in error["error"]["message"]
+    # a served path with another method: 405 with what it takes (Allow), in OpenAI's error form as every other
+    for method, path, takes, status in (("GET", "/v1/completions", "POST", 405), ("DELETE", "/v1/models", "GET", 405),
+                                        ("OPTIONS", "/tokenize", "POST", 405), ("PUT", "/nowhere", None, 404)):
+        with contextlib.closing(connect(srv)) as c:
+            c.request(method, path)
+            r = c.getresponse()
+            error = json.loads(r.read())["error"]
+        assert r.status == status and r.getheader("Allow") == takes and error["code"] == status, (method, path, error)
 
 
 def metrics(s) -> dict[str, float]:
