@@ -259,7 +259,8 @@ class ModelRunner:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
         self._keep_prompt_logprobs(reqs, prompt_rows, ok)
-        host_rows = {id(call): self._host_rows(call) for call, *_ in replay_rows}  # one read per call
+        calls_rows = {id(call): call for call, *_ in replay_rows}
+        host_rows = {key: self._host_rows(call) for key, call in calls_rows.items()}  # one read per call
         for call, row, i, first, k in replay_rows:
             if ok[i]:
                 reqs[i].keep_replay_rows(first, host_rows[id(call)][row, :k])

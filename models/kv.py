@@ -116,5 +116,7 @@ class NoCache:
     def index_replay(self, chosen_BTK):
         """The mask of a given choice (chosen_positions' rows, -1 for none): query t attends to
         the keys at those positions (model.Model.replayed_indexer_topk checks they are causal)."""
-        T = chosen_BTK.shape[1]
-        return jnp.any(chosen_BTK[..., None] == jnp.arange(T), axis=-2)
+        B, T, _ = chosen_BTK.shape
+        columns = jnp.where(chosen_BTK < 0, T, chosen_BTK)  # -1 goes to a column past the keys, dropped
+        rows = (jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], columns)
+        return jnp.zeros((B, T, T + 1), bool).at[rows].set(True)[..., :T]

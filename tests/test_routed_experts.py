@@ -104,7 +104,8 @@ def test_rows_are_the_cache_free_forwards_choices_through_every_cache_path():
     (one column per MoE layer: the first, dense layer has none) and its indexers' positions (one
     column per layer that runs an indexer: the tiny preset's second layer reuses the first's).
     Then a prompt extending a finished sequence shares its pages from the prefix cache (their rows
-    come with them), and again after the pages went to the host tier and came back."""
+    come with them, none computed again), and again after the pages went to the host tier and came
+    back. A request cancelled mid-decode holds the rows of the positions it got to."""
     model = glm5()
     e = engine(model, num_pages=10, integrity="check", return_routed_experts=True, return_indexer_topk=True,
                host_kv_bytes=1 << 20)
@@ -128,42 +129,23 @@ def test_rows_are_the_cache_free_forwards_choices_through_every_cache_path():
     [b] = e.generate([longer], max_new_tokens=NEW)
     assert b.cached_tokens == 16  # the 4 full pages of 19 fed tokens
     assert_cache_free_rows(model, longer, b)
-    e.page_manager.evict_all()  # into the host tier
-    [c] = e.generate([longer], max_new_tokens=NEW)
-    assert e.counters.host_restored_tokens >= 16 and c.tokens == b.tokens
-    assert_cache_free_rows(model, longer, c)
-
-
-def test_prefix_cache_hits_return_the_routing_that_computed_their_pages():
-    """A prompt that extends an earlier request's sequence shares its full pages: their rows come
-    from the routing stored with them (none of them is computed again). After the pages are
-    evicted to the host tier and restored, the same. A request cancelled mid-decode holds the rows
-    of the positions it got to."""
-    model = mixserve.load("tiny-kimi", dtype="float32")
-    e = engine(model, return_routed_experts=True, host_kv_bytes=1 << 20)
-    first = prompts(1)[3]  # 14 tokens
-    [a] = e.generate([first], max_new_tokens=NEW)
-    assert_cache_free_routes(model, first, a)
-    longer = first + a.tokens + [7, 8, 9]
-    [b] = e.generate([longer], max_new_tokens=NEW)
-    assert b.cached_tokens == 16  # the 4 full pages of 19 fed tokens
-    assert_cache_free_routes(model, longer, b)
     pm = e.page_manager
     assert set(pm.replay_rows) == set(pm._cache) and pm.replay_rows
     pm.evict_all()  # into the host tier
     assert not pm.replay_rows and not pm._cache  # the host keeps the rows with the pages
     [c] = e.generate([longer], max_new_tokens=NEW)
     assert e.counters.host_restored_tokens >= 16 and c.tokens == b.tokens
-    assert_cache_free_routes(model, longer, c)
-    rid = e.submit(first[:9], max_new_tokens=NEW)
+    assert_cache_free_rows(model, longer, c)
+    rid = e.submit(ps[3][:9], max_new_tokens=NEW)  # cancelled mid-decode: the rows of the positions it got to
     got = []
     while len(got) < 3:
         got += [t for u in e.step() for t in u.new_tokens]
     e.cancel(rid)
     [cancelled] = [u.result for u in e.step() if u.rid == rid]
     assert cancelled.status == "aborted" and len(cancelled.tokens) == 3
-    routes, _ = cache_free(model, first[:9] + cancelled.tokens)
-    np.testing.assert_array_equal(cancelled.routed_experts, routes)
+    fed = ps[3][:9] + cancelled.tokens
+    np.testing.assert_array_equal(cancelled.routed_experts, cache_free(model, fed)[0])
+    np.testing.assert_array_equal(cancelled.indexer_topk, cache_free_chosen(model, fed))
 
 
 def test_a_restored_page_brings_the_rows_of_the_kv_it_restores():
@@ -212,22 +194,23 @@ def test_new_weights_write_the_rows_again_and_a_cancelled_request_keeps_those_of
 
 
 def test_speculative_decoding_returns_the_rows_of_the_kept_positions():
-    """A verify step computes a row per draft; a request keeps those of its fed token and the
-    drafts it accepted (n-gram drafts, on a model whose greedy output falls into cycles)."""
-    model = mixserve.load("tiny-kimi", dtype="float32")
+    """A verify step computes a row per draft (a row of one token per position, the pages read once
+    per request); a request keeps those of its fed token and the drafts it accepted (n-gram drafts,
+    on a model whose greedy output falls into cycles), routing and indexer positions alike."""
+    model = glm5()
     ps = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
     e = Engine(model, num_pages=128, page_size=8, max_batch=4, stop_tokens=(), speculative_tokens=4, draft="ngram",
-               return_routed_experts=True, **ONE_STEP_SHAPE)
+               return_routed_experts=True, return_indexer_topk=True, **ONE_STEP_SHAPE)
     for p, r in zip(ps, e.generate(ps, max_new_tokens=48)):
-        assert_cache_free_routes(model, p, r)
+        assert_cache_free_rows(model, p, r)
     assert e.counters.accepted_tokens > 0 and e.counters.steps < 47
 
 
-def test_mtp_verification_returns_the_rows_of_the_kept_positions_and_none_of_the_mtp_layers():
-    """Speculative decoding with GLM-5's MTP layer: a verify step scores each draft's position
-    (a row of one token per position, the pages read once per request), and a request keeps the
-    rows of its fed token and accepted drafts. The MTP layer runs an indexer of its own, beside
-    every prefill and verify step: its choices are not the model's and reach no row."""
+def test_the_mtp_layers_own_choices_reach_no_row():
+    """Speculative decoding with GLM-5's MTP layer, a MoE layer with an indexer of its own, run
+    beside every prefill and verify step (its KV, its drafts): its choices are not the model's and
+    reach no row. (This random MTP layer's drafts are all rejected: each step keeps its fed token's
+    rows. The n-gram test above keeps accepted drafts' rows.)"""
     model = glm5(mtp=True)
     e = engine(model, speculative_tokens=2, return_routed_experts=True, return_indexer_topk=True)
     ps = prompts()
