@@ -103,6 +103,8 @@ class Endpoint:
         usage_option = (body.get("stream_options") or {}).get("include_usage")
         if usage_option is not None and not isinstance(usage_option, bool):
             raise BadRequest(f"stream_options.include_usage must be bool, got {usage_option!r}")
+        if body.get("stream_options") is not None and not body.get("stream"):  # OpenAI's and vLLM's rule
+            raise BadRequest("stream_options is for a stream: set stream to true, or leave stream_options out")
 
     @staticmethod
     def sampling(body: dict) -> dict:
@@ -383,8 +385,8 @@ class Completion:
     fields: tuple[tuple[str, str], ...] = (("max_new_tokens", "max_tokens"),)
 
     def in_body_terms(self, reason: str) -> str:
-        for keyword, field in self.fields:
-            reason = re.sub(rf"\b{keyword}\b", field, reason)
+        for keyword, field in self.fields:  # where the reason names it ("x must ...", "x (4)"), not in a value
+            reason = re.sub(rf"\b{keyword}(?= must| \()", field, reason)
         return reason
 
     @classmethod
@@ -618,8 +620,9 @@ class Choice:
     (a text completion's, or with chat: an assistant message's, streamed as deltas)."""
 
     def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned,
-                 chat: bool = False, reply: ReplyStream | None = None):
+                 chat: bool = False, reply: ReplyStream | None = None, stop_token_ids=()):
         self.index, self.prompt, self.tokenizer, self.returned, self.chat = index, prompt, tokenizer, returned, chat
+        self.stop_token_ids = stop_token_ids  # the request's own (its stop_reason names them, not the model's end)
         self.reply = reply  # a chat reply read for reasoning and tool calls (else its text is the content)
         self.announced = False  # a chat stream's first delta names the role
         self.hold = max(map(len, stop_strings(stop)), default=1) - 1
@@ -682,7 +685,7 @@ class Choice:
         out = {"index": self.index, **part,
                "logprobs": None if logprobs is None else self.openai_logprobs(start, logprobs),
                "finish_reason": self.finish_reason() if done else None,
-               "stop_reason": r.stop_reason if done else None}
+               "stop_reason": self.stop_reason() if done else None}
         if done:  # which weights gave which tokens (a span per update_weights it ran through)
             out["weight_versions"] = [[first, version] for first, version in r.weight_versions]
         # --enable-return-routed-experts: [position][MoE layer][k]; --enable-return-indexer-topk:
@@ -700,6 +703,12 @@ class Choice:
                                               for t, (v, rank) in ranked(token, lp, top).items()}
                                       for token, lp in zip(self.prompt, self.prompt_logprobs)]
         return out
+
+    def stop_reason(self) -> int | str | None:
+        """vLLM's: the stop string or stop_token_ids token that ended it; None for the length or the
+        model's end token."""
+        why = self.result.stop_reason
+        return why if isinstance(why, str) or why in self.stop_token_ids else None
 
     def finish_reason(self) -> str:
         if self.result.stop_reason is None:
@@ -721,7 +730,7 @@ class Choice:
         top = self.returned.top  # with the token itself, as OpenAI's legacy API and vLLM list them: up to top + 1
         return {"tokens": [self.name(t) for t in tokens],
                 "token_logprobs": [lp and lp.logprob for lp in logprobs],
-                "top_logprobs": [lp and {self.name(t): v for t, v in [(token, lp.logprob), *lp.top[:top]]}
+                "top_logprobs": [lp and {self.name(t): v for t, v in [*lp.top[:top], (token, lp.logprob)]}
                                  for token, lp in zip(tokens, logprobs)],
                 "text_offset": offsets}
 
@@ -970,10 +979,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         parts = []
         while True:
             line = self.rfile.readline(1 << 16)
-            try:
-                size = int(line.split(b";")[0], 16)  # a chunk extension follows ';'
-            except ValueError:
-                raise BadRequest(f"a chunk's size must be hexadecimal, got {line[:40]!r}") from None
+            digits = line.split(b";")[0].strip()  # a chunk extension follows ';'
+            if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", digits):  # int() would take -1 (read to the end), 0x, _
+                self.close_connection = True  # the rest of the body is left unread
+                raise BadRequest(f"a chunk's size must be hexadecimal, got {line[:40]!r}")
+            size = int(digits, 16)
             if size == 0:
                 break
             parts.append(self.rfile.read(size))
@@ -1001,7 +1011,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         try:
             first = self.first_updates(call, request.in_body_terms)  # a rejection comes in the first: a 400
             choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat,
-                              None if request.reply is None else ReplyStream(request.reply, request.one_call))
+                              None if request.reply is None else ReplyStream(request.reply, request.one_call),
+                              request.options["stop_token_ids"])
                        for i, (p, _) in enumerate(call.requests)]
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)
@@ -1083,7 +1094,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if choice.result is not None and choice.result.status != "ok":  # streamed tokens passed their checks
                     self.send_event(error_body(BadRequest(f"choice {index}: {choice.result.reason}", 500, "server_error")))
                     continue
-                self.send_event({**head, "choices": [chunk]})
+                # with include_usage every chunk has the field, null but in the last (OpenAI's form)
+                self.send_event({**head, "choices": [chunk], **({"usage": None} if include_usage else {})})
             if include_usage:
                 self.send_event({**head, "choices": [], "usage": usage(choices, call.n)})
         except BadRequest as e:  # the loop stopped mid-stream

@@ -136,6 +136,10 @@ def test_a_streamed_completion_adds_up_to_the_whole_one(srv, reference):
     assert [t for c in choices for t in c["token_ids"]] == reference["tokens"]
     assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
     assert len({c["id"] for c in chunks}) == 1
+    assert all("usage" in c and c["usage"] is None for c in chunks)  # include_usage: null but in the last (OpenAI's)
+    assert all("usage" not in c for c in events(srv, greedy(max_tokens=2))[:-1])
+    status, error = post(srv, greedy(stream_options={"include_usage": True}))  # no stream: OpenAI's and vLLM's 400
+    assert status == 400 and "stream_options is for a stream" in error["error"]["message"]
 
 
 def test_a_stop_string_ends_the_text_before_it_and_is_never_streamed(srv, reference):
@@ -574,6 +578,7 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls_and_thinking_can_be_
         _, body = post(s, {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "return_token_ids": True}, CHAT)
         (choice,) = body["choices"]
         assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
+        assert choice["stop_reason"] is None  # the model's end token, not one the request named (vLLM's)
         assert choice["message"]["content"] == GLM_REPLY[GLM_REPLY.index("Checking"):]
         off = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
         assert post(s, off, CHAT)[1]["choices"][0]["message"]["content"] == GLM_REPLY  # no open <think>
@@ -649,6 +654,7 @@ def test_a_thinking_models_reasoning_is_free_and_its_answer_holds_the_response_f
     (chat(top_logprobs=2), "top_logprobs needs logprobs: true"),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs must be None or an integer in [0, max_logprobs=20]"),
     (chat(max_completion_tokens=0), "max_completion_tokens must be a positive integer"),
+    (chat(stop=["logprobs", ""]), "got ['logprobs', '']"),  # a value is not renamed as a field
     (chat(chat_template_kwargs={"messages": [], "add_generation_prompt": False}),
      "may not set add_generation_prompt, messages"),
     (chat(add_generation_prompt=True, continue_final_message=True), "exclude each other"),
@@ -852,6 +858,7 @@ def test_the_servers_histograms_count_each_finished_request(srv):
     assert status == 200, second
     stopped = len(second["choices"][0]["token_ids"])
     assert stopped == tokens.index(tokens[2]) + 1
+    assert second["choices"][0]["stop_reason"] == tokens[2] and first["choices"][0]["stop_reason"] is None
     after = metrics(srv)
     grew = {name: after[name] - before.get(name, 0) for name in after}
 
