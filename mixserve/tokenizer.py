@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Protocol
 
@@ -60,7 +61,7 @@ class HFTokenizer:
         spec = json.loads(self._tok.to_str())
         decoders = [spec.get("decoder") or {}]
         decoders += decoders[0].get("decoders") or []  # a Sequence's
-        self._byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
+        self._decoders = {d.get("type") for d in decoders}
         self._added = {t["id"] for t in spec.get("added_tokens") or []}
 
     def encode(self, text: str) -> list[int]:
@@ -70,13 +71,20 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token: int) -> bytes:
-        """A byte-level vocabulary's token: its characters' bytes; an added token, or another
-        vocabulary's: its text's UTF-8 (an id past the vocabulary: none)."""
+        """A byte-level vocabulary's token: its characters' bytes; SentencePiece's: a byte-fallback
+        token (<0xE4>) its byte, another its text with "▁" as the space it stands for; an added
+        token, or another vocabulary's: its text's UTF-8 (an id past the vocabulary: none)."""
         piece = self._tok.id_to_token(token)
         if piece is None:
             return b""
-        if self._byte_level and token not in self._added and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+        if token in self._added:
+            return piece.encode()
+        if "ByteLevel" in self._decoders and all(c in BYTE_LEVEL_ALPHABET for c in piece):
             return bytes(BYTE_LEVEL_ALPHABET[c] for c in piece)
+        if "ByteFallback" in self._decoders and (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)):
+            return bytes([int(byte[1], 16)])
+        if self._decoders & {"Metaspace", "Replace"}:  # SentencePiece's space, as its decoders write it
+            return piece.replace("\u2581", " ").encode()
         return self.decode([token]).encode()
 
     def to_json(self) -> str:

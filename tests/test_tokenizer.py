@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 import hf_reference as ref
 import mixserve
@@ -177,6 +177,25 @@ def test_token_bytes_join_into_the_texts_bytes(model_dir, tmp_path, kimi_tok):
     assert hf.token_bytes(hf.encode("<|endoftext|>")[0]) == b"<|endoftext|>"
     assert kimi_tok.token_bytes(300) == b"<|im_end|>" and kimi_tok.token_bytes(10**6) == b""
     assert hf.token_bytes(10**6) == b"" and ByteTokenizer().token_bytes(300) == b""
+
+
+def test_a_sentencepiece_vocabularys_token_bytes(tmp_path):
+    """SentencePiece's form (Llama-style tokenizer.json): "▁" stands for a space, and a
+    character outside the vocabulary falls back to tokens <0xE4> ... of its bytes. Joined, the
+    tokens' bytes are the text's with the leading space the normalizer prepends (decode strips it)."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "h": 258, "i": 259,
+             "▁h": 260, "▁hi": 261}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "h"), ("▁h", "i")], unk_token="<unk>",
+                                          byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    sp = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    for text in ("hi 你 hi", "hi🙂"):
+        ids = sp.encode(text)
+        assert sp.decode(ids) == text and any(sp.decode([t]) == "�" for t in ids)  # a character split in bytes
+        assert b"".join(sp.token_bytes(t) for t in ids) == b" " + text.encode()
 
 
 def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_tok):
