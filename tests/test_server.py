@@ -790,11 +790,12 @@ def test_a_chunked_body_is_read_as_a_whole_one(srv):
         assert r.status == 200
         chunked = json.loads(r.read())
     assert chunked["choices"][0]["text"] == post(srv, fresh())[1]["choices"][0]["text"]
-    with contextlib.closing(connect(srv)) as c:  # the body as given: a Transfer-Encoding header stops http.client's
-        c.request("POST", "/v1/completions", b"zz\r\n{}\r\n0\r\n\r\n", headers={"Transfer-Encoding": "chunked"})
-        r = c.getresponse()
-        error = json.loads(r.read())["error"]
-    assert r.status == 400 and "a chunk's size must be hexadecimal" in error["message"], error
+    for size in (b"zz", b"-1", b"0x2"):  # int(, 16) takes the last two: -1 would read to the connection's end
+        with contextlib.closing(connect(srv)) as c:  # the body as given: a Transfer-Encoding header stops http.client's
+            c.request("POST", "/v1/completions", size + b"\r\n{}\r\n0\r\n\r\n", headers={"Transfer-Encoding": "chunked"})
+            r = c.getresponse()
+            error = json.loads(r.read())["error"]
+        assert r.status == 400 and "a chunk's size must be hexadecimal" in error["message"], error
 
 
 def test_a_bad_content_length_is_refused_not_waited_on(srv):
