@@ -11,7 +11,9 @@ each position: chunked prefill, decode, a prefix-cache hit (device or host tier)
 after preemption, speculative verification, a disaggregated hand-over."""
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,13 +38,23 @@ def glm5(**kw):
     return dataclasses.replace(model, config=dataclasses.replace(model.config, index_topk=TOP_K))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def sown(module, params, ids_BT, routed_experts=None, indexer_topk=None):
+    """The plain forward's logits and what its layers sowed (routes, indexer choices), replaying
+    what is given: jitted, one compile per model and shape (eagerly, each call dispatches every
+    operation on its own: seconds per call on these tiny models)."""
+    logits, state = module.apply({"params": params}, ids_BT, routed_experts=routed_experts, indexer_topk=indexer_topk,
+                                 mutable=["intermediates"])
+    return logits, state["intermediates"]
+
+
 def cache_free(model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(routes int16 [len - 1, L, K], greedy next token at each of those positions) of the plain
     forward over tokens: the rows a Result holds, and the tokens greedy decoding would have fed."""
     seq = np.zeros((1, PADDED), np.int32)
     seq[0, : len(tokens)] = tokens
-    logits, state = model.module.apply({"params": model.params}, seq, mutable=["intermediates"])
-    routes = np.asarray(sown_routes(state["intermediates"], model.config))[0, : len(tokens) - 1]
+    logits, rows = sown(model.module, model.params, seq)
+    routes = np.asarray(sown_routes(rows, model.config))[0, : len(tokens) - 1]
     return routes, np.argmax(np.asarray(logits)[0, : len(tokens) - 1], axis=-1)
 
 
@@ -58,8 +70,7 @@ def cache_free_chosen(model, tokens: list[int]) -> np.ndarray:
     """int32 [len - 1, indexer layers, TOP_K]: the plain forward's choices for the positions fed."""
     seq = np.zeros((1, PADDED), np.int32)
     seq[0, : len(tokens)] = tokens
-    _, state = model.module.apply({"params": model.params}, seq, mutable=["intermediates"])
-    return np.asarray(sown_indexer_topk(state["intermediates"], model.config))[0, : len(tokens) - 1]
+    return np.asarray(sown_indexer_topk(sown(model.module, model.params, seq)[1], model.config))[0, : len(tokens) - 1]
 
 
 def assert_cache_free_rows(model, prompt: list[int], result) -> None:
@@ -275,10 +286,6 @@ def test_routing_replay_sends_each_token_to_the_given_experts_with_its_own_route
     steps: 1e-6). Replaying a model's own routing gives its logits bit for bit; another routing is
     routed as given (the forward's sown rows are the replayed ones), changes the logits, and the
     gradient still reaches the router. A row the model cannot route is refused by name."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
     from mixserve.model import init_params
     from models.moe import route
     from models.weights import WeightPlan
@@ -296,24 +303,21 @@ def test_routing_replay_sends_each_token_to_the_given_experts_with_its_own_route
     np.testing.assert_allclose(weights, want * cfg.routed_scaling_factor, rtol=1e-6)
 
     ids = rng.integers(0, 256, (2, 12)).astype(np.int32)
-    _, state = model.module.apply({"params": model.params}, ids, mutable=["intermediates"])
-    own = np.asarray(sown_routes(state["intermediates"], cfg))
+    own = np.asarray(sown_routes(sown(model.module, model.params, ids)[1], cfg))
     np.testing.assert_array_equal(model.logits(ids, routed_experts=own), model.logits(ids))
     other = (own + 1) % cfg.n_routed_experts  # still distinct per row
-    logits, state = model.module.apply({"params": model.params}, ids, routed_experts=model.replayed(other, ids.shape),
-                                       mutable=["intermediates"])
-    np.testing.assert_array_equal(sown_routes(state["intermediates"], cfg), other)
+    logits, rows = sown(model.module, model.params, ids, model.replayed(other, ids.shape))
+    np.testing.assert_array_equal(sown_routes(rows, cfg), other)
     assert not np.allclose(logits, model.logits(ids))
-    grads = jax.grad(lambda p: model.module.apply({"params": p}, ids, routed_experts=jnp.asarray(other)).sum())(
+    grads = jax.jit(jax.grad(lambda p: model.module.apply({"params": p}, ids, routed_experts=jnp.asarray(other)).sum()))(
         model.params)
     assert np.abs(np.asarray(grads["layers_1"]["mlp"]["gate"]["kernel"])).max() > 0
     # Three dense layers first (as GLM-4.5's): MoE layer l is model layer 3 + l, and routes row l.
     cfg3 = dataclasses.replace(cfg, num_layers=5, first_k_dense_replace=3)
     deep = dataclasses.replace(model, config=cfg3, params=init_params(cfg3, WeightPlan(), jnp.float32, 0, None))
     shifted = np.stack([own[:, :, 0], (own[:, :, 1] + 1) % cfg.n_routed_experts], axis=2)
-    _, state = deep.module.apply({"params": deep.params}, ids, routed_experts=deep.replayed(shifted, ids.shape),
-                                 mutable=["intermediates"])
-    np.testing.assert_array_equal(sown_routes(state["intermediates"], cfg3), shifted)
+    np.testing.assert_array_equal(sown_routes(sown(deep.module, deep.params, ids, deep.replayed(shifted, ids.shape))[1],
+                                              cfg3), shifted)
     bad = [(own[:, :-1], r"\[batch, time, MoE layers, top-k\] = \[2, 12, 2, 2\], got \[2, 11, 2, 2\]"),
            (np.where(own == own.max(), cfg.n_routed_experts, own), r"expert ids in \[0, 8\)"),
            (own.astype(np.float32), r"integer expert ids"),
@@ -331,8 +335,7 @@ def test_indexer_replay_attends_to_the_given_positions():
     model = glm5()
     cfg, rng = model.config, np.random.default_rng()
     ids = rng.integers(0, 256, (2, 12)).astype(np.int32)
-    _, state = model.module.apply({"params": model.params}, ids, mutable=["intermediates"])
-    own = np.asarray(sown_indexer_topk(state["intermediates"], cfg))
+    own = np.asarray(sown_indexer_topk(sown(model.module, model.params, ids)[1], cfg))
     assert own.shape == (2, 12, 2, TOP_K)
     np.testing.assert_array_equal(model.logits(ids, indexer_topk=own), model.logits(ids))
     first = np.where(np.arange(TOP_K) <= np.arange(12)[:, None], np.arange(TOP_K), -1)  # [T, K]
@@ -343,10 +346,8 @@ def test_indexer_replay_attends_to_the_given_positions():
     for t, row in enumerate(first):
         want[:, t, row[row >= 0]] = True
     np.testing.assert_array_equal(mask, want)
-    logits, state = model.module.apply({"params": model.params}, ids,
-                                       indexer_topk=model.replayed_indexer_topk(other, ids.shape),
-                                       mutable=["intermediates"])
-    np.testing.assert_array_equal(sown_indexer_topk(state["intermediates"], cfg), other)
+    logits, rows = sown(model.module, model.params, ids, indexer_topk=model.replayed_indexer_topk(other, ids.shape))
+    np.testing.assert_array_equal(sown_indexer_topk(rows, cfg), other)
     assert not np.allclose(logits, model.logits(ids))
     future = own.copy()
     future[0, 3, 0, 0] = 4
