@@ -898,7 +898,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         wakes them. "cuda_graph" frees nothing here (XLA's programs keep no graph memory pool) and is
         accepted so that SGLang's clients work."""
         release = self.path == "/release_memory_occupation"
-        body = self.read_json() if self.headers.get("Content-Length", "0") != "0" else {}  # SGLang's client may send none
+        body = self.read_json(empty={})  # SGLang's client may send none
         if unknown := sorted(set(body) - {"tags"}):
             raise BadRequest(f"unknown fields {unknown}: {self.path} takes ['tags']")
         tags = body.get("tags")
@@ -992,8 +992,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             pass
         return b"".join(parts)
 
-    def read_json(self) -> dict:
+    def read_json(self, empty: dict | None = None) -> dict:
+        """The body's JSON object; `empty` (if given) for an empty body, which is otherwise refused."""
         body = self.read_body()
+        if not body and empty is not None:
+            return empty
         try:
             body = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
