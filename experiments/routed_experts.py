@@ -52,7 +52,7 @@ STEP_ROWS = 64  # requests in the decode step the bytes table reads rows back fo
 
 def routes_bytes(cfg) -> int:
     """Bytes of one position's routing: a row of top-k int16 expert ids per MoE layer."""
-    return 2 * cfg.num_experts_per_tok * sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    return 2 * cfg.num_experts_per_tok * len(cfg.moe_layers)
 
 
 def bytes_table() -> list[str]:
@@ -62,7 +62,7 @@ def bytes_table() -> list[str]:
     for name in ("kimi-k2", "glm-4.5", "glm-4.5-air", "glm-5"):  # K2.6, GLM-4.6 and 4.7 differ in context only
         cfg = FULL_PRESETS[name]
         bf16, fp8 = (bytes_per_token(cfg, kv_format(dtype, "bfloat16")) for dtype in ("bfloat16", "fp8_e4m3"))
-        kinds = [("routed experts", sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.num_experts_per_tok,
+        kinds = [("routed experts", len(cfg.moe_layers), cfg.num_experts_per_tok,
                   routes_bytes(cfg))]
         if cfg.indexer_layers:  # int32 positions: a context past 32k tokens does not fit int16
             kinds.append(("indexer top-k", len(cfg.indexer_layers), cfg.index_topk,

@@ -86,7 +86,7 @@ class Model:
         token's too). A bad row would not fail by name in the forward (an id past the last expert
         gathers NaN weights, a negative one wraps around), so it fails here."""
         cfg, routes = self.config, np.asarray(routed_experts)
-        want = (*shape, sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts_per_tok)
+        want = (*shape, len(cfg.moe_layers), cfg.num_experts_per_tok)
         if routes.shape != want:
             raise ValueError(f"routed_experts must be [batch, time, MoE layers, top-k] = {list(want)}, got "
                              f"{list(routes.shape)}")

@@ -45,7 +45,7 @@ from mixserve import kv_transfer, sharding, speculative
 from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
-from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs, replay_dtype
+from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs
 from mixserve.sampling import Sampling, sample
 from models import attention, moe
 from models.transformer import Transformer
@@ -100,8 +100,9 @@ class RunnerConfig:
     max_logprobs: int = 0  # how many likeliest tokens a request may ask for (the steps compute that many)
     speculative_tokens: int = 0  # draft tokens per decode step (mixserve/speculative.py); 0: none
     draft: str = "mtp"  # who drafts them: the MTP layer (in the steps) or "ngram" (the engine, on the host)
-    routed_experts: bool = False  # the steps return the experts each MoE layer chose per token (Request.replay_rows)
-    indexer_topk: bool = False  # and the positions each DSA indexer layer chose (GLM-5)
+    # the rows the steps return per token (request.replay_dtype: the experts each MoE layer chose,
+    # the positions each DSA indexer layer chose; Request.replay_rows); None: neither
+    replay_dtype: np.dtype | None = None
     logprobs_mode: str = "raw_logprobs"  # what a request's logprobs are of (LOGPROBS_MODES; token_logprobs)
 
     @property
@@ -148,14 +149,14 @@ class ModelRunner:
 
     def __init__(self, model: Model, decode_model: Model, cfg: RunnerConfig, grammars: Grammars):
         self.model, self.decode_model, self.cfg, self.grammars = model, decode_model, cfg, grammars
+        returned = () if cfg.replay_dtype is None else cfg.replay_dtype.names
         spec = StepSpec(model.module, cfg.page_size, cfg.attention_backend, cfg.integrity, cfg.mesh, cfg.split_slots,
-                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, cfg.routed_experts,
-                        cfg.indexer_topk, cfg.logprobs_mode, cfg.num_pages, cfg.kv_format, cfg.max_batch)
+                        cfg.max_logprobs, cfg.speculative_tokens, cfg.mtp_drafts, ROUTED_EXPERTS in returned,
+                        INDEXER_TOPK in returned, cfg.logprobs_mode, cfg.num_pages, cfg.kv_format, cfg.max_batch)
         decode_steps = steps_for(dataclasses.replace(spec, module=decode_model.module))
         self.prefill_step, self.decode_step = steps_for(spec).prefill, decode_steps.decode
         self.speculative_step = decode_steps.speculative
         self.pick_step = decode_steps.pick
-        self.replay_dtype = replay_dtype(model.config, cfg.routed_experts, cfg.indexer_topk)  # the Requests' rows
         self.scales = self.placed_scales(cfg.k_scale, cfg.v_scale)  # arguments: engines that differ in scales alone share steps
         self.pools = self.new_pools()
 
@@ -259,8 +260,8 @@ class ModelRunner:
             for i, row_ok in zip(indices, np.asarray(ok_R)):
                 ok[i] &= bool(row_ok)
         self._keep_prompt_logprobs(reqs, prompt_rows, ok)
-        calls_rows = {id(call): call for call, *_ in replay_rows}
-        host_rows = {key: self._host_rows(call) for key, call in calls_rows.items()}  # one read per call
+        by_id = {id(call): call for call, *_ in replay_rows}
+        host_rows = {key: self._host_rows(call) for key, call in by_id.items()}  # one read per call
         for call, row, i, first, k in replay_rows:
             if ok[i]:
                 reqs[i].keep_replay_rows(first, host_rows[id(call)][row, :k])
@@ -318,7 +319,7 @@ class ModelRunner:
         """A step's replay rows ({Result field: [R, J, ...]} on the device) as one structured
         array [R, J] of request.replay_dtype (one read)."""
         host = jax.device_get(rows)
-        out = np.empty(next(iter(host.values())).shape[:2], self.replay_dtype)
+        out = np.empty(next(iter(host.values())).shape[:2], self.cfg.replay_dtype)
         for name, array in host.items():
             out[name] = array
         return out

@@ -28,8 +28,7 @@ def replay_dtype(cfg, routed_experts: bool, indexer_topk: bool) -> np.dtype | No
     if routed_experts:
         if not cfg.is_moe:
             raise ValueError("return_routed_experts needs an MoE model: this one routes no token")
-        fields.append((ROUTED_EXPERTS, np.int16, (sum(map(cfg.is_moe_layer, range(cfg.num_layers))),
-                                                 cfg.num_experts_per_tok)))
+        fields.append((ROUTED_EXPERTS, np.int16, (len(cfg.moe_layers), cfg.num_experts_per_tok)))
     if indexer_topk:
         if not cfg.indexer_layers:
             raise ValueError("return_indexer_topk needs a model with a DSA indexer (GLM-5): this one has none")

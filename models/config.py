@@ -130,6 +130,11 @@ class ModelConfig:
         return self.family == "glm_moe_dsa" and (layer >= self.num_layers or self.indexer_types[layer] == "full")
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder layers with routed experts: routed-experts rows have a column per layer here."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
     def indexer_layers(self) -> tuple[int, ...]:
         """The decoder layers that run their own DSA indexer (GLM-5's "full" ones; none elsewhere):
         indexer top-k rows have a column per layer here, in this order (the MTP layer's is not one)."""

@@ -173,5 +173,4 @@ def sown_routes(intermediates: dict, cfg: ModelConfig) -> jax.Array:
     """int16 [B, T, L, K]: the K experts each MoE layer (L of them, in layer order; the dense
     first_k_dense_replace layers have none) chose for each token, from a forward applied with
     mutable=["intermediates"]. The MTP layer's are not among them (it drafts; it is not the model)."""
-    layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    return jnp.stack([intermediates[f"layers_{i}"]["mlp"][ROUTES][0] for i in layers], axis=2)
+    return jnp.stack([intermediates[f"layers_{i}"]["mlp"][ROUTES][0] for i in cfg.moe_layers], axis=2)
