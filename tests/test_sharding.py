@@ -131,17 +131,18 @@ assert ids(got) == ids(one)
 # (a random model's are O(1): ulp ~1e-7), a logprob by about twice that (its logit and the
 # logsumexp), and the sampled tokens are the same: 1e-5 is a wide margin. Measured 4.8e-7 (2026-12-07).
 np.testing.assert_allclose(values(got), values(one), rtol=0, atol=1e-5)
-# Quantized weights whose TP4 shares would cut their scale blocks (tiny-kimi: 16 of a 128-block's rows
-# at FP8, 8 of down_proj's 2 INT4 g16 groups): the scales are re-blocked (FP8 8-row blocks for
-# down_proj's 32 rows, INT4 g8) and split with the values, and no weight moves in prefill or decode.
+# Quantized weights whose TP4 shares would cut their scale groups (tiny-kimi: 8 rows of down_proj's
+# 2 INT4 g16 groups): the scales are re-blocked (g8) and split with the values, and no weight moves
+# in prefill or decode. (FP8-block's re-blocked shares are served in KERNELS; placing, swapping and
+# sleeping are the same code for every format.)
 model = mixserve.load("tiny-kimi", dtype="float32")
-for fmt in (WeightFormat("int4", 16), WeightFormat("fp8_block")):
+for fmt in (WeightFormat("int4", 16),):
     quantized, _ = quantize_model(model, plan_for(fmt, "all"))
     expected = [r.tokens for r in Engine(quantized, **kw).generate(prompts, max_new_tokens=3)]
     split = Engine(quantized, mesh=mesh_for(4), **kw)
     assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == expected, fmt
     down = split.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
-    assert down.values_per_scale == {"int4": (1, 1), "fp8_block": (8, 128)}[fmt.kind]
+    assert down.values_per_scale == (1, 1)
     assert all(not x.sharding.is_fully_replicated for x in down.stored), fmt
     assert_no_weight_gathered(split, str(fmt))
     assert_no_weight_gathered(split, str(fmt), prefill=True)
@@ -206,6 +207,7 @@ assert "fp8_block_matmul/pallas_call" in text and "moe_fp8_block_matmul" in text
 down = kernels.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
 assert down.scale_block == (8, 128) and not any(x.sharding.is_fully_replicated for x in down.stored)
 assert_no_weight_gathered(kernels, "tiny-kimi fp8")
+assert_no_weight_gathered(kernels, "tiny-kimi fp8", prefill=True)
 print("ok")
 """
 
@@ -409,12 +411,12 @@ def test_tensor_parallel_engine_serves_the_one_device_tokens_and_gathers_no_weig
     one device (FP8 KV, chunked prefill of ragged prompts, integrity check on), no recompile,
     expert and head weights split, GQA pools split by KV head (twice the pages at TP2 for the same
     per-device budget), MLA pools replicated, and the compiled decode step gathers no split
-    weight; the same for INT4 and FP8-block weights whose shares would cut their scale blocks
-    (re-blocked to the shares and split with the values). At TP3 what 3 does not divide is
+    weight; the same for INT4 weights whose shares would cut their scale groups (re-blocked to the
+    shares and split with the values). At TP3 what 3 does not divide is
     replicated, with a warning that names it. `mixserve.run --tensor-parallel 2` reports the
     per-device bytes. A structured output samples the same at TP2, with the same processed logprobs
     (logprobs_mode). New weights swapped in (GLM-4 at
-    TP2; INT4 and FP8-block Kimi at TP4, re-blocked) keep their placement and compiled steps and
+    TP2; INT4 Kimi at TP4, re-blocked) keep their placement and compiled steps and
     serve the one-device tokens, and so do those woken from host memory after sleep."""
     run_on_8_devices(XLA_PATH)
 
@@ -426,7 +428,7 @@ def test_tensor_parallel_runs_the_pallas_kernels_per_device():
     re-blocked to g8), GQA attention on each device's KV heads, MLA and GLM-5's sparse MLA on
     each device's query heads (GLM-5 over fp8_ds_mla pages). Same greedy tokens as one device on
     the XLA references. Then FP8-block weights through the FP8 kernels at TP4, whose 16-wide
-    shares would cut the scale blocks: one device's tokens, no weight gathered."""
+    shares would cut the scale blocks: one device's tokens, no weight gathered in decode or prefill."""
     run_on_8_devices(KERNELS)
 
 
