@@ -357,12 +357,14 @@ class Returned:
 @dataclasses.dataclass(frozen=True)
 class Served:
     """What requests are read against: the model's name, its tokenizer and chat template, the tokens
-    one request may hold (prompt and output: the context limit, or the whole KV pool if smaller), and
-    what its chat replies are read for (reasoning, tool calls)."""
+    one request may hold (prompt and output: the context limit, or the whole KV pool if smaller), the
+    model's vocabulary size (token ids run from 0 to it; a tokenizer may know fewer), and what its
+    chat replies are read for (reasoning, tool calls)."""
     model_name: str
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
     max_model_len: int
+    vocab_size: int
     reply_format: ReplyFormat = ReplyFormat()
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ... as text
 
@@ -459,6 +461,10 @@ def detokenize(body: dict, served: Served) -> dict:
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not counts(*tokens) or min(tokens, default=0) < 0:
         raise BadRequest(f"tokens must be a list of token ids, got {tokens!r}")
+    # An id the model has but its tokenizer lacks (a vocabulary padded past it) decodes to nothing, as
+    # in generated text; one past the model is refused, as in a prompt, not dropped unseen.
+    if past := [t for t in tokens if t >= served.vocab_size]:
+        raise BadRequest(f"tokens must be ids in [0, {served.vocab_size}), the model's vocabulary, got {past[:5]}")
     return {"prompt": served.tokenizer.decode(tokens)}
 
 
@@ -1225,7 +1231,8 @@ def make_server(argv=None) -> Server:
     setup.engine.grammars.prepare()  # a model without a tokenizer: its structured requests say why
     d = setup.decoder
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
-                    min(d.max_seq_len, d.num_pages * d.page_size), reply_format(args, template),
+                    min(d.max_seq_len, d.num_pages * d.page_size), setup.model.config.vocab_size,
+                    reply_format(args, template),
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {})
     return Server(sock, setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,

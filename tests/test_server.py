@@ -224,7 +224,9 @@ def test_tokenize_and_detokenize_are_the_completion_endpoints_encoding(srv):
                                ("/tokenize", {"messages": [{"role": "tool", "content": "1"}]}, "no role tool"),
                                ("/detokenize", {"tokens": [1, -2]}, "tokens must be a list of token ids"),
                                ("/detokenize", {"tokens": [1, True]}, "tokens must be a list of token ids"),
-                               ("/detokenize", {"tokens": "12"}, "tokens must be list")]:
+                               ("/detokenize", {"tokens": "12"}, "tokens must be list"),
+                               ("/detokenize", {"tokens": [1, 320, 7, 10**6]},
+                                "tokens must be ids in [0, 320), the model's vocabulary, got [320, 1000000]")]:
         status, error = post(srv, bad, path)
         assert status == 400 and message in error["error"]["message"], (bad, error)
 
@@ -375,7 +377,7 @@ def test_a_chat_reply_without_max_tokens_may_fill_the_context(srv):
 
 
 def test_a_model_without_a_chat_template_names_the_flag_that_gives_one():
-    served = server.Served("tiny-kimi", ByteTokenizer(), None, 512)
+    served = server.Served("tiny-kimi", ByteTokenizer(), None, 512, 320)
     with pytest.raises(server.BadRequest, match="--chat-template FILE, or POST /v1/completions"):
         server.Completion.parse_chat(chat(), served)
 
@@ -447,7 +449,7 @@ GLM_REPLY = "Look it up.</think>Checking.<tool_call>get_weather<arg_key>city</ar
 def scripted_server(template: str, reply: str, api_key: str | None = None, **parsers):
     chat_template = mixserve.chat.ChatTemplate({"default": template})
     flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
-    served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, server.reply_format(flags, chat_template))
+    served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, 256, server.reply_format(flags, chat_template))
     s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key))
     try:
         yield s
@@ -948,7 +950,7 @@ def fault_engine(integrity: str):
 
 def served(engine: Engine) -> server.Server:
     return serving(server.Server(("127.0.0.1", 0), engine, server.Served("tiny-kimi", ByteTokenizer(), None,
-                                                                        engine.max_seq_len)))
+                                                                        engine.max_seq_len, engine.cfg.vocab_size)))
 
 
 def test_an_integrity_abort_is_an_error_never_an_answer():
