@@ -347,7 +347,7 @@ class EngineLoop:
 @dataclasses.dataclass(frozen=True)
 class Returned:
     """What a request asked to get back beside the text (vLLM's extensions, OpenAI's echo)."""
-    token_ids: bool = False  # each choice's token_ids, and its prompt_token_ids in the first chunk
+    token_ids: bool = False  # token_ids per choice; prompt_token_ids in the first chunk (a chat: beside the choices)
     ids_as_names: bool = False  # logprobs name tokens "token_id:N", not by their text
     echo: bool = False  # the prompt's text before the completion's (and its tokens' logprobs before theirs)
     top: int = 0  # the likeliest tokens logprobs lists: the request's logprobs=n
@@ -745,6 +745,14 @@ class Choice:
         return f"token_id:{token}" if self.returned.ids_as_names else self.tokenizer.decode([token])
 
 
+def lift_prompt_fields(choices: list[dict], chat: bool) -> dict:
+    """vLLM's chat response holds the conversation's prompt_token_ids and prompt_logprobs once, beside
+    the choices (all of them share the prompt), where a completion's choices each hold their own
+    prompt's: for a chat, these fields taken off the choices."""
+    return {name: c.pop(name) for c in choices for name in ("prompt_token_ids", "prompt_logprobs")
+            if chat and name in c}
+
+
 def ranked(token: int, lp: TokenLogprobs, top: int) -> dict[int, tuple[float, int]]:
     """The token's (logprob, rank), then each of the top likeliest's."""
     return {token: (lp.logprob, lp.rank), **{t: (v, i + 1) for i, (t, v) in enumerate(lp.top[:top]) if t != token}}
@@ -1032,7 +1040,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             whole = [c.whole(results[c.index]) for c in choices]
             # SGLang's: the weights that gave the (first choice's) last tokens
             metadata = {"weight_version": results[0].weight_versions[-1][1]}
-            self.send_json(200, {**head, "choices": whole, "usage": usage(choices, call.n), "metadata": metadata})
+            self.send_json(200, {**head, **lift_prompt_fields(whole, request.chat), "choices": whole,
+                                 "usage": usage(choices, call.n), "metadata": metadata})
         except (BrokenPipeError, ConnectionResetError, ClientGone):
             pass  # the client has gone
         finally:  # whatever is left of the call (nothing, once answered): its client gone, a rejection, an error here
@@ -1104,7 +1113,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     self.send_event(error_body(BadRequest(f"choice {index}: {choice.result.reason}", 500, "server_error")))
                     continue
                 # with include_usage every chunk has the field, null but in the last (OpenAI's form)
-                self.send_event({**head, "choices": [chunk], **({"usage": None} if include_usage else {})})
+                self.send_event({**head, **lift_prompt_fields([chunk], choice.chat), "choices": [chunk],
+                                 **({"usage": None} if include_usage else {})})
             if include_usage:
                 self.send_event({**head, "choices": [], "usage": usage(choices, call.n)})
         except BadRequest as e:  # the loop stopped mid-stream

@@ -212,8 +212,13 @@ def test_tokenize_and_detokenize_are_the_completion_endpoints_encoding(srv):
     assert status == 200 and body == {"count": len(PROMPT), "max_model_len": 512,
                                       "tokens": ByteTokenizer().encode(PROMPT)}, body
     _, chat_tokens = post(srv, {"messages": MESSAGES}, "/tokenize")
-    _, reply = post(srv, chat(max_tokens=1, return_token_ids=True), CHAT)
-    assert chat_tokens["tokens"] == reply["choices"][0]["prompt_token_ids"] == ByteTokenizer().encode(RENDERED)
+    _, reply = post(srv, chat(max_tokens=1, return_token_ids=True, prompt_logprobs=1), CHAT)
+    # vLLM's chat form: the conversation's prompt fields beside the choices (a completion's are in each choice)
+    assert chat_tokens["tokens"] == reply["prompt_token_ids"] == ByteTokenizer().encode(RENDERED)
+    assert len(reply["prompt_logprobs"]) == len(chat_tokens["tokens"]) and reply["prompt_logprobs"][0] is None
+    assert not {"prompt_token_ids", "prompt_logprobs"} & set(reply["choices"][0]), reply["choices"][0]
+    first = events(srv, chat(max_tokens=2, return_token_ids=True), CHAT)[0]
+    assert first["prompt_token_ids"] == reply["prompt_token_ids"] and "prompt_token_ids" not in first["choices"][0]
     assert post(srv, {"tokens": body["tokens"]}, "/detokenize") == (200, {"prompt": PROMPT})
     status, info = get(srv, "/tokenizer_info")  # what lm-eval's remote tokenizer checks for
     assert status == 200 and "eos_token" in info and info["chat_template"] == CHAT_TEMPLATE
@@ -294,7 +299,7 @@ def test_a_chat_reply_is_the_completion_of_its_rendered_prompt(srv):
     _, plain = post(srv, greedy(prompt=encode(RENDERED), return_token_ids=True, logprobs=2, cache_salt=str(uuid.uuid4())))
     (choice,), (expected,) = body["choices"], plain["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected["text"]}
-    assert choice["prompt_token_ids"] == encode(RENDERED) and choice["token_ids"] == expected["token_ids"]
+    assert body["prompt_token_ids"] == encode(RENDERED) and choice["token_ids"] == expected["token_ids"]
     assert choice["finish_reason"] == "length" and body["usage"] == plain["usage"]
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     content = choice["logprobs"]["content"]  # OpenAI's chat form: a list per token, alternatives as lists
@@ -361,7 +366,7 @@ def test_a_streamed_chat_reply_adds_up_to_the_whole_one(srv):
 def test_the_template_options_shape_the_prompt(srv, extra, prompt):
     status, body = post(srv, chat(max_tokens=1, return_token_ids=True, **extra), CHAT)
     assert status == 200, body
-    assert body["choices"][0]["prompt_token_ids"] == ByteTokenizer().encode(prompt)
+    assert body["prompt_token_ids"] == ByteTokenizer().encode(prompt)
 
 
 def test_a_chat_reply_without_max_tokens_may_fill_the_context(srv):
@@ -471,7 +476,7 @@ def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template
         assert call["type"] == "function" and call["function"] == {"name": "get_weather",
                                                                    "arguments": '{"city": "Oslo", "days": 2}'}
         assert call["id"] == "functions.get_weather:0" if template is KIMI_TEMPLATE else call["id"].startswith("call_")
-        prompt = ByteTokenizer().decode(choice["prompt_token_ids"])
+        prompt = ByteTokenizer().decode(whole["prompt_token_ids"])
         assert ('"name": "get_weather"' in prompt) == (template is KIMI_TEMPLATE)  # the tools, declared
         chunks = events(s, body, CHAT)[:-1]  # two bytes a step: the markers arrive in pieces
         deltas = [c["choices"][0]["delta"] for c in chunks]
@@ -485,7 +490,7 @@ def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template
                    {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
         status, again = post(s, {"messages": history, "tools": TOOLS, "return_token_ids": True}, CHAT)
         markup = reply[reply.index("<|tool_calls" if template is KIMI_TEMPLATE else "<tool_call>"):]
-        assert markup in ByteTokenizer().decode(again["choices"][0]["prompt_token_ids"]), again
+        assert markup in ByteTokenizer().decode(again["prompt_token_ids"]), again
 
 
 FORCED = [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]', "tool_calls"),
