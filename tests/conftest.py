@@ -52,7 +52,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # XLA's CPU backend compiling for the tests' speed, not for the code's: compiling dominates the suite
 # (12 of the 21 s of an engine test, 38 compiles). The tests check results, not CPU speed. With all
-# of the below (2026-12-07, `--jax-times`, 2 workers, 2252 s of test time): in the tests' own
+# of the below (2026-12-07, jax.monitoring's events per test as `--jax-times` sums them, 2 workers,
+# 2252 s of test time): in the tests' own
 # processes 637 s of XLA compiling (7154 programs; 1413 more from the persistent cache), 283 s of
 # tracing and 251 s of lowering; about 800 s more in the scripts and notebooks tests start.
 # - LLVM optimization level 0: the engine tests ran 27% faster, the interpret-mode kernel tests
