@@ -52,10 +52,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # XLA's CPU backend compiling for the tests' speed, not for the code's: compiling dominates the suite
 # (12 of the 21 s of an engine test, 38 compiles). The tests check results, not CPU speed. With all
-# of the below (2026-12-07, jax.monitoring's events per test as `--jax-times` sums them, 2 workers,
-# 2252 s of test time): in the tests' own
-# processes 637 s of XLA compiling (7154 programs; 1413 more from the persistent cache), 283 s of
-# tracing and 251 s of lowering; about 800 s more in the scripts and notebooks tests start.
+# of the below (`make test PYTEST_ARGS=--jax-times`, 2026-12-07, 998 s wall, 1944 s of test time):
+# 539 s of XLA compiling in the tests' own processes (7162 programs; 1424 more from the persistent
+# cache), 233 s of tracing, 220 s of lowering; most of the rest in the scripts and notebooks the
+# tests start (sharding 226 s, experiments 229 s, notebooks 122 s), which compile the same way.
 # - LLVM optimization level 0: the engine tests ran 27% faster, the interpret-mode kernel tests
 #   15%, and the whole suite (`make test`, 2 cores, 2026-12-01) in 19:00 against 32:50, with 31
 #   against 56 CPU-minutes.
