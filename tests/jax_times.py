@@ -8,7 +8,6 @@ import collections
 import json
 import time
 
-import jax.monitoring
 import pytest
 
 EVENTS = {"compile_s": "/jax/core/compile/backend_compile_duration",
@@ -30,6 +29,8 @@ def pytest_configure(config):
 
 class JaxTimes:
     def __init__(self, config):
+        import jax.monitoring  # here, not at the top: loaded for every run, the plugin imports nothing unasked
+
         self.config, self.current = config, None
         self.per_file = collections.defaultdict(collections.Counter)  # file -> column -> total
         names = {event: name for name, event in EVENTS.items()}

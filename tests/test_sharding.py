@@ -136,30 +136,30 @@ np.testing.assert_allclose(values(got), values(one), rtol=0, atol=1e-5)
 # in prefill or decode. (FP8-block's re-blocked shares are served in KERNELS; placing, swapping and
 # sleeping are the same code for every format.)
 model = mixserve.load("tiny-kimi", dtype="float32")
-for fmt in (WeightFormat("int4", 16),):
-    quantized, _ = quantize_model(model, plan_for(fmt, "all"))
-    expected = [r.tokens for r in Engine(quantized, **kw).generate(prompts, max_new_tokens=3)]
-    split = Engine(quantized, mesh=mesh_for(4), **kw)
-    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == expected, fmt
-    down = split.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
-    assert down.values_per_scale == (1, 1)
-    assert all(not x.sharding.is_fully_replicated for x in down.stored), fmt
-    assert_no_weight_gathered(split, str(fmt))
-    assert_no_weight_gathered(split, str(fmt), prefill=True)
-    # new weights in this format are split and re-blocked as the served ones were, then swapped in
-    other, _ = quantize_model(mixserve.load("tiny-kimi", dtype="float32", seed=1), plan_for(fmt, "all"))
-    compiled = split.runner.decode_step._cache_size()
-    split.update_weights(other)
-    want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=3)]
-    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
-    assert split.runner.decode_step._cache_size() == compiled
-    # asleep, the shares go to host memory whole; awake, each is split again as it was
-    shardings = [x.sharding for x in jax.tree.leaves(split.runner.model.params)]
-    split.sleep()
-    split.wake_up()
-    assert [x.sharding for x in jax.tree.leaves(split.runner.model.params)] == shardings
-    assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
-    assert split.runner.decode_step._cache_size() == compiled
+fmt = WeightFormat("int4", 16)
+quantized, _ = quantize_model(model, plan_for(fmt, "all"))
+expected = [r.tokens for r in Engine(quantized, **kw).generate(prompts, max_new_tokens=3)]
+split = Engine(quantized, mesh=mesh_for(4), **kw)
+assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == expected, fmt
+down = split.runner.model.params["layers_1"]["mlp"]["experts"]["down_proj"]
+assert down.values_per_scale == (1, 1)
+assert all(not x.sharding.is_fully_replicated for x in down.stored), fmt
+assert_no_weight_gathered(split, str(fmt))
+assert_no_weight_gathered(split, str(fmt), prefill=True)
+# new weights in this format are split and re-blocked as the served ones were, then swapped in
+other, _ = quantize_model(mixserve.load("tiny-kimi", dtype="float32", seed=1), plan_for(fmt, "all"))
+compiled = split.runner.decode_step._cache_size()
+split.update_weights(other)
+want = [r.tokens for r in Engine(other, **kw).generate(prompts, max_new_tokens=3)]
+assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
+assert split.runner.decode_step._cache_size() == compiled
+# asleep, the shares go to host memory whole; awake, each is split again as it was
+shardings = [x.sharding for x in jax.tree.leaves(split.runner.model.params)]
+split.sleep()
+split.wake_up()
+assert [x.sharding for x in jax.tree.leaves(split.runner.model.params)] == shardings
+assert [r.tokens for r in split.generate(prompts, max_new_tokens=3)] == want, fmt
+assert split.runner.decode_step._cache_size() == compiled
 with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
 # What 3 devices do not divide stays whole on each, and is named (the flattened widths of the axes).
