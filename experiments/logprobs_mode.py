@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from experiments.report import interleaved, publish
 from mixserve.model_runner import LOGPROBS_MODES, pick
-from mixserve.sampling import Sampling
+from mixserve.sampling import Sampling, first_token_keys
 
 TOP = 20  # vLLM's default max_logprobs
 # No row asks for logprobs, in an engine of each kind: a raw engine's program never reads the
@@ -45,8 +45,7 @@ def batch_inputs(batch: int, vocab: int, sampled: bool, logprobs: bool, seed: in
     s = Sampling.greedy(batch)._replace(logprobs_B=jnp.full(batch, logprobs))
     if sampled:
         s = s._replace(temperature_B=jnp.ones(batch), top_p_B=jnp.full(batch, 0.95),
-                       key_ints_B3=jnp.stack([jnp.full(batch, seed, jnp.uint32), jnp.arange(batch, dtype=jnp.uint32),
-                                              jnp.zeros(batch, jnp.uint32)], 1))
+                       key_ints_B4=jnp.asarray(first_token_keys(seed, batch)))
     return logits, s
 
 

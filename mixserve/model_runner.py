@@ -46,7 +46,7 @@ from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs
-from mixserve.sampling import Sampling, sample
+from mixserve.sampling import Sampling, sample, seed_words
 from models import attention, moe
 from models.transformer import Transformer
 
@@ -350,8 +350,8 @@ class ModelRunner:
 
     def _sampling(self, reqs: list[Request], rows, batch: int, drafts: list[list[int]] | None = None,
                   kept: list[bool] | None = None) -> Sampling:
-        """Per-row temperature, top-p, top-k, min-p, the three integers the sampling key is derived from
-        in the step (seed, position of the request in its generate call, token index: the same
+        """Per-row temperature, top-p, top-k, min-p, the integers the sampling key is derived from in
+        the step (the seed's two 32-bit words, position of the request in its generate call, token index: the same
         call gives the same tokens on any engine, and a preempted, recomputed request samples what
         it would have; speculative decoding draws them otherwise, from the same distribution) and
         whether it wants logprobs, its logit bias and its penalties, with the token counts they read
@@ -369,7 +369,7 @@ class ModelRunner:
             s.temperature_B[row] = min(r.temperature, largest)
             s.top_p_B[row], s.top_k_B[row] = r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.min_p_B[row] = r.min_p
-            s.key_ints_B3[row] = (r.seed, r.index, len(r.out))  # seed: in [0, 2**32) (reject_reason)
+            s.key_ints_B4[row] = (*seed_words(r.seed), r.index, len(r.out))
             s.logprobs_B[row] = r.logprobs is not None
             if r.logit_bias:
                 s.bias_ids_BK[row, :len(r.logit_bias)] = list(r.logit_bias)

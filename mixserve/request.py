@@ -425,8 +425,8 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"priority must be an integer (lower is served first), got {req.priority!r}"
     if req.priority != 0 and schedule_policy != "priority":
         return f"priority {req.priority} needs schedule_policy 'priority' (this engine's is {schedule_policy!r})"
-    if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not 0 <= req.seed < 2**32:
-        return f"seed must be an integer in [0, 2**32) (the sampling key's 32 bits), got {req.seed!r}"
+    if not isinstance(req.seed, (int, np.integer)) or isinstance(req.seed, bool) or not -2**63 <= req.seed < 2**63:
+        return f"seed must be an integer in [-2**63, 2**63) (int64, as vLLM takes it: the sampling key's 64 bits), got {req.seed!r}"
     total = len(p) + (0 if prompt_only else int(req.max_new_tokens))  # numpy ints would wrap
     counted = f"prompt ({len(p)})" if prompt_only else f"prompt ({len(p)}) + max_new_tokens ({req.max_new_tokens}) = {total}"
     if total > max_seq_len:

@@ -22,7 +22,8 @@ class Sampling(NamedTuple):
     top_p_B: jax.Array  # float32 in (0, 1]
     top_k_B: jax.Array  # int32; 0 = every token
     min_p_B: jax.Array  # float32 in [0, 1]; 0 = every token
-    key_ints_B3: jax.Array  # uint32 (seed, request index, token index), folded into a key in the step
+    # uint32 (seed's high word, seed's low word, request index, token index), made a key in the step
+    key_ints_B4: jax.Array
     logprobs_B: jax.Array  # bool: the row's request asked for logprobs
     bias_ids_BK: jax.Array  # int32 token ids whose logits get bias_BK added (K = MAX_LOGIT_BIAS; 0-padded)
     bias_BK: jax.Array  # float32; 0 past a row's own entries
@@ -44,11 +45,24 @@ class Sampling(NamedTuple):
         wait on the device) numpy; `seen`: the width U of the penalties' token lists; `words`: the
         width of the grammar masks."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
-                   xp.zeros(batch, xp.float32), xp.zeros((batch, 3), xp.uint32), xp.zeros(batch, bool),
+                   xp.zeros(batch, xp.float32), xp.zeros((batch, 4), xp.uint32), xp.zeros(batch, bool),
                    xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32),
                    xp.ones(batch, xp.float32), xp.zeros(batch, xp.float32), xp.zeros(batch, xp.float32),
                    xp.full((batch, seen), NO_TOKEN, xp.int32), xp.zeros((batch, seen), xp.int32),
                    xp.full((batch, words), -1, xp.int32))
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed's 64 bits (two's complement: an int64 seed, reject_reason's range) as (high word, low
+    word), the threefry key data jax.random.key(seed) makes of it."""
+    bits = int(seed) % 2**64
+    return bits >> 32, bits & 0xFFFFFFFF
+
+
+def first_token_keys(seed: int, n: int) -> np.ndarray:
+    """key_ints_B4 of a generate call's n requests sampled with one seed, at their first tokens."""
+    return np.stack([np.broadcast_to(np.uint32(w), n) for w in seed_words(seed)]
+                    + [np.arange(n, dtype=np.uint32), np.zeros(n, np.uint32)], 1)
 
 
 def add_logit_bias(logits_BV, s: Sampling):
@@ -141,8 +155,13 @@ def _drawn(logits_BV, s: Sampling, greedy_B):
 
 
 def sampling_keys(s: Sampling):
-    """Each row's key, from its (seed, request index, token index)."""
-    return jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(jax.random.key(k[0]), k[1]), k[2]))(s.key_ints_B3)
+    """Each row's key, from its (seed, request index, token index). The seed's two words are the
+    threefry key's data as jax.random.key(seed) sets it (high word first), so a 64-bit seed needs
+    no x64 mode and a seed below 2**32 gives the key it always gave."""
+    def key(k):
+        seeded = jax.random.wrap_key_data(k[:2], impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(seeded, k[2]), k[3])
+    return jax.vmap(key)(s.key_ints_B4)
 
 
 def sampling_logits(logits_BV, s: Sampling):

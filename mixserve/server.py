@@ -438,8 +438,15 @@ class Completion:
         """An engine request per choice, in OpenAI's order (prompt i's j-th is choice i * n + j); a
         seeded request's j-th has seed + j (vLLM's rule), so that its n samples differ and repeat."""
         seed = self.options["seed"]
-        return Call([(p, {**self.options, "seed": seed + j} if counts(seed) else self.options)  # else refused by name
+        return Call([(p, {**self.options, "seed": choice_seed(seed, j)} if counts(seed) else self.options)  # else refused by name
                      for p in self.prompts for j in range(self.n)], self.n)
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """Choice j's seed: seed + j, past int64's largest wrapped round to its smallest, which has the
+    same 64 bits (the sampling key's), as a 64-bit counter would; a seed out of int64 is left as it
+    is, to be refused by name."""
+    return (seed + j + 2**63) % 2**64 - 2**63 if -2**63 <= seed < 2**63 else seed
 
 
 PARSERS = {"/v1/completions": Completion.parse, "/v1/chat/completions": Completion.parse_chat}

@@ -37,10 +37,10 @@ def per_position(s: Sampling, J: int) -> Sampling:
     the key of token index (its token count) + j: the key plain decode would use for that token,
     and taking the grammar mask of position j (the row's J masks, side by side in s)."""
     rep = lambda a: jnp.repeat(a, J, axis=0)
-    B = s.key_ints_B3.shape[0]
-    keys = rep(s.key_ints_B3).at[:, 2].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), B))
-    own = ("key_ints_B3", "allowed_BW")
-    return s._replace(**{name: rep(a) for name, a in s._asdict().items() if name not in own}, key_ints_B3=keys,
+    B = s.key_ints_B4.shape[0]
+    keys = rep(s.key_ints_B4).at[:, 3].add(jnp.tile(jnp.arange(J, dtype=jnp.uint32), B))
+    own = ("key_ints_B4", "allowed_BW")
+    return s._replace(**{name: rep(a) for name, a in s._asdict().items() if name not in own}, key_ints_B4=keys,
                       allowed_BW=s.allowed_BW.reshape(B * J, s.allowed_BW.shape[1] // J))
 
 

@@ -16,7 +16,7 @@ from mixserve import faults
 from mixserve.engine import Engine
 from mixserve.kv_cache import quantize_for_pool
 from mixserve.model_runner import blocked_logprobs, logprobs_of, steps_for
-from mixserve.sampling import Sampling, _kept_by_top_k_top_p, sample
+from mixserve.sampling import Sampling, _kept_by_top_k_top_p, first_token_keys, sample, sampling_keys
 from mixserve.quantize import plan_for, quantize_model
 from models.weights import WeightFormat
 from conftest import ONE_STEP_SHAPE
@@ -265,9 +265,9 @@ def test_bad_requests_are_rejected_per_request(model):
     for value in ("hot", None, float("inf"), 10**400):  # 10**400: an int beyond float's range
         res = e.generate([good], max_new_tokens=2, temperature=value)[0]
         assert res.status == "rejected" and "temperature" in res.reason
-    for seed in (-1, 2**32, True, 1.0):  # the sampling key holds 32 bits: no two seeds may alias
+    for seed in (-2**63 - 1, 2**63, True, 1.0):  # int64, as vLLM: the key holds 64 bits, no two seeds may alias
         res = e.generate([good], max_new_tokens=2, seed=seed)[0]
-        assert res.status == "rejected" and "seed must be an integer in [0, 2**32)" in res.reason, seed
+        assert res.status == "rejected" and "seed must be an integer in [-2**63, 2**63)" in res.reason, seed
     assert e.generate([good], max_new_tokens=2, top_p=float("nan"))[0].status == "rejected"
     for min_p, why in ((float("nan"), "min_p must be a finite number"), (-0.1, "0 <= min_p <= 1"),
                        (1.5, "0 <= min_p <= 1"), ("0.1", "min_p must be a finite number")):
@@ -587,6 +587,9 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     assert [r.tokens for r in a] == [r.tokens for r in b]
     others = [engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, seed=s) for s in (8, 9)]
     assert any([r.tokens for r in o] != [r.tokens for r in a] for o in others)
+    # a 64-bit seed is its own: 2**32 + 7 shares 7's low word, and samples otherwise, repeatably
+    wide = [e.generate(ps, max_new_tokens=NEW, temperature=1.5, seed=2**32 + 7) for _ in range(2)]
+    assert [r.tokens for r in wide[0]] == [r.tokens for r in wide[1]] != [r.tokens for r in a]
     greedy = engine(model).generate(ps, max_new_tokens=NEW)
     for top_p in (1e-6, 1e-46):  # 1e-46 is 0 in float32: the top token still survives
         nucleus = engine(model).generate(ps, max_new_tokens=NEW, temperature=1.5, top_p=top_p, seed=3)
@@ -614,6 +617,23 @@ def test_seeded_sampling_is_reproducible_and_top_p_narrows_to_greedy():
     while e.has_work():
         done.update({u.rid: u.result for u in e.step() if u.result is not None})
     assert done[rid].tokens == a[0].tokens
+
+
+def test_a_seed_is_its_64_bits_and_one_below_2_to_the_32_keeps_its_key():
+    """The step's key for (seed, request index i, token index t): fold_in(fold_in(jax.random.key(seed),
+    i), t), the key 64-bit JAX makes of an int64 seed, and the one 32-bit seeds always had."""
+    seeds = [0, 7, 2**32 - 1, 2**32 + 7, 2**40, -1, -2**63, 2**63 - 1]
+    n = len(seeds)
+    keys = np.stack([first_token_keys(seed, 1)[0] for seed in seeds])
+    keys[:, 2:] = np.stack([np.arange(n) * 3 + 1, np.arange(n) + 5], 1)  # request and token indices
+    got = np.asarray(jax.random.key_data(sampling_keys(Sampling.greedy(n)._replace(key_ints_B4=jnp.asarray(keys)))))
+    want = lambda seed, i, t: np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), t)))
+    for row, (seed, (i, t)) in enumerate(zip(seeds, keys[:, 2:].tolist())):
+        with jax.enable_x64():
+            np.testing.assert_array_equal(got[row], want(seed, i, t), err_msg=str(seed))
+        if 0 <= seed < 2**32:  # 32-bit JAX, the engine's
+            np.testing.assert_array_equal(got[row], want(seed, i, t), err_msg=str(seed))
+    assert len({tuple(k) for k in got}) == n
 
 
 def test_per_request_stop_tokens_and_ignore_eos():
@@ -660,7 +680,7 @@ def test_sampled_frequencies_follow_temperature_min_p_top_k_then_top_p(top_k, to
     sampling = Sampling.greedy(n)._replace(
         temperature_B=temperatures, top_p_B=jnp.full(n, top_p, jnp.float32), top_k_B=jnp.full(n, max(top_k, 0), jnp.int32),
         min_p_B=jnp.full(n, min_p, jnp.float32),
-        key_ints_B3=jnp.stack([jnp.full(n, 11, jnp.uint32), jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.uint32)], 1))
+        key_ints_B4=jnp.asarray(first_token_keys(11, n)))
     tokens, picked = map(np.asarray, jax.jit(sample)(jnp.tile(logits, (n, 1)), sampling))
     assert np.all(tokens[n - greedy_rows:] == np.argmax(logits))
     want = _kept_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)

@@ -144,7 +144,7 @@ def test_the_sampler_returns_a_grammars_mask_in_what_each_row_picked_from():
         words[v // 32] |= np.uint32(1 << (v % 32))
     words = words.view(np.int32)
     s = Sampling.greedy(2, words=3)._replace(temperature_B=jnp.array([0.0, 0.5]), allowed_BW=jnp.asarray(np.tile(words, (2, 1))),
-                                             key_ints_B3=jnp.ones((2, 3), jnp.uint32))
+                                             key_ints_B4=jnp.ones((2, 4), jnp.uint32))
     tokens, picked = map(np.asarray, jax.jit(sample)(logits, s))
     assert allowed[tokens].all()
     assert np.all(np.isneginf(picked[:, ~allowed]))

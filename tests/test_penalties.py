@@ -12,7 +12,7 @@ import mixserve
 from mixserve.engine import Engine
 from mixserve.model_runner import penalty_width
 from mixserve.request import Request
-from mixserve.sampling import NO_TOKEN, Sampling, apply_penalties, sample
+from mixserve.sampling import NO_TOKEN, Sampling, apply_penalties, first_token_keys, sample
 from test_speculative import _engine, _prompts, _run_with_oracle
 
 PENALTIES = dict(repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.4)
@@ -101,8 +101,7 @@ def test_sampled_frequencies_follow_the_penalized_distribution():
     s = Sampling.greedy(n, seen=64)._replace(
         temperature_B=jnp.asarray(temperature), repetition_B=jnp.full(n, 1.5), frequency_B=jnp.full(n, 0.5),
         presence_B=jnp.full(n, 0.25), seen_ids_BU=jnp.asarray(ids), output_counts_BU=jnp.asarray(counts),
-        key_ints_B3=jnp.stack([jnp.full(n, 5, jnp.uint32), jnp.arange(n, dtype=jnp.uint32),
-                               jnp.zeros(n, jnp.uint32)], 1))
+        key_ints_B4=jnp.asarray(first_token_keys(5, n)))
     tokens, picked = map(np.asarray, jax.jit(sample)(jnp.tile(logits, (n, 1)), s))
     z = dense_penalties(logits, prompt, output, 1.5, 0.5, 0.25)
     # what each row picked from (the processed logprobs modes report it): penalized / T, or penalized when greedy

@@ -207,7 +207,7 @@ def test_bad_flag_values_are_usage_errors_not_tracebacks(capsys):
         ("--tensor-parallel", "16"): "devices [0, 16): ",
         ("--temperature", "-1"): "need temperature >= 0",
         ("--top-p", "0"): "0 < top_p <= 1",
-        ("--seed", "-5"): "seed must be an integer in [0, 2**32)",
+        ("--seed", str(2**63)): "seed must be an integer in [-2**63, 2**63)",
         ("--repetition-penalty", "0"): "need repetition_penalty > 0",
         ("--presence-penalty", "2.5"): "presence_penalty in [-2, 2]",
         ("--frequency-penalty", "nan"): "frequency_penalty must be a finite number",

@@ -277,6 +277,13 @@ def test_n_samples_are_the_requests_seeded_one_apart(srv):
             assert body["choices"][3 * i + j]["token_ids"] == one["choices"][0]["token_ids"]
             assert body["choices"][3 * i + j]["prompt_token_ids"] == ByteTokenizer().encode(prompt)
     assert len({tuple(c["token_ids"]) for c in body["choices"][:3]}) > 1  # a random model's samples differ
+    # seeds are int64 (vLLM's range): past its largest, seed + j wraps round as a 64-bit counter would
+    _, last = post(srv, {"prompt": PROMPT, "n": 2, **sample, "seed": 2**63 - 1})
+    for j, seed in enumerate((2**63 - 1, -2**63)):
+        _, one = post(srv, {"prompt": PROMPT, **sample, "seed": seed})
+        assert last["choices"][j]["token_ids"] == one["choices"][0]["token_ids"], seed
+    status, error = post(srv, {"prompt": PROMPT, **sample, "seed": 2**63})
+    assert status == 400 and "seed must be an integer in [-2**63, 2**63)" in error["error"]["message"], error
     assert body["usage"]["prompt_tokens"] == len(PROMPT) + len("pages") and body["usage"]["completion_tokens"] == 36
     chunks = events(srv, chat(n=2, seed=3, temperature=1.0, max_tokens=4, stream_options={"include_usage": True}),
                     CHAT)[:-1]

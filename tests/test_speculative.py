@@ -241,7 +241,7 @@ def _sampling(temperature, n, top_k=0):
     s = Sampling.greedy(n, np)
     s.temperature_B[:] = temperature
     s.top_k_B[:] = top_k
-    s.key_ints_B3[:, 0] = np.arange(n)  # a different seed per row: n independent draws
+    s.key_ints_B4[:, 1] = np.arange(n)  # a different seed per row (its low word): n independent draws
     return Sampling(*map(jnp.asarray, s))
 
 
