@@ -24,7 +24,8 @@ One thread runs the engine (`EngineLoop`): it is the only one that touches it. E
 has a thread of its own (the standard library's ThreadingHTTPServer), which hands its prompts to
 the loop and reads what every step gave them. Bad input is a 400 with the reason, per request; a
 client that goes away before its completion ends has it cancelled (`Frontend.cancel`): its pages
-go back at once. The engine flags are mixserve.run's.
+go back at once. A browser page may call only from an origin --allowed-origins names (CORS:
+mixserve/cors.py). The engine flags are mixserve.run's.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
+from mixserve.cors import CorsPolicy
 from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded
 from mixserve.frontend import Frontend, stop_strings
 from mixserve.grammar import StructuredOutput
@@ -786,6 +788,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     server: "Server"
     looked = 0.0  # when next_update last looked whether the client is still there
     responded = False  # whether this POST has begun its response (a later failure can only cut it)
+    cors_headers: dict[str, str] = {}  # what every response to this request carries (mixserve/cors.py)
 
     def log_message(self, fmt, *args):  # one line per request on stderr, as vLLM logs them
         if self.server.verbose:
@@ -805,6 +808,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                                   "authentication_error")))
         return False
 
+    def allowed_origin(self) -> bool:
+        """Whether the request may go on: it came from no browser page, or from one whose origin the
+        server allows (it then carries the CORS headers). A preflight is answered here, a request
+        from another origin refused (403): both need no API key, as browsers send none with them."""
+        cors, origin = self.server.cors, self.headers.get("Origin")
+        method = self.headers.get("Access-Control-Request-Method")
+        if self.command == "OPTIONS" and origin is not None and method is not None:
+            why, self.cors_headers = cors.preflight(origin, method, self.headers.get("Access-Control-Request-Headers", ""),
+                                                    ("GET", "POST"))
+        elif (why := cors.refusal(origin)) is None:
+            self.cors_headers = cors.response_headers(origin)
+            return True
+        self.close_connection = True  # a body it may have sent is left unread
+        if why is None:  # an allowed preflight
+            self.send_response(204)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        else:
+            self.send_json(403, error_body(BadRequest(why, 403, "permission_error")))
+        return False
+
     def do_GET(self):
         self.respond(self.get)
 
@@ -819,10 +843,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def respond(self, handle) -> None:
         """handle() the request, if authorized: a BadRequest is its 4xx, any other failure (a bug)
         its 500 (or its stream cut), and the server goes on."""
-        self.responded = False
+        self.responded, self.cors_headers = False, {}
         self.path, _, query = self.path.partition("?")
         self.query = urllib.parse.parse_qs(query, keep_blank_values=True)
-        if not self.authorized():
+        if not self.allowed_origin() or not self.authorized():
             return
         try:
             handle()
@@ -985,6 +1009,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def send_response(self, code, message=None):
         self.responded = True
         super().send_response(code, message)
+        for name, value in self.cors_headers.items():
+            self.send_header(name, value)
 
     def read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":  # curl's when it reads stdin
@@ -1170,8 +1196,9 @@ class Server(http.server.ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int] | socket.socket, engine: Frontend, served: Served, verbose: bool = False,
                  api_key: str | None = None, reload: Callable[[str], tuple] | None = None,
-                 weights_cpu_backup: bool = False):
-        """address: where to bind, or a socket already listening (make_server binds before it loads)."""
+                 weights_cpu_backup: bool = False, cors: CorsPolicy = CorsPolicy()):
+        """address: where to bind, or a socket already listening (make_server binds before it loads);
+        cors: the browser pages that may call it (by default none)."""
         bound = isinstance(address, socket.socket)
         super().__init__(address.getsockname() if bound else address, Handler, bind_and_activate=not bound)
         if bound:
@@ -1180,6 +1207,7 @@ class Server(http.server.ThreadingHTTPServer):
         self.weights_cpu_backup = weights_cpu_backup  # SGLang's release keeps the weights in host memory
         self.loop = EngineLoop(engine)
         self.served, self.verbose, self.api_key, self.started = served, verbose, api_key, int(time.time())
+        self.cors = cors
         # checkpoint path -> the engine's weight sets, as update_weights takes them (None: no reloads)
         self.reload = reload
         self.updating = threading.Lock()  # one weight update at a time: each loads a whole weight set
@@ -1224,10 +1252,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse requests without `Authorization: Bearer KEY` (but /health and /metrics); "
                         "default: $MIXSERVE_API_KEY, else none needed")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
+    for flag, default, what in (("origins", [], "origins of the browser pages that may call the server (default: none; "
+                                                 "vLLM's is [\"*\"]); a request from any other is refused (403)"),
+                                ("methods", ["*"], "methods those pages may use"),
+                                ("headers", ["*"], "request headers those pages may send")):
+        p.add_argument(f"--allowed-{flag}", type=json_strings, default=default, metavar="JSON",
+                       help=f"CORS: a JSON list of the {what}; \"*\": any (vLLM's flag)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: those pages may send cookies and HTTP authentication (vLLM's flag)")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="/release_memory_occupation keeps the weights in host memory for /resume_memory_occupation "
                         "(SGLang's flag); without it they are discarded until /update_weights_from_disk")
     return p
+
+
+def json_strings(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form for its CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"need a JSON list of strings, e.g. '[\"http://localhost:3000\"]', got {text!r}")
+    return value
 
 
 def make_server(argv=None) -> Server:
@@ -1254,7 +1301,9 @@ def make_server(argv=None) -> Server:
     return Server(sock, setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
                                            setup.prefiller is setup.decoder),
-                  weights_cpu_backup=args.enable_weights_cpu_backup)
+                  weights_cpu_backup=args.enable_weights_cpu_backup,
+                  cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                                  args.allow_credentials))
 
 
 def reloaded(args, backend: str, mesh, one_engine: bool, path: str) -> tuple:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import mixserve
 from mixserve import faults, run, server
+from mixserve.cors import CorsPolicy
 from mixserve.engine import Engine
 from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
@@ -458,11 +459,11 @@ GLM_REPLY = "Look it up.</think>Checking.<tool_call>get_weather<arg_key>city</ar
 
 
 @contextlib.contextmanager
-def scripted_server(template: str, reply: str, api_key: str | None = None, **parsers):
+def scripted_server(template: str, reply: str, api_key: str | None = None, cors=CorsPolicy(), **parsers):
     chat_template = mixserve.chat.ChatTemplate({"default": template})
     flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
     served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, 256, server.reply_format(flags, chat_template))
-    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key))
+    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key, cors=cors))
     try:
         yield s
     finally:
@@ -573,6 +574,57 @@ def test_an_api_key_guards_all_but_health_and_metrics(monkeypatch):
     assert server.build_parser().parse_args([]).api_key == "from-env"
     monkeypatch.setenv("MIXSERVE_API_KEY", "")
     assert server.build_parser().parse_args([]).api_key is None
+
+
+def test_browser_pages_call_only_from_allowed_origins(capsys):
+    """CORS (mixserve/cors.py): by default no page may call, and one that tries is refused before
+    the server acts (a text/plain POST needs no preflight); allowed pages get their preflights
+    answered without the API key, and every response, a 401 too, carries their CORS headers."""
+    def ask(s, method, path, headers, body=None):
+        with contextlib.closing(connect(s)) as c:
+            c.request(method, path, None if body is None else json.dumps(body), headers)
+            r = c.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+
+    page, other = "http://app.example", "http://elsewhere.example"
+    preflight = lambda origin, method="POST", headers="authorization, content-type": {
+        "Origin": origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers}
+    with scripted_server(KIMI_TEMPLATE, "hi") as s:  # the default: none
+        status, headers, text = ask(s, "POST", CHAT, {"Origin": page, "Content-Type": "text/plain"}, {"messages": ASK})
+        assert status == 403 and f"cross-origin request from {page} refused" in json.loads(text)["error"]["message"]
+        assert "Access-Control-Allow-Origin" not in headers and s.loop.engine._next_rid == 0  # nothing was served
+        assert ask(s, "OPTIONS", CHAT, preflight(page))[0] == 403
+        status, headers, _ = ask(s, "POST", CHAT, {}, {"messages": ASK})  # not a browser's: served
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    with scripted_server(KIMI_TEMPLATE, "hi", api_key="sesame", cors=CorsPolicy((page,))) as s:
+        status, headers, body = ask(s, "OPTIONS", CHAT, preflight(page))
+        assert status == 204 and body == b"" and headers["Access-Control-Allow-Origin"] == page
+        assert headers["Vary"] == "Origin" and "Access-Control-Allow-Credentials" not in headers
+        assert headers["Access-Control-Allow-Methods"] == "GET, POST" and headers["Access-Control-Max-Age"] == "600"
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert ask(s, "OPTIONS", CHAT, preflight(other))[0] == 403
+        assert ask(s, "GET", "/health", {"Origin": other})[0] == 403
+        for key, expected in (("sesame", 200), ("wrong", 401)):
+            status, headers, _ = ask(s, "POST", CHAT, {"Origin": page, "Authorization": f"Bearer {key}"},
+                                     {"messages": ASK, "stream": key == "sesame"})
+            assert status == expected and headers["Access-Control-Allow-Origin"] == page, key
+    for origins, credentials, answer in ((("*",), False, "*"), (("*",), True, page)):
+        with scripted_server(KIMI_TEMPLATE, "hi", cors=CorsPolicy(origins, credentials=credentials)) as s:
+            status, headers, _ = ask(s, "GET", "/v1/models", {"Origin": page})
+            assert status == 200 and headers["Access-Control-Allow-Origin"] == answer
+            assert headers.get("Access-Control-Allow-Credentials") == ("true" if credentials else None)
+    with scripted_server(KIMI_TEMPLATE, "hi", cors=CorsPolicy((page,), ("GET",), ("x-trace",))) as s:
+        status, _, text = ask(s, "OPTIONS", CHAT, preflight(page))
+        assert status == 403 and b"method POST is not among --allowed-methods ['GET']" in text
+        status, _, text = ask(s, "OPTIONS", CHAT, preflight(page, "GET"))
+        assert status == 403 and b"headers ['authorization'] are not among --allowed-headers ['x-trace']" in text
+        status, headers, _ = ask(s, "OPTIONS", CHAT, preflight(page, "GET", "Content-Type, X-Trace"))
+        assert status == 204 and headers["Access-Control-Allow-Headers"] == "x-trace"  # content-type: always allowed
+    args = server.build_parser().parse_args(["--allowed-origins", '["*"]', "--allow-credentials"])
+    assert (args.allowed_origins, args.allowed_methods, args.allow_credentials) == (["*"], ["*"], True)
+    with pytest.raises(SystemExit):
+        server.build_parser().parse_args(["--allowed-origins", "*"])
+    assert "need a JSON list of strings" in capsys.readouterr().err
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
