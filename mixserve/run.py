@@ -515,10 +515,13 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
     return report
 
 
-def output_text(tokenizer, result) -> str:
-    """The generated text, cut before the stop string that ended it (vLLM's default)."""
-    text = tokenizer.decode(result.tokens)
-    return text[:text.find(result.stop_reason)] if isinstance(result.stop_reason, str) else text
+def output_text(tokenizer, result, include_stop_str: bool = False) -> str:
+    """The generated text without the stop token or stop string that ended it, as vLLM gives it (the
+    tokens keep the stop token, and the token that completed a stop string with what it holds past
+    it); include_stop_str: with either (vLLM's include_stop_str_in_output), nothing after it."""
+    why = result.stop_reason
+    text = tokenizer.decode(result.tokens[:-1] if isinstance(why, int) and not include_stop_str else result.tokens)
+    return text[:text.find(why) + (len(why) if include_stop_str else 0)] if isinstance(why, str) else text
 
 
 def latency_percentiles(results) -> dict[str, dict[str, float]]:

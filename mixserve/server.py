@@ -73,7 +73,7 @@ SAMPLING_FIELDS = {
 }
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
-                 "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,),
+                 "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,), "include_stop_str_in_output": (bool,),
                  "response_format": (dict,), "structured_outputs": (dict,)}
 
 
@@ -354,6 +354,7 @@ class Returned:
     echo: bool = False  # the prompt's text before the completion's (and its tokens' logprobs before theirs)
     top: int = 0  # the likeliest tokens logprobs lists: the request's logprobs=n
     prompt_top: int | None = None  # the same for vLLM's prompt_logprobs field (None: not shown)
+    include_stop_str: bool = False  # the text keeps the stop token's or stop string's (vLLM's include_stop_str_in_output)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +514,7 @@ def answer_form(body: dict) -> tuple[bool, bool, Returned]:
     prompt_top = body.get("prompt_logprobs") if counts(body.get("prompt_logprobs")) else None
     return (bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")),
             Returned(bool(body.get("return_token_ids")), bool(body.get("return_tokens_as_token_ids")),
-                     bool(body.get("echo")), top, prompt_top))
+                     bool(body.get("echo")), top, prompt_top, bool(body.get("include_stop_str_in_output"))))
 
 
 def rendered_chat(body: dict, served: Served) -> tuple[str, list[dict] | None]:
@@ -659,7 +660,7 @@ class Choice:
         if self.result is None:
             text = self.decoder.visible[: max(self.sent, len(self.decoder) - self.hold)]
         else:
-            text = run.output_text(self.tokenizer, self.result)
+            text = run.output_text(self.tokenizer, self.result, self.returned.include_stop_str)
         new, self.sent = text[self.sent:], max(self.sent, len(text))
         return self.choice(self.streamed_part(new, text), start, update.new_logprobs)
 
@@ -671,7 +672,8 @@ class Choice:
             self._extend(result.tokens)  # the text offsets
         else:
             self.tokens = list(result.tokens)
-        return self.choice(self.whole_part(run.output_text(self.tokenizer, result)), 0, result.logprobs)
+        return self.choice(self.whole_part(run.output_text(self.tokenizer, result, self.returned.include_stop_str)), 0,
+                           result.logprobs)
 
     def _extend(self, tokens: list[int]) -> None:
         extend_decoded(self.decoder, self.tokens, self.offsets, tokens)

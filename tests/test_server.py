@@ -459,10 +459,11 @@ GLM_REPLY = "Look it up.</think>Checking.<tool_call>get_weather<arg_key>city</ar
 
 
 @contextlib.contextmanager
-def scripted_server(template: str, reply: str, api_key: str | None = None, cors=CorsPolicy(), **parsers):
+def scripted_server(template: str, reply: str, api_key: str | None = None, cors=CorsPolicy(), tokenizer=ByteTokenizer(),
+                    **parsers):
     chat_template = mixserve.chat.ChatTemplate({"default": template})
     flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
-    served = server.Served("scripted", ByteTokenizer(), chat_template, 4096, 256, server.reply_format(flags, chat_template))
+    served = server.Served("scripted", tokenizer, chat_template, 4096, 256, server.reply_format(flags, chat_template))
     s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key, cors=cors))
     try:
         yield s
@@ -625,6 +626,30 @@ def test_browser_pages_call_only_from_allowed_origins(capsys):
     with pytest.raises(SystemExit):
         server.build_parser().parse_args(["--allowed-origins", "*"])
     assert "need a JSON list of strings" in capsys.readouterr().err
+
+
+class EndNamed(ByteTokenizer):
+    """Bytes, with the scripted end token decoded to its name, as tokenizers decodes a special token."""
+
+    def decode(self, ids):
+        return "".join("<|im_end|>" if t == Scripted.EOS else super(EndNamed, self).decode([t]) for t in ids)
+
+
+def test_the_text_leaves_out_the_stop_token_and_string_unless_asked():
+    """vLLM's text: the end token (in token_ids) and a stop string are not in it, streamed or not,
+    chat or not; include_stop_str_in_output keeps them."""
+    with scripted_server(KIMI_TEMPLATE, "Hi there", tokenizer=EndNamed()) as s:
+        for extra, text in (({}, "Hi there"), ({"include_stop_str_in_output": True}, "Hi there<|im_end|>"),
+                            ({"stop": ["the"]}, "Hi "), ({"stop": ["the"], "include_stop_str_in_output": True}, "Hi the")):
+            body = {"prompt": "x", "return_token_ids": True, **extra}
+            status, whole = post(s, body)
+            assert status == 200 and whole["choices"][0]["text"] == text, (extra, whole)
+            assert whole["choices"][0]["token_ids"][-1] == (Scripted.EOS if "stop" not in extra else ord("e"))
+            assert "".join(c["choices"][0]["text"] for c in events(s, body)[:-1]) == text, extra
+            _, reply = post(s, {"messages": ASK, **extra}, CHAT)
+            assert reply["choices"][0]["message"]["content"] == text.strip(), (extra, reply)  # the reply parser trims
+        status, error = post(s, {"prompt": "x", "include_stop_str_in_output": 1})
+        assert status == 400 and "include_stop_str_in_output must be bool" in error["error"]["message"]
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -12,7 +12,8 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 import hf_reference as ref
 import mixserve
-from mixserve.request import Request
+from mixserve.request import Request, Result
+from mixserve.run import output_text
 from mixserve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer
 
 TEXTS = [
@@ -260,3 +261,20 @@ def test_stop_strings_cost_linear_decoding():
     # and the string is still found, here where it first completes
     r = serve(ByteTokenizer(), text.encode(), ("never", "you"))
     assert r.stop_reason == "you" and bytes(r.out).decode() == text[:text.find("you") + 3]
+
+
+def test_the_output_text_leaves_out_what_stopped_it(model_dir, tmp_path):
+    """vLLM's text: without the end token that stopped the request (a special token that
+    tokenizers decodes to its name) or the stop string, unless include_stop_str_in_output; the
+    tokens keep the end token either way."""
+    tok = mixserve.load(checkpoint_with(model_dir, tmp_path, tokenizer__json=byte_level_bpe_json()), dtype="float32",
+                        progress=False).tokenizer
+    end = tok.encode("<|endoftext|>")
+    assert len(end) == 1 and tok.decode(end) == "<|endoftext|>"
+    said = tok.encode("Hello, world! The quick")
+    ended = Result([*said, *end], "ok", stop_reason=end[0])
+    assert output_text(tok, ended) == "Hello, world! The quick"
+    assert output_text(tok, ended, include_stop_str=True) == "Hello, world! The quick<|endoftext|>"
+    assert output_text(tok, Result(said, "ok")) == "Hello, world! The quick"  # at the length: all of it
+    stopped = Result(said, "ok", stop_reason="world")  # what the completing token holds past it goes too
+    assert output_text(tok, stopped) == "Hello, " and output_text(tok, stopped, include_stop_str=True) == "Hello, world"
