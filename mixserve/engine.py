@@ -180,7 +180,7 @@ class Engine(Frontend):
             integrity=integrity, min_attended_tokens=min_attended_tokens, min_decode_rows=min_decode_rows,
             min_prefill_tokens=min_prefill_tokens, min_prefill_rows=min_prefill_rows, mesh=mesh, split_slots=decode_context_parallel,
             max_logprobs=max_logprobs, speculative_tokens=speculative_tokens, draft=draft,
-            replay_dtype=self.replay_dtype, logprobs_mode=logprobs_mode),
+            replay_dtype=self.replay_dtype, logprobs_mode=logprobs_mode, stop_tokens=self.stop_tokens),
             self.grammars)
         self._weights_asleep = False  # sleep let go of the weights (runner.model's params: their skeleton)
         # sleep level 1's copies of the weight sets, and what it let go that others may still hold

@@ -45,8 +45,8 @@ class Frontend:
 
     def submit(self, prompt: list[int], *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
-               stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, logprobs: int | None = None,
-               prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
+               stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, min_tokens: int = 0,
+               logprobs: int | None = None, prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
                priority: int = 0) -> int:
@@ -58,7 +58,8 @@ class Frontend:
         stop_token_ids: this request's stop tokens beside the engine's; ignore_eos: it stops on
         its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: a string or
         strings that end it once its output, decoded by the model's tokenizer, contains one (its
-        Result's stop_reason says which). logprobs=n: each token's log-probability and rank, and
+        Result's stop_reason says which). min_tokens: neither ends it before it has that many
+        tokens (its stop tokens are not sampled until then; vLLM's). logprobs=n: each token's log-probability and rank, and
         the n likeliest tokens (n <= the engine's max_logprobs), in its Updates and Result.
         prompt_logprobs=n: the same for each prompt token after the first, from the prefill that
         computes it (the request then shares no cached prefix), in its first Update and Result.
@@ -78,7 +79,7 @@ class Frontend:
         preempted last (vLLM's; ties: first come, first served); other policies refuse any but 0."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
-                            stop=stop_strings(stop), ignore_eos=ignore_eos, logprobs=logprobs,
+                            stop=stop_strings(stop), ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, structured_output=structured_output,
@@ -134,7 +135,7 @@ class Frontend:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 min_tokens: int = 0, logprobs: int | None = None, prompt_logprobs: int | None = None,
                  logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
@@ -149,7 +150,8 @@ class Frontend:
                                "has_work() is False before generate(), which would swallow their updates")
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
-                       ignore_eos=ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                       ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                       logit_bias=logit_bias,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt,
                        priority=priority)

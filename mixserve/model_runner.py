@@ -104,6 +104,7 @@ class RunnerConfig:
     # the positions each DSA indexer layer chose; Request.replay_rows); None: neither
     replay_dtype: np.dtype | None = None
     logprobs_mode: str = "raw_logprobs"  # what a request's logprobs are of (LOGPROBS_MODES; token_logprobs)
+    stop_tokens: tuple[int, ...] = ()  # the engine's: held back, with a request's own, until its min_tokens
 
     @property
     def mtp_drafts(self) -> bool:
@@ -356,21 +357,27 @@ class ModelRunner:
         it would have; speculative decoding draws them otherwise, from the same distribution) and
         whether it wants logprobs, its logit bias and its penalties, with the token counts they read
         (as many columns as the most distinct tokens a penalized request holds, a power of two:
-        `penalty_width`), and the tokens its structured output allows (speculative: drafts[i] are
+        `penalty_width`), the stop tokens its min_tokens holds back (while it is short of them; as
+        many columns, a power of two, as the most a short request holds), and the tokens its
+        structured output allows (speculative: drafts[i] are
         reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the call
         samples reqs[i] a token that is not kept, a prefill chunk short of the prompt's end, and
         its mask is not computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
+        held = [r.held_stops(self.cfg.stop_tokens) for r in reqs]
+        most_held = max(map(len, held), default=0)
         # numpy: a device array read back here would wait for the last call
-        s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)))
+        s = Sampling.greedy(batch, np, seen=penalty_width(max(map(len, counts), default=0)),
+                            held=most_held and _power_of_two_at_least(most_held, 1 << 31))
         largest = float(np.finfo(np.float32).max)
-        for r, row, seen in zip(reqs, rows, counts):  # top_k >= vocab keeps every token, a temperature (or
+        for r, row, seen, stops in zip(reqs, rows, counts, held):  # top_k >= vocab keeps every token, a temperature (or
             # repetition penalty) past float32's largest acts as its largest: the clamps keep them in int32 and float32
             s.temperature_B[row] = min(r.temperature, largest)
             s.top_p_B[row], s.top_k_B[row] = r.top_p, min(max(r.top_k, 0), 2**31 - 1)
             s.min_p_B[row] = r.min_p
             s.key_ints_B4[row] = (*seed_words(r.seed), r.index, len(r.out))
             s.logprobs_B[row] = r.logprobs is not None
+            s.min_tokens_B[row], s.held_ids_BS[row, :len(stops)] = r.min_tokens, stops
             if r.logit_bias:
                 s.bias_ids_BK[row, :len(r.logit_bias)] = list(r.logit_bias)
                 s.bias_BK[row, :len(r.logit_bias)] = list(r.logit_bias.values())

@@ -115,6 +115,7 @@ class Request:
     min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (0: none)
     stop_token_ids: tuple[int, ...] = ()  # its own stop tokens, beside the engine's
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
+    min_tokens: int = 0  # tokens it generates before a stop token or stop string may end it (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings: it finishes once its decoded output contains one
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
@@ -193,7 +194,7 @@ class Request:
                logprobs: TokenLogprobs | None = None, tokenizer: Tokenizer | None = None) -> None:
         """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token,
         a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
-        as in vLLM), or max_new_tokens. A token that its structured output refuses (which the
+        as in vLLM), either only once it has min_tokens, or at max_new_tokens. A token that its structured output refuses (which the
         step's mask should have made impossible) aborts it with the matcher's reason."""
         governed = self.governed
         self.out.append(token)
@@ -212,12 +213,22 @@ class Request:
                 return
         elif self.matcher is not None and not governed:
             self.governed = self._ends_free_part(self.out)
-        if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
+        if len(self.out) < self.min_tokens:  # nothing stops it yet (its steps hold back its stop tokens)
+            if self.stop:  # the decoded text grows: a stop string completed now never stops it later
+                self._completed_stop_string(tokenizer)
+        elif token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
             self.stop_reason = token
         elif self.stop:
             self.stop_reason = self._completed_stop_string(tokenizer)
         if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
+
+    def held_stops(self, engine_stop_tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens its next sample may not be, as min_tokens asks: while its output is shorter,
+        every token that would stop it (its own, and the engine's unless ignore_eos)."""
+        if len(self.out) >= self.min_tokens:
+            return ()
+        return tuple(dict.fromkeys((*self.stop_token_ids, *(() if self.ignore_eos else engine_stop_tokens))))
 
     def _choose_opening(self, token: int) -> bool:
         """Take one of the output's first tokens while it may open its free part or start the
@@ -391,6 +402,9 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
     if not isinstance(req.max_new_tokens, (int, np.integer)) or isinstance(req.max_new_tokens, bool) or req.max_new_tokens <= 0:
         return f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}"
+    if (not isinstance(req.min_tokens, (int, np.integer)) or isinstance(req.min_tokens, bool)
+            or not 0 <= req.min_tokens <= req.max_new_tokens):
+        return f"min_tokens must be an integer from 0 to max_new_tokens ({req.max_new_tokens}), got {req.min_tokens!r}"
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         v = getattr(req, name)
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool) or not _finite(v):

@@ -193,6 +193,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                    "contains one, and its text is cut before it")
     p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens per prompt: the model's end tokens "
                    "do not end a request (a benchmark's fixed output length)")
+    p.add_argument("--min-tokens", type=counted(0), default=0, help="tokens a request generates before a stop token "
+                   "or stop string may end it (vLLM's min_tokens)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered through the model's "
                    "chat template (ending with the assistant's header); its reply is read for <think> reasoning")
@@ -289,7 +291,7 @@ def request_options(args) -> dict:
     """The per-request options the flags give every prompt (Frontend.submit's keywords)."""
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-                logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                min_tokens=args.min_tokens, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                 presence_penalty=args.presence_penalty, structured_output=args.structured_output)
 

@@ -1,5 +1,6 @@
 """Per-row sampling inside the jitted steps: a logit bias, the repetition, frequency and presence
-penalties and a structured output's mask (mixserve/grammar.py), then greedy, or temperature,
+penalties, a structured output's mask (mixserve/grammar.py) and the stop tokens min_tokens holds
+back, then greedy, or temperature,
 min-p, top-k, top-p (vLLM's order), with each row's key derived in the step from (seed, request
 index, token index)."""
 
@@ -38,18 +39,24 @@ class Sampling(NamedTuple):
     # ceil(V / 32), 0 when no row is held to a grammar: then nothing of it is traced). A
     # speculative step's input holds J masks a row, [B, J * W], position j's at words j * W...
     allowed_BW: jax.Array  # int32
+    # min_tokens: while a row's token index is below min_tokens_B, the tokens that would stop it
+    # (Request.held_stops; NO_TOKEN-padded) are taken out. S, a power of two, is 0 when no row is
+    # short of its min_tokens: then nothing of it is traced.
+    min_tokens_B: jax.Array  # int32; 0 = off
+    held_ids_BS: jax.Array  # int32
 
     @classmethod
-    def greedy(cls, batch: int, xp=jnp, seen: int = 0, words: int = 0) -> "Sampling":
-        """Every row greedy, no logprobs, no penalty, no grammar, in jnp or (xp=np: host arrays, no
-        wait on the device) numpy; `seen`: the width U of the penalties' token lists; `words`: the
-        width of the grammar masks."""
+    def greedy(cls, batch: int, xp=jnp, seen: int = 0, words: int = 0, held: int = 0) -> "Sampling":
+        """Every row greedy, no logprobs, no penalty, no grammar, no min_tokens, in jnp or (xp=np:
+        host arrays, no wait on the device) numpy; `seen`: the width U of the penalties' token
+        lists; `words`: the width of the grammar masks; `held`: the width S of the held stop tokens."""
         return cls(xp.zeros(batch, xp.float32), xp.ones(batch, xp.float32), xp.zeros(batch, xp.int32),
                    xp.zeros(batch, xp.float32), xp.zeros((batch, 4), xp.uint32), xp.zeros(batch, bool),
                    xp.zeros((batch, MAX_LOGIT_BIAS), xp.int32), xp.zeros((batch, MAX_LOGIT_BIAS), xp.float32),
                    xp.ones(batch, xp.float32), xp.zeros(batch, xp.float32), xp.zeros(batch, xp.float32),
                    xp.full((batch, seen), NO_TOKEN, xp.int32), xp.zeros((batch, seen), xp.int32),
-                   xp.full((batch, words), -1, xp.int32))
+                   xp.full((batch, words), -1, xp.int32), xp.zeros(batch, xp.int32),
+                   xp.full((batch, held), NO_TOKEN, xp.int32))
 
 
 def seed_words(seed: int) -> tuple[int, int]:
@@ -106,21 +113,33 @@ def allowed_only(logits_BV, allowed_BW):
     return jnp.where(bits_BV == 1, logits_BV, -jnp.inf)
 
 
+def without_held_stops(logits_BV, s: Sampling):
+    """The logits with a row's held stop tokens at -inf while its token index is below its min_tokens."""
+    if s.held_ids_BS.shape[1] == 0:
+        return logits_BV
+    short_B1 = (s.key_ints_B4[:, 3] < s.min_tokens_B.astype(jnp.uint32))[:, None]
+    held_BS = jnp.where(short_B1, -jnp.inf, 0).astype(logits_BV.dtype)
+    return logits_BV.at[jnp.arange(logits_BV.shape[0])[:, None], s.held_ids_BS].add(held_BS, mode="drop")
+
+
 def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):
     """What a row picks from: its logit bias added, then its penalties applied (vLLM's order), then
-    the tokens its structured output refuses taken out (last, so that nothing adds them back)."""
-    return allowed_only(apply_penalties(add_logit_bias(logits_BV, s), s, drafted_BE), s.allowed_BW)
+    the tokens its structured output refuses, and the stop tokens its min_tokens holds back, taken
+    out (last, so that nothing adds them back)."""
+    return without_held_stops(allowed_only(apply_penalties(add_logit_bias(logits_BV, s), s, drafted_BE), s.allowed_BW),
+                              s)
 
 
 def slow_path(s: Sampling):
     """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias, a
-    penalty or a structured output. The common step (all greedy, none of them) skips their
+    penalty, a structured output or stop tokens held back by min_tokens. The common step (all greedy, none of them) skips their
     scatters and the sampling (on CPU, B=64, V=163840, logits made in the step: all greedy 31 ms,
     one sampled row 268 ms; interleaved medians of 30). An all-greedy step with a bias or a mask
     adjusts the logits and takes their argmax, with no draw: 61 ms with a bias, 67 ms with a
     mask, where drawing as well took 239 and 233 ms (medians of 15 interleaved, 2026-12-06)."""
     return (jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0) | jnp.any(s.repetition_B != 1)
-            | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0) | (s.allowed_BW.shape[1] > 0))
+            | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0) | (s.allowed_BW.shape[1] > 0)
+            | (s.held_ids_BS.shape[1] > 0))
 
 
 def sample(logits_BV, s: Sampling):

@@ -66,7 +66,7 @@ from mixserve.tokenizer import IncrementalDecoder, Tokenizer
 SAMPLING_FIELDS = {
     "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 0), "min_p": ("min_p", 0.0),
     "seed": ("seed", None), "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", ()),
-    "ignore_eos": ("ignore_eos", False), "prompt_logprobs": ("prompt_logprobs", None),
+    "ignore_eos": ("ignore_eos", False), "min_tokens": ("min_tokens", 0), "prompt_logprobs": ("prompt_logprobs", None),
     "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
     "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
     "cache_salt": ("cache_salt", None), "priority": ("priority", 0),

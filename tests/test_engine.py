@@ -637,8 +637,8 @@ def test_a_seed_is_its_64_bits_and_one_below_2_to_the_32_keeps_its_key():
 
 
 def test_per_request_stop_tokens_and_ignore_eos():
-    """vLLM's per-request stop_token_ids (beside the engine's) and ignore_eos (the engine's are
-    ignored: how a benchmark fixes the output length)."""
+    """vLLM's per-request stop_token_ids (beside the engine's), ignore_eos (the engine's are
+    ignored: how a benchmark fixes the output length) and min_tokens."""
     model = mixserve.load("tiny-kimi", dtype="float32")
     p = prompts(4)[:1]
     free = engine(model).generate(p, max_new_tokens=NEW)[0].tokens
@@ -647,7 +647,13 @@ def test_per_request_stop_tokens_and_ignore_eos():
     eos = engine(model, stop_tokens=(free[0],))
     assert eos.generate(p, max_new_tokens=NEW)[0].tokens == free[:1]
     assert eos.generate(p, max_new_tokens=NEW, ignore_eos=True)[0].tokens == free
-    for bad in ({"stop_token_ids": [model.config.vocab_size]}, {"stop_token_ids": 3}, {"ignore_eos": "yes"}):
+    # min_tokens: no stop token, its own or the engine's, is sampled before it has that many
+    held = eos.generate(p, max_new_tokens=NEW, stop_token_ids=[free[1]], min_tokens=3)[0]
+    taken_out = eos.generate(p, max_new_tokens=3, logit_bias={free[0]: -100, free[1]: -100})[0]
+    assert held.tokens[:3] == taken_out.tokens and not {free[0], free[1]} & set(held.tokens[:3])
+    assert len(held.tokens) == NEW or (len(held.tokens) > 3 and held.stop_reason == held.tokens[-1])
+    for bad in ({"stop_token_ids": [model.config.vocab_size]}, {"stop_token_ids": 3}, {"ignore_eos": "yes"},
+                {"min_tokens": NEW + 1}, {"min_tokens": -1}, {"min_tokens": 1.0}):
         res = eos.generate(p, max_new_tokens=NEW, **bad)[0]
         assert res.status == "rejected" and next(iter(bad)) in res.reason, bad
 

@@ -259,7 +259,8 @@ def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference, capsys
     status, body = post(srv, chat(**penalties), CHAT)
     assert status == 200 and body["choices"][0]["message"]["content"], body
     for bad, name in (({"repetition_penalty": 0}, "repetition_penalty > 0"), ({"frequency_penalty": 2.5}, "[-2, 2]"),
-                      ({"presence_penalty": "high"}, "presence_penalty must be a finite number")):
+                      ({"presence_penalty": "high"}, "presence_penalty must be a finite number"),
+                      ({"min_tokens": 17}, "min_tokens must be an integer from 0 to max_tokens (")):
         for path, request in (("/v1/completions", greedy(**bad)), (CHAT, chat(**bad))):
             status, error = post(srv, request, path)
             assert status == 400 and name in error["error"]["message"], (bad, error)
@@ -650,6 +651,9 @@ def test_the_text_leaves_out_the_stop_token_and_string_unless_asked():
             assert reply["choices"][0]["message"]["content"] == text.strip(), (extra, reply)  # the reply parser trims
         status, error = post(s, {"prompt": "x", "include_stop_str_in_output": 1})
         assert status == 400 and "include_stop_str_in_output must be bool" in error["error"]["message"]
+        # vLLM's min_tokens: "i", completed by the 2nd token, does not stop a request held to 4
+        _, held = post(s, {"prompt": "x", "stop": ["i"], "min_tokens": 4})
+        assert held["choices"][0]["text"] == "Hi there" and held["choices"][0]["finish_reason"] == "stop"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -467,3 +467,19 @@ def test_speculative_decoding_applies_the_logit_bias_as_plain_decoding_does():
     for k in (1, 3):
         assert [r.tokens for r in _engine(model, speculative_tokens=k).generate(prompts, **request)] == \
             [r.tokens for r in plain], k
+
+
+def test_speculative_decoding_holds_back_stop_tokens_until_min_tokens():
+    """A draft that is a stop token before the request's min_tokens is refused at its position
+    (the hold follows each verified position's token index): greedy, the plain tokens. The drafts
+    are the continuation without min_tokens, so they propose the stop token where it is held."""
+    model = mixserve.load("tiny-kimi", dtype="float32", mtp=True)
+    prompts = _prompts(model.config.vocab_size)
+    free = _engine(model).generate(prompts, max_new_tokens=16)
+    common = max(range(model.config.vocab_size), key=lambda t: sum(r.tokens[:8].count(t) for r in free))
+    request = dict(max_new_tokens=16, stop_token_ids=(common,), min_tokens=8)
+    plain = _engine(model).generate(prompts, **request)
+    assert all(common not in r.tokens[:8] for r in plain) and any(common in r.tokens[1:8] for r in free)
+    for k in (1, 3):
+        got = _run_with_oracle(_engine(model, speculative_tokens=k), prompts, free, k, None, **request)
+        assert [r.tokens for r in got] == [r.tokens for r in plain], k

@@ -226,8 +226,8 @@ class PieceTokenizer:
         return b"".join(self.pieces[i] for i in ids if 0 <= i < len(self.pieces)).decode("utf-8", errors="replace")
 
 
-def serve(tok, tokens, stop, max_new_tokens=3000):
-    r = Request(0, [1], max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0, stop=stop)
+def serve(tok, tokens, stop, max_new_tokens=3000, **options):
+    r = Request(0, [1], max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, seed=0, stop=stop, **options)
     for token in tokens:
         r.accept(token, 0.0, (), None, tok)
         if r.result:
@@ -245,6 +245,20 @@ def test_a_stop_string_is_found_at_the_token_that_completes_it():
         assert r.stop_reason == "!" and r.out == [0, 1], max_new
     r = serve(tok, [0, 1, 2, 3], ("\U0001F600 th",))  # a stop string with the emoji, across three tokens
     assert r.stop_reason == "\U0001F600 th" and r.out == [0, 1, 2, 3]
+
+
+def test_no_stop_string_ends_a_request_before_its_min_tokens():
+    """vLLM's rule: a stop string completed before the output has min_tokens tokens is passed over
+    for good; the first completed by a token at or after it (begun before or not) stops the request."""
+    text = b"abcabxab"
+    r = serve(ByteTokenizer(), text, ("ab",), min_tokens=3)
+    assert r.stop_reason == "ab" and bytes(r.out) == b"abcab"  # not at 2 tokens: at 5
+    r = serve(ByteTokenizer(), text, ("ab", "bc"), min_tokens=3)
+    assert r.stop_reason == "bc" and bytes(r.out) == b"abc"  # begun at the 2nd token, completed at the 3rd
+    r = serve(ByteTokenizer(), text, ("ab",), min_tokens=6)
+    assert r.stop_reason == "ab" and bytes(r.out) == b"abcabxab"
+    r = serve(ByteTokenizer(), text, (), stop_token_ids=(ord("a"),), min_tokens=2)  # stop tokens alike
+    assert r.stop_reason == ord("a") and bytes(r.out) == b"abca"
 
 
 def test_stop_strings_cost_linear_decoding():
