@@ -352,15 +352,14 @@ class ModelRunner:
     def _sampling(self, reqs: list[Request], rows, batch: int, drafts: list[list[int]] | None = None,
                   kept: list[bool] | None = None) -> Sampling:
         """Per-row temperature, top-p, top-k, min-p, the integers the sampling key is derived from in
-        the step (the seed's two 32-bit words, position of the request in its generate call, token index: the same
-        call gives the same tokens on any engine, and a preempted, recomputed request samples what
-        it would have; speculative decoding draws them otherwise, from the same distribution) and
-        whether it wants logprobs, its logit bias and its penalties, with the token counts they read
-        (as many columns as the most distinct tokens a penalized request holds, a power of two:
-        `penalty_width`), the stop tokens its min_tokens holds back (while it is short of them; as
-        many columns, a power of two, as the most a short request holds), and the tokens its
-        structured output allows (speculative: drafts[i] are
-        reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the call
+        the step (the seed's two 32-bit words, position of the request in its generate call, token
+        index: the same call gives the same tokens on any engine, and a preempted, recomputed
+        request samples what it would have; speculative decoding draws them otherwise, from the
+        same distribution) and whether it wants logprobs, its logit bias and its penalties, with
+        the token counts they read (as many columns as the most distinct tokens a penalized request
+        holds, a power of two: `penalty_width`), the stop tokens its min_tokens holds back (while
+        it is short of them; as many columns, a power of two, as the most a short request holds),
+        and the tokens its structured output allows (speculative: drafts[i] are reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the call
         samples reqs[i] a token that is not kept, a prefill chunk short of the prompt's end, and
         its mask is not computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]

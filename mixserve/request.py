@@ -192,10 +192,11 @@ class Request:
 
     def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...],
                logprobs: TokenLogprobs | None = None, tokenizer: Tokenizer | None = None) -> None:
-        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token,
+        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token or
         a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
-        as in vLLM), either only once it has min_tokens, or at max_new_tokens. A token that its structured output refuses (which the
-        step's mask should have made impossible) aborts it with the matcher's reason."""
+        as in vLLM), either only once it has min_tokens, or at max_new_tokens. A token that its
+        structured output refuses (which the step's mask should have made impossible) aborts it
+        with the matcher's reason."""
         governed = self.governed
         self.out.append(token)
         if self.logprobs is not None:

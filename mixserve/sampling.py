@@ -1,8 +1,7 @@
 """Per-row sampling inside the jitted steps: a logit bias, the repetition, frequency and presence
 penalties, a structured output's mask (mixserve/grammar.py) and the stop tokens min_tokens holds
-back, then greedy, or temperature,
-min-p, top-k, top-p (vLLM's order), with each row's key derived in the step from (seed, request
-index, token index)."""
+back, then greedy, or temperature, min-p, top-k, top-p (vLLM's order), with each row's key
+derived in the step from (seed, request index, token index)."""
 
 from __future__ import annotations
 
@@ -132,8 +131,8 @@ def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):
 
 def slow_path(s: Sampling):
     """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias, a
-    penalty, a structured output or stop tokens held back by min_tokens. The common step (all greedy, none of them) skips their
-    scatters and the sampling (on CPU, B=64, V=163840, logits made in the step: all greedy 31 ms,
+    penalty, a structured output or stop tokens held back by min_tokens. The common step (all
+    greedy, none of them) skips their scatters and the sampling (on CPU, B=64, V=163840, logits made in the step: all greedy 31 ms,
     one sampled row 268 ms; interleaved medians of 30). An all-greedy step with a bias or a mask
     adjusts the logits and takes their argmax, with no draw: 61 ms with a bias, 67 ms with a
     mask, where drawing as well took 239 and 233 ms (medians of 15 interleaved, 2026-12-06)."""
