@@ -92,6 +92,26 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw, generation_eos), quant
 
 
+# generation_config.json's sampling keys a server takes as its requests' defaults (vLLM's
+# --generation-config auto), each with transformers' GenerationConfig default: a key at that
+# default is not taken, as vLLM takes only what differs from it (top_k 50 is transformers' own).
+GENERATION_SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_sampling_defaults(directory: str) -> dict[str, float]:
+    """The sampling values the model's creator recommends in its generation_config.json ({}: none)."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    taken = {key: raw[key] for key, default in GENERATION_SAMPLING_KEYS.items()
+             if raw.get(key) is not None and raw[key] != default}
+    if bad := {k: v for k, v in taken.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}:
+        raise CheckpointError(f"{path}: sampling values must be numbers, got {bad}")
+    return taken
+
+
 def _modelopt_quant_config(directory: str) -> dict:
     """ModelOpt's hf_quant_config.json as a quantization_config (older ModelOpt exports may write
     only that file; 0.47 writes both)."""

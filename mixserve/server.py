@@ -52,6 +52,7 @@ from collections.abc import Callable
 
 from mixserve import run
 from mixserve.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, special_tokens_in
+from mixserve.checkpoint import CheckpointError, generation_sampling_defaults
 from mixserve.cors import CorsPolicy
 from mixserve.engine import SLEEP_TAGS, EngineBusy, WeightsDiscarded
 from mixserve.frontend import Frontend, stop_strings
@@ -109,8 +110,9 @@ class Endpoint:
             raise BadRequest("stream_options is for a stream: set stream to true, or leave stream_options out")
 
     @staticmethod
-    def sampling(body: dict) -> dict:
-        options = {keyword: default if body.get(name) is None else body[name]
+    def sampling(body: dict, defaults: dict) -> dict:
+        """submit's sampling keywords: the body's fields, else `defaults` (the served model's), else ours."""
+        options = {keyword: defaults.get(name, default) if body.get(name) is None else body[name]
                    for name, (keyword, default) in SAMPLING_FIELDS.items()}
         if isinstance(options["stop_token_ids"], list):
             options["stop_token_ids"] = tuple(options["stop_token_ids"])
@@ -370,6 +372,8 @@ class Served:
     vocab_size: int
     reply_format: ReplyFormat = ReplyFormat()
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)  # bos_token, eos_token, ... as text
+    # what a request that leaves a sampling field out gets (--generation-config: the checkpoint's recommendation)
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,7 +404,7 @@ class Completion:
         COMPLETIONS.check(body, served.model_name)
         if body.get("prompt") is None:
             raise BadRequest("prompt is required")
-        options = {**Endpoint.sampling(body), "logprobs": body.get("logprobs"),
+        options = {**Endpoint.sampling(body, served.sampling_defaults), "logprobs": body.get("logprobs"),
                    "max_new_tokens": 16 if body.get("max_tokens") is None else body["max_tokens"]}
         top, asked = options["logprobs"], options["prompt_logprobs"]
         if body.get("echo") and top is not None:  # the prompt's logprobs too: the engine computes the most asked
@@ -418,7 +422,7 @@ class Completion:
         prompt = served.tokenizer.encode(text)
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
                      max(1, served.max_model_len - len(prompt)))
-        options = {**Endpoint.sampling(body), "max_new_tokens": limit,
+        options = {**Endpoint.sampling(body, served.sampling_defaults), "max_new_tokens": limit,
                    "logprobs": (body.get("top_logprobs") or 0) if body.get("logprobs") else None}
         fmt = served.reply_format
         one_call = body.get("parallel_tool_calls") is False
@@ -1253,6 +1257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("MIXSERVE_API_KEY") or None,
                    help="refuse requests without `Authorization: Bearer KEY` (but /health and /metrics); "
                         "default: $MIXSERVE_API_KEY, else none needed")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where requests' sampling defaults come from (vLLM's flag): auto, the checkpoint's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, where it "
+                        "recommends them); vllm, OpenAI's; DIR, another directory's generation_config.json")
     p.add_argument("--log-requests", action="store_true", help="log a line per HTTP request on stderr")
     for flag, default, what in (("origins", [], "origins of the browser pages that may call the server (default: none; "
                                                  "vLLM's is [\"*\"]); a request from any other is refused (403)"),
@@ -1286,6 +1294,12 @@ def make_server(argv=None) -> Server:
     args = parser.parse_args(argv)
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template}: no such file")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        parser.error(f"--generation-config {args.generation_config}: neither auto, vllm nor a directory")
+    try:
+        defaults = sampling_defaults(args.generation_config, args.model)
+    except CheckpointError as e:
+        parser.error(f"--generation-config {args.generation_config}: {e}")
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
@@ -1299,13 +1313,26 @@ def make_server(argv=None) -> Server:
     served = Served(args.served_model_name or args.model, setup.model.tokenizer, template,
                     min(d.max_seq_len, d.num_pages * d.page_size), setup.model.config.vocab_size,
                     reply_format(args, template),
-                    special_tokens_in(args.model) if os.path.isdir(args.model) else {})
+                    special_tokens_in(args.model) if os.path.isdir(args.model) else {},
+                    defaults)
+    if served.sampling_defaults:  # vLLM says so too: a request's output depends on them
+        print(f"sampling defaults from {args.generation_config if os.path.isdir(args.generation_config) else args.model}"
+              f"/generation_config.json, for requests that leave them out: {served.sampling_defaults} "
+              "(--generation-config vllm: OpenAI's)", file=sys.stderr)
     return Server(sock, setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
                                            setup.prefiller is setup.decoder),
                   weights_cpu_backup=args.enable_weights_cpu_backup,
                   cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                                   args.allow_credentials))
+
+
+def sampling_defaults(generation_config: str, model: str) -> dict[str, float]:
+    """--generation-config's sampling defaults for a model (a checkpoint directory or a preset)."""
+    if generation_config == "vllm":
+        return {}
+    directory = model if generation_config == "auto" else generation_config
+    return generation_sampling_defaults(directory) if os.path.isdir(directory) else {}
 
 
 def reloaded(args, backend: str, mesh, one_engine: bool, path: str) -> tuple:

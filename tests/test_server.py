@@ -656,6 +656,31 @@ def test_the_text_leaves_out_the_stop_token_and_string_unless_asked():
         assert held["choices"][0]["text"] == "Hi there" and held["choices"][0]["finish_reason"] == "stop"
 
 
+def test_the_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path, capsys):
+    """--generation-config auto (vLLM's default): generation_config.json's recommended sampling
+    values stand in for the fields a request leaves out or sends as null; a value at transformers'
+    own default is not a recommendation (vLLM reads the diff), and vllm keeps OpenAI's."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.0, "eos_token_id": [3, 4]}))
+    defaults = server.sampling_defaults("auto", str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.95}
+    assert server.sampling_defaults("vllm", str(tmp_path)) == {} == server.sampling_defaults("auto", "tiny-kimi")
+    assert server.sampling_defaults(str(tmp_path), "tiny-kimi") == defaults  # another directory's
+    served = server.Served("m", ByteTokenizer(), mixserve.chat.ChatTemplate({"default": CHAT_TEMPLATE}), 4096, 320,
+                           sampling_defaults=defaults)
+    for body, parse in (({"prompt": "x"}, server.Completion.parse), ({"messages": ASK}, server.Completion.parse_chat)):
+        options = parse(body, served).options
+        assert (options["temperature"], options["top_p"], options["top_k"]) == (0.6, 0.95, 0), body
+        options = parse({**body, "temperature": 0, "top_p": None}, served).options
+        assert (options["temperature"], options["top_p"]) == (0, 0.95), body  # given wins; null is left out
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "warm"}))
+    for value in (str(tmp_path / "none"), str(tmp_path)):
+        with pytest.raises(SystemExit):
+            server.make_server(["--model", "tiny-kimi", "--port", "0", "--generation-config", value])
+    err = capsys.readouterr().err
+    assert "neither auto, vllm nor a directory" in err and "sampling values must be numbers, got {'temperature'" in err
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     second = KIMI_REPLY.replace("<|tool_calls_section_end|>", "<|tool_call_begin|>functions.get_weather:1"
                                 '<|tool_call_argument_begin|>{"city": "Bergen"}<|tool_call_end|><|tool_calls_section_end|>')
