@@ -93,9 +93,9 @@ def read_config(directory: str) -> tuple[ModelConfig, dict]:
 
 
 # generation_config.json's sampling keys a server takes as its requests' defaults (vLLM's
-# --generation-config auto), each with transformers' GenerationConfig default: a key at that
-# default is not taken, as vLLM takes only what differs from it (top_k 50 is transformers' own).
-GENERATION_SAMPLING_KEYS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+# --generation-config auto). vLLM takes those of GenerationConfig.to_diff_dict(): with transformers
+# 5, whose defaults are all None, every key the file sets (4.x dropped one equal to its own default).
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def generation_sampling_defaults(directory: str) -> dict[str, float]:
@@ -105,8 +105,7 @@ def generation_sampling_defaults(directory: str) -> dict[str, float]:
         return {}
     with open(path) as f:
         raw = json.load(f)
-    taken = {key: raw[key] for key, default in GENERATION_SAMPLING_KEYS.items()
-             if raw.get(key) is not None and raw[key] != default}
+    taken = {key: raw[key] for key in GENERATION_SAMPLING_KEYS if raw.get(key) is not None}
     if bad := {k: v for k, v in taken.items() if not isinstance(v, (int, float)) or isinstance(v, bool)}:
         raise CheckpointError(f"{path}: sampling values must be numbers, got {bad}")
     return taken

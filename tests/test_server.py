@@ -658,19 +658,18 @@ def test_the_text_leaves_out_the_stop_token_and_string_unless_asked():
 
 def test_the_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path, capsys):
     """--generation-config auto (vLLM's default): generation_config.json's recommended sampling
-    values stand in for the fields a request leaves out or sends as null; a value at transformers'
-    own default is not a recommendation (vLLM reads the diff), and vllm keeps OpenAI's."""
+    values stand in for the fields a request leaves out or sends as null; vllm keeps OpenAI's."""
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 50, "repetition_penalty": 1.0, "eos_token_id": [3, 4]}))
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": None, "eos_token_id": [3, 4]}))
     defaults = server.sampling_defaults("auto", str(tmp_path))
-    assert defaults == {"temperature": 0.6, "top_p": 0.95}
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert server.sampling_defaults("vllm", str(tmp_path)) == {} == server.sampling_defaults("auto", "tiny-kimi")
     assert server.sampling_defaults(str(tmp_path), "tiny-kimi") == defaults  # another directory's
     served = server.Served("m", ByteTokenizer(), mixserve.chat.ChatTemplate({"default": CHAT_TEMPLATE}), 4096, 320,
                            sampling_defaults=defaults)
     for body, parse in (({"prompt": "x"}, server.Completion.parse), ({"messages": ASK}, server.Completion.parse_chat)):
         options = parse(body, served).options
-        assert (options["temperature"], options["top_p"], options["top_k"]) == (0.6, 0.95, 0), body
+        assert (options["temperature"], options["top_p"], options["top_k"], options["min_p"]) == (0.6, 0.95, 20, 0), body
         options = parse({**body, "temperature": 0, "top_p": None}, served).options
         assert (options["temperature"], options["top_p"]) == (0, 0.95), body  # given wins; null is left out
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "warm"}))
