@@ -168,7 +168,9 @@ class Int4Weight(_PackedNibbles):
     @classmethod
     def quantize(cls, w_KN: jax.Array, group_size: int) -> "Int4Weight":
         """Round-to-nearest, symmetric: scale = absmax / 7.5 per group (compressed-tensors' rule),
-        values clamped to [-8, 7], so |error| <= scale / 2 everywhere."""
+        values clamped to [-8, 7], so |error| <= scale / 2, but for a group's largest positive
+        weight when the bf16 scale rounds below absmax / 7.5 (by up to 2**-8 of it): that weight
+        rounds to 8 and is clamped to 7, |error| <= (0.5 + 7.5 * 2**-8) scale = 0.529 scale."""
         *lead, k, n = w_KN.shape
         if k % group_size:
             raise ValueError(f"int4 group_size {group_size} does not divide the input dimension {k}")
