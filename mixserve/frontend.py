@@ -59,7 +59,8 @@ class Frontend:
         its own stop tokens only (a benchmark's fixed output length), as in vLLM. stop: a string or
         strings that end it once its output, decoded by the model's tokenizer, contains one (its
         Result's stop_reason says which). min_tokens: neither ends it before it has that many
-        tokens (its stop tokens are not sampled until then; vLLM's). logprobs=n: each token's
+        tokens (its stop tokens are not sampled until then; vLLM's), unless its structured output
+        is complete sooner, and allows only its end. logprobs=n: each token's
         log-probability and rank, and the n likeliest tokens (n <= the engine's max_logprobs), in
         its Updates and Result.
         prompt_logprobs=n: the same for each prompt token after the first, from the prefill that

@@ -192,9 +192,10 @@ class Request:
 
     def accept(self, token: int, now: float, engine_stop_tokens: tuple[int, ...],
                logprobs: TokenLogprobs | None = None, tokenizer: Tokenizer | None = None) -> None:
-        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token or
-        a stop string in the output decoded by `tokenizer` (the token that completes it is kept,
-        as in vLLM), either only once it has min_tokens, or at max_new_tokens. A token that its
+        """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token
+        (which its steps do not sample before min_tokens), a stop string in the output decoded by
+        `tokenizer` (the token that completes it is kept, as in vLLM; none before min_tokens), or
+        at max_new_tokens. A token that its
         structured output refuses (which the step's mask should have made impossible) aborts it
         with the matcher's reason."""
         governed = self.governed
@@ -214,13 +215,12 @@ class Request:
                 return
         elif self.matcher is not None and not governed:
             self.governed = self._ends_free_part(self.out)
-        if len(self.out) < self.min_tokens:  # nothing stops it yet (its steps hold back its stop tokens)
-            if self.stop:  # the decoded text grows: a stop string completed now never stops it later
-                self._completed_stop_string(tokenizer)
-        elif token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
+        if token in self.stop_token_ids or (not self.ignore_eos and token in engine_stop_tokens):
+            # before min_tokens its steps sample none, unless its structured output allows nothing else
             self.stop_reason = token
         elif self.stop:
-            self.stop_reason = self._completed_stop_string(tokenizer)
+            found = self._completed_stop_string(tokenizer)  # the decoded text grows either way
+            self.stop_reason = found if len(self.out) >= self.min_tokens else None  # vLLM: passed over for good
         if self.stop_reason is not None or len(self.out) >= self.max_new_tokens:
             self.finish("ok")
 

@@ -113,12 +113,15 @@ def allowed_only(logits_BV, allowed_BW):
 
 
 def without_held_stops(logits_BV, s: Sampling):
-    """The logits with a row's held stop tokens at -inf while its token index is below its min_tokens."""
+    """The logits with a row's held stop tokens at -inf while its token index is below its
+    min_tokens; but a row left no token (a structured output complete, so that only its end may
+    follow) keeps them: the grammar ends it before its min_tokens, rather than nothing valid."""
     if s.held_ids_BS.shape[1] == 0:
         return logits_BV
     short_B1 = (s.key_ints_B4[:, 3] < s.min_tokens_B.astype(jnp.uint32))[:, None]
     held_BS = jnp.where(short_B1, -jnp.inf, 0).astype(logits_BV.dtype)
-    return logits_BV.at[jnp.arange(logits_BV.shape[0])[:, None], s.held_ids_BS].add(held_BS, mode="drop")
+    held_BV = logits_BV.at[jnp.arange(logits_BV.shape[0])[:, None], s.held_ids_BS].add(held_BS, mode="drop")
+    return jnp.where(jnp.any(held_BV > -jnp.inf, axis=-1, keepdims=True), held_BV, logits_BV)
 
 
 def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):

@@ -97,6 +97,18 @@ def choice_reference(model, prompt, new):
     return out
 
 
+def test_a_complete_structured_output_ends_before_min_tokens():
+    """min_tokens holds the end token back, but a complete choice allows nothing else: the grammar
+    wins, and the request ends there (greedy and sampled), not aborted on a token it refuses."""
+    model = byte_model("tiny-kimi")
+    engine = Engine(model, num_pages=48, page_size=4, max_batch=4, prefill_chunk=8, **ONE_STEP_SHAPE)
+    for temperature in (0.0, 1.0):
+        r = engine.generate([[1, 2, 3]], max_new_tokens=12, min_tokens=8, temperature=temperature, seed=1,
+                            structured_output=StructuredOutput(choice=["ab", "cd"]))[0]
+        assert r.status == "ok" and bytes(r.tokens[:-1]).decode() in ("ab", "cd"), (temperature, r)
+        assert r.stop_reason == r.tokens[-1] in model.config.eos_token_ids
+
+
 @pytest.mark.parametrize("preset", ["tiny-kimi", "tiny-glm4"])
 def test_greedy_choice_equals_the_cache_free_forward_restricted_to_the_choices(preset):
     """Prefill's first token and every decode step take the mask of the output so far: the tokens
