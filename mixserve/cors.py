@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# Headers a browser sends without asking (the CORS-safelisted request headers): always allowed.
+# The CORS-safelisted request headers (content-type only with form or text values): always allowed, as Starlette does.
 SAFELISTED_HEADERS = frozenset({"accept", "accept-language", "content-language", "content-type"})
 PREFLIGHT_MAX_AGE_S = 600  # how long a browser may reuse a preflight's answer (Starlette's default)
 
@@ -65,6 +65,11 @@ class CorsPolicy:
         answer = {**self.response_headers(origin),
                   "Access-Control-Allow-Methods": ", ".join(served_methods if "*" in self.methods else self.methods),
                   "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)}
-        if named := (asked if "*" in self.headers else list(self.headers)):
+        if "*" in self.headers:
+            named = asked
+        else:  # and the safelisted ones it asked for: a JSON POST asks for content-type, and must see it named
+            own = {h.lower() for h in self.headers}
+            named = [*self.headers, *(h for h in asked if h.lower() in SAFELISTED_HEADERS and h.lower() not in own)]
+        if named:
             answer["Access-Control-Allow-Headers"] = ", ".join(named)
         return None, answer

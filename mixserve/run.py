@@ -523,7 +523,13 @@ def output_text(tokenizer, result, include_stop_str: bool = False) -> str:
     it); include_stop_str: with either (vLLM's include_stop_str_in_output), nothing after it."""
     why = result.stop_reason
     text = tokenizer.decode(result.tokens[:-1] if isinstance(why, int) and not include_stop_str else result.tokens)
-    return text[:text.find(why) + (len(why) if include_stop_str else 0)] if isinstance(why, str) else text
+    if not isinstance(why, str):
+        return text
+    # the occurrence its last token completed: an earlier one was passed over (min_tokens)
+    before = len(tokenizer.decode(result.tokens[:-1]).rstrip("\ufffd"))
+    at = text.find(why, max(0, before - len(why) + 1))
+    at = at if at >= 0 else text.find(why)  # a decoder whose later tokens rewrite earlier text (IncrementalDecoder)
+    return text if at < 0 else text[:at + (len(why) if include_stop_str else 0)]
 
 
 def latency_percentiles(results) -> dict[str, dict[str, float]]:

@@ -849,7 +849,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def respond(self, handle) -> None:
         """handle() the request, if authorized: a BadRequest is its 4xx, any other failure (a bug)
         its 500 (or its stream cut), and the server goes on."""
-        self.responded, self.cors_headers = False, {}
+        self.responded = False
         self.path, _, query = self.path.partition("?")
         self.query = urllib.parse.parse_qs(query, keep_blank_values=True)
         if not self.allowed_origin() or not self.authorized():
@@ -1011,6 +1011,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             n = self.server.loop.between_steps(swap, timeout_s=600.0)
         return {"success": True, "message": f"serving the weights of {path}; {n} requests "
                                             f"{'aborted' if abort else 'recomputed'}", "num_requests": n}
+
+    def parse_request(self) -> bool:
+        self.cors_headers = {}  # one that fails here (a bad request line, a method not served) carries none
+        return super().parse_request()
 
     def send_response(self, code, message=None):
         self.responded = True

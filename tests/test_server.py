@@ -610,6 +610,12 @@ def test_browser_pages_call_only_from_allowed_origins(capsys):
             status, headers, _ = ask(s, "POST", CHAT, {"Origin": page, "Authorization": f"Bearer {key}"},
                                      {"messages": ASK, "stream": key == "sesame"})
             assert status == expected and headers["Access-Control-Allow-Origin"] == page, key
+        with contextlib.closing(connect(s)) as c:  # a kept-alive connection's next request has only its own
+            for method, expected in (("GET", 200), ("HEAD", 501)):
+                c.request(method, "/health", headers={"Origin": page} if method == "GET" else {})
+                r = c.getresponse()
+                r.read()
+                assert r.status == expected and (r.getheader("Access-Control-Allow-Origin") is None) == (method == "HEAD")
     for origins, credentials, answer in ((("*",), False, "*"), (("*",), True, page)):
         with scripted_server(KIMI_TEMPLATE, "hi", cors=CorsPolicy(origins, credentials=credentials)) as s:
             status, headers, _ = ask(s, "GET", "/v1/models", {"Origin": page})
@@ -621,7 +627,7 @@ def test_browser_pages_call_only_from_allowed_origins(capsys):
         status, _, text = ask(s, "OPTIONS", CHAT, preflight(page, "GET"))
         assert status == 403 and b"headers ['authorization'] are not among --allowed-headers ['x-trace']" in text
         status, headers, _ = ask(s, "OPTIONS", CHAT, preflight(page, "GET", "Content-Type, X-Trace"))
-        assert status == 204 and headers["Access-Control-Allow-Headers"] == "x-trace"  # content-type: always allowed
+        assert status == 204 and headers["Access-Control-Allow-Headers"] == "x-trace, Content-Type"  # always allowed
     args = server.build_parser().parse_args(["--allowed-origins", '["*"]', "--allow-credentials"])
     assert (args.allowed_origins, args.allowed_methods, args.allow_credentials) == (["*"], ["*"], True)
     with pytest.raises(SystemExit):

@@ -254,6 +254,8 @@ def test_no_stop_string_ends_a_request_before_its_min_tokens():
     text = b"abcabxab"
     r = serve(ByteTokenizer(), text, ("ab",), min_tokens=3)
     assert r.stop_reason == "ab" and bytes(r.out) == b"abcab"  # not at 2 tokens: at 5
+    r.finish("ok")  # the text is cut at the occurrence that stopped it, not the one passed over
+    assert output_text(ByteTokenizer(), r.result) == "abc" and output_text(ByteTokenizer(), r.result, True) == "abcab"
     r = serve(ByteTokenizer(), text, ("ab", "bc"), min_tokens=3)
     assert r.stop_reason == "bc" and bytes(r.out) == b"abc"  # begun at the 2nd token, completed at the 3rd
     r = serve(ByteTokenizer(), text, ("ab",), min_tokens=6)
