@@ -480,6 +480,5 @@ def test_speculative_decoding_holds_back_stop_tokens_until_min_tokens():
     request = dict(max_new_tokens=16, stop_token_ids=(common,), min_tokens=8)
     plain = _engine(model).generate(prompts, **request)
     assert all(common not in r.tokens[:8] for r in plain) and any(common in r.tokens[1:8] for r in free)
-    for k in (1, 3):
-        got = _run_with_oracle(_engine(model, speculative_tokens=k), prompts, free, k, None, **request)
-        assert [r.tokens for r in got] == [r.tokens for r in plain], k
+    got = _run_with_oracle(_engine(model, speculative_tokens=3), prompts, free, 3, None, **request)
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
