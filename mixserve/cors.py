@@ -59,17 +59,14 @@ class CorsPolicy:
         if "*" not in self.methods and method not in self.methods:
             return f"CORS preflight: method {method} is not among --allowed-methods {list(self.methods)}", {}
         asked = [h.strip() for h in headers.split(",") if h.strip()]
-        allowed = {h.lower() for h in self.headers} | SAFELISTED_HEADERS
-        if "*" not in self.headers and (others := [h for h in asked if h.lower() not in allowed]):
+        own = {h.lower() for h in self.headers}
+        if "*" not in own and (others := [h for h in asked if h.lower() not in own | SAFELISTED_HEADERS]):
             return f"CORS preflight: headers {others} are not among --allowed-headers {list(self.headers)}", {}
         answer = {**self.response_headers(origin),
                   "Access-Control-Allow-Methods": ", ".join(served_methods if "*" in self.methods else self.methods),
                   "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)}
-        if "*" in self.headers:
-            named = asked
-        else:  # and the safelisted ones it asked for: a JSON POST asks for content-type, and must see it named
-            own = {h.lower() for h in self.headers}
-            named = [*self.headers, *(h for h in asked if h.lower() in SAFELISTED_HEADERS and h.lower() not in own)]
+        # with a list, the safelisted ones it asked for too: a JSON POST asks for content-type, and must see it named
+        named = asked if "*" in own else [*self.headers, *(h for h in asked if h.lower() in SAFELISTED_HEADERS - own)]
         if named:
             answer["Access-Control-Allow-Headers"] = ", ".join(named)
         return None, answer

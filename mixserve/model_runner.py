@@ -359,9 +359,10 @@ class ModelRunner:
         the token counts they read (as many columns as the most distinct tokens a penalized request
         holds, a power of two: `penalty_width`), the stop tokens its min_tokens holds back (while
         it is short of them; as many columns, a power of two, as the most a short request holds),
-        and the tokens its structured output allows (speculative: drafts[i] are reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the call
-        samples reqs[i] a token that is not kept, a prefill chunk short of the prompt's end, and
-        its mask is not computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        and the tokens its structured output allows (speculative: drafts[i] are reqs[i]'s drafts,
+        and its row gets a mask per verified position; kept[i] false: the call samples reqs[i] a
+        token that is not kept, a prefill chunk short of the prompt's end, and its mask is not
+        computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
         held = [r.held_stops(self.cfg.stop_tokens) for r in reqs]
         most_held = max(map(len, held), default=0)

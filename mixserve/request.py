@@ -195,9 +195,8 @@ class Request:
         """Append a generated token (and its logprobs, if asked); finish with "ok" at a stop token
         (which its steps do not sample before min_tokens), a stop string in the output decoded by
         `tokenizer` (the token that completes it is kept, as in vLLM; none before min_tokens), or
-        at max_new_tokens. A token that its
-        structured output refuses (which the step's mask should have made impossible) aborts it
-        with the matcher's reason."""
+        at max_new_tokens. A token that its structured output refuses (which the step's mask
+        should have made impossible) aborts it with the matcher's reason."""
         governed = self.governed
         self.out.append(token)
         if self.logprobs is not None:

@@ -135,10 +135,10 @@ def adjusted_logits(logits_BV, s: Sampling, drafted_BE=None):
 def slow_path(s: Sampling):
     """Whether a step needs more than each row's raw argmax: a row samples, or has a logit bias, a
     penalty, a structured output or stop tokens held back by min_tokens. The common step (all
-    greedy, none of them) skips their scatters and the sampling (on CPU, B=64, V=163840, logits made in the step: all greedy 31 ms,
-    one sampled row 268 ms; interleaved medians of 30). An all-greedy step with a bias or a mask
-    adjusts the logits and takes their argmax, with no draw: 61 ms with a bias, 67 ms with a
-    mask, where drawing as well took 239 and 233 ms (medians of 15 interleaved, 2026-12-06)."""
+    greedy, none of them) skips their scatters and the sampling (on CPU, B=64, V=163840, logits
+    made in the step: all greedy 31 ms, one sampled row 268 ms; interleaved medians of 30). An
+    all-greedy step with a bias or a mask adjusts the logits and takes their argmax, with no draw:
+    61 ms with a bias, 67 ms with a mask, where drawing as well took 239 and 233 ms (medians of 15 interleaved, 2026-12-06)."""
     return (jnp.any(s.temperature_B > 0) | jnp.any(s.bias_BK != 0) | jnp.any(s.repetition_B != 1)
             | jnp.any(s.frequency_B != 0) | jnp.any(s.presence_B != 0) | (s.allowed_BW.shape[1] > 0)
             | (s.held_ids_BS.shape[1] > 0))

@@ -1300,8 +1300,9 @@ def make_server(argv=None) -> Server:
         parser.error(f"--chat-template {args.chat_template}: no such file")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         parser.error(f"--generation-config {args.generation_config}: neither auto, vllm nor a directory")
+    source = generation_config_dir(args.generation_config, args.model)
     try:
-        defaults = sampling_defaults(args.generation_config, args.model)
+        defaults = generation_sampling_defaults(source) if source else {}
     except CheckpointError as e:
         parser.error(f"--generation-config {args.generation_config}: {e}")
     try:
@@ -1320,9 +1321,8 @@ def make_server(argv=None) -> Server:
                     special_tokens_in(args.model) if os.path.isdir(args.model) else {},
                     defaults)
     if served.sampling_defaults:  # vLLM says so too: a request's output depends on them
-        print(f"sampling defaults from {args.generation_config if os.path.isdir(args.generation_config) else args.model}"
-              f"/generation_config.json, for requests that leave them out: {served.sampling_defaults} "
-              "(--generation-config vllm: OpenAI's)", file=sys.stderr)
+        print(f"sampling defaults from {source}/generation_config.json, for requests that leave them out: "
+              f"{served.sampling_defaults} (--generation-config vllm: OpenAI's)", file=sys.stderr)
     return Server(sock, setup.engine, served, verbose=args.log_requests, api_key=args.api_key,
                   reload=functools.partial(reloaded, args, backend, setup.prefiller.mesh,
                                            setup.prefiller is setup.decoder),
@@ -1331,12 +1331,11 @@ def make_server(argv=None) -> Server:
                                   args.allow_credentials))
 
 
-def sampling_defaults(generation_config: str, model: str) -> dict[str, float]:
-    """--generation-config's sampling defaults for a model (a checkpoint directory or a preset)."""
-    if generation_config == "vllm":
-        return {}
-    directory = model if generation_config == "auto" else generation_config
-    return generation_sampling_defaults(directory) if os.path.isdir(directory) else {}
+def generation_config_dir(generation_config: str, model: str) -> str | None:
+    """Where --generation-config reads generation_config.json for a model (a checkpoint directory or
+    a preset); None: nowhere (vllm, or a preset with auto)."""
+    directory = {"vllm": None, "auto": model}.get(generation_config, generation_config)
+    return directory if directory is not None and os.path.isdir(directory) else None
 
 
 def reloaded(args, backend: str, mesh, one_engine: bool, path: str) -> tuple:

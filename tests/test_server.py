@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import mixserve
 from mixserve import faults, run, server
+from mixserve.checkpoint import generation_sampling_defaults
 from mixserve.cors import CorsPolicy
 from mixserve.engine import Engine
 from mixserve.frontend import Frontend
@@ -667,10 +668,11 @@ def test_the_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path,
     values stand in for the fields a request leaves out or sends as null; vllm keeps OpenAI's."""
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": None, "eos_token_id": [3, 4]}))
-    defaults = server.sampling_defaults("auto", str(tmp_path))
+    assert server.generation_config_dir("auto", str(tmp_path)) == str(tmp_path)
+    assert server.generation_config_dir("vllm", str(tmp_path)) is None is server.generation_config_dir("auto", "tiny-kimi")
+    assert server.generation_config_dir(str(tmp_path), "tiny-kimi") == str(tmp_path)  # another directory's
+    defaults = generation_sampling_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    assert server.sampling_defaults("vllm", str(tmp_path)) == {} == server.sampling_defaults("auto", "tiny-kimi")
-    assert server.sampling_defaults(str(tmp_path), "tiny-kimi") == defaults  # another directory's
     served = server.Served("m", ByteTokenizer(), mixserve.chat.ChatTemplate({"default": CHAT_TEMPLATE}), 4096, 320,
                            sampling_defaults=defaults)
     for body, parse in (({"prompt": "x"}, server.Completion.parse), ({"messages": ASK}, server.Completion.parse_chat)):
