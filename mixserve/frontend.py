@@ -11,6 +11,7 @@ tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class Frontend:
                logprobs: int | None = None, prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
                repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
-               priority: int = 0) -> int:
+               priority: int = 0, skip_special_tokens: bool = True, kept_special_ids: Collection[int] = ()) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
         is rejected here, without raising: its Update (status "rejected", with the reason) comes
         out of the next step. Requests with the same prompt, seed and options sample the same;
@@ -78,14 +79,17 @@ class Frontend:
         between requests of the same salt (vLLM's: one per tenant, so that no tenant can time
         another's cached prompts); its Result's cached_tokens counts the prompt tokens the cache gave.
         priority: with the engine's schedule_policy "priority", lower values are admitted first and
-        preempted last (vLLM's; ties: first come, first served); other policies refuse any but 0."""
+        preempted last (vLLM's; ties: first come, first served); other policies refuse any but 0.
+        skip_special_tokens: the text its stop strings are found in leaves out the tokenizer's
+        special tokens (vLLM's, true by default; Tokenizer.special_ids), but kept_special_ids."""
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, structured_output=structured_output,
-                            cache_salt=cache_salt, priority=priority).rid
+                            cache_salt=cache_salt, priority=priority, skip_special_tokens=skip_special_tokens,
+                            kept_special_ids=kept_special_ids).rid
 
     def cancel(self, rid: int) -> bool:
         """Stop request rid now (its client has gone, as vLLM aborts a disconnected request): it
@@ -141,7 +145,8 @@ class Frontend:
                  logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
-                 priority: int = 0) -> list[Result]:
+                 priority: int = 0, skip_special_tokens: bool = True,
+                 kept_special_ids: Collection[int] = ()) -> list[Result]:
         """Serve prompts to completion (one batch: they share the slots, pages and steps); results
         in prompt order. Prompt i samples with keys from (seed, i, token index); without a seed the
         call draws one, reported in each Result. The options are submit's, for every prompt."""
@@ -156,7 +161,8 @@ class Frontend:
                        logit_bias=logit_bias,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt,
-                       priority=priority)
+                       priority=priority, skip_special_tokens=skip_special_tokens,
+                       kept_special_ids=kept_special_ids)
         requests = [self._submit(p, i, **options) for i, p in enumerate(prompts)]
         while self._unreported:
             self.step()

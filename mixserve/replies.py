@@ -97,19 +97,26 @@ def json_or_text(value: str):
 @dataclasses.dataclass(frozen=True)
 class ToolCallFormat:
     """Where a family's calls begin and end, the markers around a run of them (dropped), what a chat
-    template that renders calls in this form contains, and how one call's body reads."""
+    template that renders calls in this form contains, how one call's body reads, and the markers
+    inside a body that it reads."""
     name: str
     begin: str
     end: str
     wrappers: tuple[str, ...]
     signature: str
     read: Callable[[str, dict[str, dict]], ToolCall]
+    inner: tuple[str, ...] = ()
+
+    @property
+    def markup(self) -> tuple[str, ...]:
+        return (self.begin, self.end, *self.wrappers, *self.inner)
 
 
 KIMI_K2 = ToolCallFormat("kimi_k2", "<|tool_call_begin|>", "<|tool_call_end|>",
                          ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"), "<|tool_call_begin|>",
-                         read_kimi_call)
-GLM45 = ToolCallFormat("glm45", "<tool_call>", "</tool_call>", (), "<arg_key>", read_glm_call)
+                         read_kimi_call, ("<|tool_call_argument_begin|>",))
+GLM45 = ToolCallFormat("glm45", "<tool_call>", "</tool_call>", (), "<arg_key>", read_glm_call,
+                       ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
 TOOL_CALL_FORMATS = {f.name: f for f in (KIMI_K2, GLM45)}
 
 
@@ -185,6 +192,14 @@ class ReplyParser:
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
         off = fmt.reasoning and prompt_text.rstrip().endswith(END_THINK)
         return cls(fmt.reasoning, open_think, fmt.tool_calls if tools else None, schemas, forced, off)
+
+    def markup_ids(self, tokenizer) -> frozenset[int]:
+        """The tokenizer's special tokens among the markup this parser reads (`<think>`, the tool-call
+        format's markers), each a token of its own: a text that leaves out special tokens (vLLM's
+        skip_special_tokens) keeps these, for the parser to read and take out."""
+        markup = ((THINK, END_THINK) if self.reasoning else ()) + (self.calls.markup if self.calls else ())
+        ids = [tokenizer.encode(m) for m in markup]
+        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in tokenizer.special_ids)
 
     def hold_answer(self, structured: StructuredOutput, tokenizer) -> StructuredOutput:
         """`structured`, held to the answer only (as vLLM holds a thinking model's answer, not its

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Collection
 from typing import Literal, NamedTuple
 
 import numpy as np
 
 from mixserve.grammar import StructuredOutput
-from mixserve.tokenizer import IncrementalDecoder, Tokenizer
+from mixserve.tokenizer import IncrementalDecoder, Tokenizer, text_tokenizer
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias: the sampling argument of the steps has this fixed width
 # What an RL trainer replays, a row per position fed to the model: the experts each MoE layer
@@ -117,6 +118,10 @@ class Request:
     ignore_eos: bool = False  # stop on its own stop tokens only, not the engine's
     min_tokens: int = 0  # tokens it generates before a stop token or stop string may end it (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings: it finishes once its decoded output contains one
+    # its text (where stop strings are found; the server's) leaves out the tokenizer's special tokens
+    # (vLLM's skip_special_tokens), but kept_special_ids (a chat reply's markup, which its parser reads)
+    skip_special_tokens: bool = True
+    kept_special_ids: Collection[int] = ()
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: dict | None = None  # token id -> a number added to its logit before sampling (greedy too)
@@ -280,7 +285,8 @@ class Request:
         several). Only the end of the text is searched: an earlier occurrence would have stopped
         the request when it was completed."""
         if self.output_text is None:  # a request handed over between engines starts a new one
-            self.output_text = IncrementalDecoder(tokenizer)
+            text_tok = text_tokenizer(tokenizer, self.skip_special_tokens, self.kept_special_ids)
+            self.output_text = IncrementalDecoder(text_tok)
         searched = len(self.output_text)
         self.output_text.add(self.out)
         grown = len(self.output_text) - searched
@@ -417,8 +423,12 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
         return f"stop must be a list of non-empty strings, got {req.stop!r}"
     if req.stop and not has_tokenizer:
         return "stop strings need the model's tokenizer to decode the output, and this model has none"
-    if not isinstance(req.ignore_eos, (bool, np.bool_)):
-        return f"ignore_eos must be True or False, got {req.ignore_eos!r}"
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if not isinstance(getattr(req, name), (bool, np.bool_)):
+            return f"{name} must be True or False, got {getattr(req, name)!r}"
+    if not isinstance(req.kept_special_ids, (frozenset, set, list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in req.kept_special_ids):
+        return f"kept_special_ids must be a set of token ids, got {req.kept_special_ids!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
         return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
     for name in ("logprobs", "prompt_logprobs"):

@@ -32,7 +32,7 @@ from mixserve.model_runner import LOGPROBS_MODES
 from mixserve.quantize import first_without_effect, plan_for, quantize_model
 from mixserve.scheduler import SCHEDULE_POLICIES
 from mixserve.replies import ReplyFormat, ReplyParser
-from mixserve.tokenizer import ByteTokenizer
+from mixserve.tokenizer import ByteTokenizer, text_tokenizer
 from models.presets import TINY_PRESETS
 from models.weights import WeightFormat
 
@@ -195,6 +195,9 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                    "do not end a request (a benchmark's fixed output length)")
     p.add_argument("--min-tokens", type=counted(0), default=0, help="tokens a request generates before a stop token "
                    "or stop string may end it (vLLM's min_tokens)")
+    p.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="the text leaves out the tokenizer's special tokens, but the <think> a --chat reply is "
+                   "read for (vLLM's skip_special_tokens; the tokens keep them)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); text if the model has a tokenizer, else bytes")
     p.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered through the model's "
                    "chat template (ending with the assistant's header); its reply is read for <think> reasoning")
@@ -293,7 +296,8 @@ def request_options(args) -> dict:
                 min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
                 min_tokens=args.min_tokens, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                 repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                presence_penalty=args.presence_penalty, structured_output=args.structured_output)
+                presence_penalty=args.presence_penalty, structured_output=args.structured_output,
+                skip_special_tokens=args.skip_special_tokens)
 
 
 def structured_output(args) -> StructuredOutput | None:
@@ -382,8 +386,11 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
     prompts = [model.tokenizer.encode(t) for t in texts]
+    fmt = ReplyFormat.detect(list(model.chat_template.templates.values())) if args.chat else ReplyFormat()
+    kept = ReplyParser.for_request(fmt, next(iter(texts), ""), None).markup_ids(model.tokenizer)  # prompts end alike
+    text_tok = text_tokenizer(model.tokenizer, args.skip_special_tokens, kept)
     t0 = time.perf_counter()
-    results = engine.generate(prompts, **request_options(args))
+    results = engine.generate(prompts, **request_options(args), kept_special_ids=kept)
     wall = time.perf_counter() - t0
     pc, c = prefiller.counters, decoder.counters
     formats = ("bfloat16", "fp8_e4m3") + ((TILED,) if model.config.attention_kind == "mla" else ())
@@ -423,7 +430,7 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         "grammar_mask_s": decoder.grammars.mask_s + (prefiller.grammars.mask_s if args.disaggregate else 0.0),
         "requests": [
             {"prompt_tokens": len(p), "cached_tokens": r.cached_tokens, "status": r.status, "reason": r.reason, "tokens": r.tokens,
-             "text": output_text(model.tokenizer, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
+             "text": output_text(text_tok, r), "stop_reason": r.stop_reason, "ttft_s": r.ttft_s,
              "latency_s": r.latency_s, "queue_s": r.queue_s, "logprobs": r.logprobs and [lp._asdict() for lp in r.logprobs],
              "prompt_logprobs": r.prompt_logprobs and [lp and lp._asdict() for lp in r.prompt_logprobs],
              "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist(),
@@ -432,7 +439,6 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         ],
     }
     if args.chat:  # each reply read as /v1/chat/completions reads it
-        fmt = ReplyFormat.detect(list(model.chat_template.templates.values()))
         for text, r in zip(texts, report["requests"]):
             if fmt.reasoning:
                 reply = ReplyParser.for_request(fmt, text, None).parse(r["text"], final=True)

@@ -60,7 +60,7 @@ from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
 from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream, forced_calls_schema
 from mixserve.request import Result, TokenLogprobs, Update
-from mixserve.tokenizer import IncrementalDecoder, Tokenizer
+from mixserve.tokenizer import IncrementalDecoder, Tokenizer, text_tokenizer
 
 # The sampling fields of both endpoints (vLLM's extensions among them) -> Frontend.submit's keywords,
 # with the value a missing or null field takes.
@@ -71,6 +71,7 @@ SAMPLING_FIELDS = {
     "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
     "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
     "cache_salt": ("cache_salt", None), "priority": ("priority", 0),
+    "skip_special_tokens": ("skip_special_tokens", True),
 }
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
@@ -435,6 +436,8 @@ class Completion:
             except ValueError as e:
                 raise BadRequest(str(e))
         reply = ReplyParser.for_request(fmt, text, tools, forced) if fmt.reasoning or tools else None
+        if reply is not None:  # its text keeps the markup the parser reads, special tokens or not
+            options["kept_special_ids"] = reply.markup_ids(served.tokenizer)
         if reply is not None and options["structured_output"] is not None:  # the reasoning is free
             options["structured_output"] = reply.hold_answer(options["structured_output"], served.tokenizer)
         limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -640,14 +643,17 @@ class Choice:
     (a text completion's, or with chat: an assistant message's, streamed as deltas)."""
 
     def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned,
-                 chat: bool = False, reply: ReplyStream | None = None, stop_token_ids=()):
+                 chat: bool = False, reply: ReplyStream | None = None, stop_token_ids=(), text: Tokenizer | None = None):
         self.index, self.prompt, self.tokenizer, self.returned, self.chat = index, prompt, tokenizer, returned, chat
+        # the completion's text is decoded with `text` (skip_special_tokens: tokenizer.text_tokenizer);
+        # logprobs name tokens, and echo gives the prompt, by the tokenizer's own decoding
+        self.text_tokenizer = text or tokenizer
         self.stop_token_ids = stop_token_ids  # the request's own (its stop_reason names them, not the model's end)
         self.reply = reply  # a chat reply read for reasoning and tool calls (else its text is the content)
         self.announced = False  # a chat stream's first delta names the role
         self.hold = max(map(len, stop_strings(stop)), default=1) - 1
         self.tokens: list[int] = []
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = IncrementalDecoder(self.text_tokenizer)
         self.offsets: list[int] = []  # each token's first character in the text
         self.sent = 0  # characters of the text already sent
         self.result: Result | None = None
@@ -664,7 +670,7 @@ class Choice:
         if self.result is None:
             text = self.decoder.visible[: max(self.sent, len(self.decoder) - self.hold)]
         else:
-            text = run.output_text(self.tokenizer, self.result, self.returned.include_stop_str)
+            text = run.output_text(self.text_tokenizer, self.result, self.returned.include_stop_str)
         new, self.sent = text[self.sent:], max(self.sent, len(text))
         return self.choice(self.streamed_part(new, text), start, update.new_logprobs)
 
@@ -676,7 +682,7 @@ class Choice:
             self._extend(result.tokens)  # the text offsets
         else:
             self.tokens = list(result.tokens)
-        return self.choice(self.whole_part(run.output_text(self.tokenizer, result, self.returned.include_stop_str)), 0,
+        return self.choice(self.whole_part(run.output_text(self.text_tokenizer, result, self.returned.include_stop_str)), 0,
                            result.logprobs)
 
     def _extend(self, tokens: list[int]) -> None:
@@ -1070,9 +1076,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 "created": int(time.time()), "model": served.model_name}
         try:
             first = self.first_updates(call, request.in_body_terms)  # a rejection comes in the first: a 400
+            text = text_tokenizer(served.tokenizer, request.options["skip_special_tokens"],
+                                  request.options.get("kept_special_ids", ()))
             choices = [Choice(i, p, served.tokenizer, request.options["stop"], request.returned, request.chat,
                               None if request.reply is None else ReplyStream(request.reply, request.one_call),
-                              request.options["stop_token_ids"])
+                              request.options["stop_token_ids"], text)
                        for i, (p, _) in enumerate(call.requests)]
             if request.stream:
                 self.send_stream(call, choices, head, first, request.include_usage)

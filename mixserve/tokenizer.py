@@ -3,10 +3,12 @@ library) or Kimi's `tiktoken.model` (via `tiktoken`, with specials from tokenize
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import shutil
+from collections.abc import Collection
 from typing import Protocol
 
 # What a checkpoint keeps of its tokenizer and chat template (mixserve/chat.py): a converted copy
@@ -34,6 +36,10 @@ def copy_tokenizer_files(src: str | None, dst: str, names: tuple[str, ...] = TOK
 
 
 class Tokenizer(Protocol):
+    # The ids that vLLM's skip_special_tokens leaves out of a text: the tokenizer's own notion of
+    # special (each format's below), not every added token.
+    special_ids: frozenset[int]
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     # One token's own bytes (OpenAI's logprobs "bytes"): a token may hold part of a character,
@@ -63,6 +69,8 @@ class HFTokenizer:
         decoders += decoders[0].get("decoders") or []  # a Sequence's
         self._decoders = {d.get("type") for d in decoders}
         self._added = {t["id"] for t in spec.get("added_tokens") or []}
+        # what tokenizers' decode(skip_special_tokens=True) skips: added tokens marked special
+        self.special_ids = frozenset(t["id"] for t in spec.get("added_tokens") or [] if t.get("special"))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -106,6 +114,19 @@ KIMI_PATTERN = "|".join([
 
 
 RESERVED_SPECIALS = 256  # Kimi's tiktoken specials (tokenization_kimi.py's num_reserved_special_tokens)
+# A Python tokenizer's special tokens in transformers (its all_special_ids): these config keys' tokens
+# and the lists of extra ones. Kimi's tool-call markers are added tokens, but not among them.
+NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
+
+
+def named_special_tokens(config: dict) -> set[str]:
+    """The special tokens' texts a tokenizer_config.json (or special_tokens_map.json) names, each a
+    string or an AddedToken's {"content": ...}."""
+    text = lambda token: token.get("content") if isinstance(token, dict) else token
+    named = {text(config.get(key)) for key in NAMED_SPECIALS}
+    named |= {text(token) for key in SPECIAL_LISTS if isinstance(config.get(key), list) for token in config[key]}
+    return {t for t in named if isinstance(t, str)}
 
 
 class TiktokenTokenizer:
@@ -115,15 +136,22 @@ class TiktokenTokenizer:
 
         ranks = load_tiktoken_bpe(model_path)
         named: dict[int, str] = {}
+        special_texts: set[str] = set()
         if config_path and os.path.exists(config_path):
             with open(config_path) as f:
-                decoder = json.load(f).get("added_tokens_decoder", {})
-            named = {int(i): entry["content"] for i, entry in decoder.items()}
+                config = json.load(f)
+            named = {int(i): entry["content"] for i, entry in config.get("added_tokens_decoder", {}).items()}
+            special_texts = named_special_tokens(config)
+        map_path = os.path.join(os.path.dirname(model_path), "special_tokens_map.json")
+        if os.path.exists(map_path):  # transformers reads it too, beside the config
+            with open(map_path) as f:
+                special_texts |= named_special_tokens(json.load(f))
         # Moonshot's rule: the RESERVED_SPECIALS ids after the ranks are all special, named by the
         # config where it names them, else <|reserved_token_i|>, so every id the model samples decodes.
         reserved = {i: f"<|reserved_token_{i}|>" for i in range(len(ranks), len(ranks) + RESERVED_SPECIALS)}
         specials = {name: i for i, name in (reserved | named).items()}
-        self._ranks, self._special_ids = len(ranks), frozenset(specials.values())
+        self._ranks, self._added_ids = len(ranks), frozenset(specials.values())
+        self.special_ids = frozenset(specials[t] for t in special_texts if t in specials)
         self.encoding = tiktoken.Encoding(
             name=os.path.basename(os.path.dirname(model_path)) or "kimi",
             pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
@@ -134,16 +162,18 @@ class TiktokenTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         # An id past the tokenizer (a model vocab padded beyond it) is dropped, as `tokenizers` does.
-        return self.encoding.decode([i for i in ids if 0 <= i < self._ranks or i in self._special_ids])
+        return self.encoding.decode([i for i in ids if 0 <= i < self._ranks or i in self._added_ids])
 
     def token_bytes(self, token: int) -> bytes:
-        known = 0 <= token < self._ranks or token in self._special_ids
+        known = 0 <= token < self._ranks or token in self._added_ids
         return self.encoding.decode_single_token_bytes(token) if known else b""
 
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0-255: the tiny presets' vocabulary starts with the 256 bytes (what
     `mixserve.run` serves them with; ids past 255 decode to nothing)."""
+
+    special_ids = frozenset()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -153,6 +183,36 @@ class ByteTokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         return bytes([token]) if 0 <= token < 256 else b""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeavingOut:
+    """`tokenizer` whose text leaves out the ids `left_out` (vLLM's skip_special_tokens): they decode
+    to nothing, as tokenizers' own skipping does (it drops them before its decoders run). A token's
+    own bytes (logprobs) stay the tokenizer's."""
+    tokenizer: Tokenizer
+    left_out: frozenset[int]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self.tokenizer.special_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self.left_out])
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_bytes(token)
+
+
+def text_tokenizer(tokenizer: Tokenizer, skip_special_tokens: bool, kept: Collection[int] = ()) -> Tokenizer:
+    """The tokenizer a request's text is decoded with: skip_special_tokens (vLLM's, true by default)
+    leaves the tokenizer's special tokens out of it, but those in kept (a chat reply's markup, which
+    its parser reads)."""
+    left_out = tokenizer.special_ids - frozenset(kept) if skip_special_tokens else frozenset()
+    return LeavingOut(tokenizer, left_out) if left_out else tokenizer
 
 
 class IncrementalDecoder:

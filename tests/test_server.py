@@ -8,7 +8,9 @@ raises (strict) stops the server."""
 import argparse
 import contextlib
 import http.client
+import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -28,6 +30,7 @@ from mixserve.cors import CorsPolicy
 from mixserve.engine import Engine
 from mixserve.frontend import Frontend
 from mixserve.grammar import Grammars
+from mixserve.replies import KIMI_K2
 from mixserve.tokenizer import ByteTokenizer
 
 FLAGS = ["--model", "tiny-kimi", "--page-size", "4", "--concurrency", "2"]
@@ -261,7 +264,8 @@ def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference, capsys
     assert status == 200 and body["choices"][0]["message"]["content"], body
     for bad, name in (({"repetition_penalty": 0}, "repetition_penalty > 0"), ({"frequency_penalty": 2.5}, "[-2, 2]"),
                       ({"presence_penalty": "high"}, "presence_penalty must be a finite number"),
-                      ({"min_tokens": 17}, "min_tokens must be an integer from 0 to max_tokens (")):
+                      ({"min_tokens": 17}, "min_tokens must be an integer from 0 to max_tokens ("),
+                      ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False")):
         for path, request in (("/v1/completions", greedy(**bad)), (CHAT, chat(**bad))):
             status, error = post(srv, request, path)
             assert status == 400 and name in error["error"]["message"], (bad, error)
@@ -413,9 +417,10 @@ class Scripted(Frontend):
     then EOS, two tokens a step: the server's side of a reply, without a model to write it."""
     EOS = 300
 
-    def __init__(self, reply: str = ""):
+    def __init__(self, reply: str = "", tokenizer=ByteTokenizer()):
         super().__init__()
         self.counters, self.reply, self.live = types.SimpleNamespace(rejections=0), reply, []
+        self.tokenizer = tokenizer  # the reply's tokens are its encoding
         self.grammars = Grammars(ByteTokenizer(), 320, (self.EOS,))  # a structured reply is checked as it comes
 
     def _reject_reason(self, req):
@@ -428,10 +433,10 @@ class Scripted(Frontend):
         self.live.remove(req)
 
     def _advance(self):
-        script = [*ByteTokenizer().encode(self.reply), self.EOS]
+        script = [*self.tokenizer.encode(self.reply), self.EOS]
         for req in list(self.live):
             for token in script[len(req.out):len(req.out) + 2]:
-                req.accept(token, time.perf_counter(), (self.EOS,), tokenizer=ByteTokenizer())
+                req.accept(token, time.perf_counter(), (self.EOS,), tokenizer=self.tokenizer)
             if req.result is not None:
                 self.live.remove(req)
 
@@ -466,7 +471,7 @@ def scripted_server(template: str, reply: str, api_key: str | None = None, cors=
     chat_template = mixserve.chat.ChatTemplate({"default": template})
     flags = argparse.Namespace(**{"reasoning_parser": "auto", "tool_call_parser": "auto", **parsers})
     served = server.Served("scripted", tokenizer, chat_template, 4096, 256, server.reply_format(flags, chat_template))
-    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply), served, api_key=api_key, cors=cors))
+    s = serving(server.Server(("127.0.0.1", 0), Scripted(reply, tokenizer), served, api_key=api_key, cors=cors))
     try:
         yield s
     finally:
@@ -502,6 +507,58 @@ def test_a_reply_calling_a_tool_is_read_into_tool_calls_streamed_or_not(template
         status, again = post(s, {"messages": history, "tools": TOOLS, "return_token_ids": True}, CHAT)
         markup = reply[reply.index("<|tool_calls" if template is KIMI_TEMPLATE else "<tool_call>"):]
         assert markup in ByteTokenizer().decode(again["prompt_token_ids"]), again
+
+
+class WithSpecials(ByteTokenizer):
+    """Bytes, and each of `texts` a token of its own (ids from 301), as a real tokenizer holds a chat
+    format's markers; special_ids: those of `special`, the ones HF's skip_special_tokens skips."""
+
+    def __init__(self, texts, special):
+        self.ids = {t: 301 + i for i, t in enumerate(texts)}
+        self.special_ids = frozenset(self.ids[t] for t in special)
+        self.pattern = re.compile("|".join(map(re.escape, texts)))
+
+    def encode(self, text):
+        pieces = self.pattern.split(text)  # the text between markers, then each marker in its place
+        markers = [self.ids[m] for m in self.pattern.findall(text)]
+        as_bytes = ByteTokenizer().encode
+        return [*as_bytes(pieces[0]), *(t for m, piece in zip(markers, pieces[1:]) for t in (m, *as_bytes(piece)))]
+
+    def decode(self, ids):
+        names = {i: t for t, i in self.ids.items()}
+        runs = itertools.groupby(ids, lambda t: t in names)
+        return "".join("".join(names[t] for t in run) if named else ByteTokenizer().decode(list(run))
+                       for named, run in runs)
+
+
+def test_special_tokens_leave_the_text_but_the_markup_its_reply_is_read_for():
+    """vLLM's skip_special_tokens, true by default: a special token is left out of the text (here
+    one inside the content; an added token not special stays), but a chat reply keeps the markup
+    its parser reads (Kimi's <think> and tool-call markers, special tokens all) and takes it out; a
+    completion, read for nothing, loses the markers too. skip_special_tokens false keeps them; the
+    token ids keep every token."""
+    markup = ["<think>", "</think>", *KIMI_K2.markup]
+    tok = WithSpecials([*markup, "<|im_middle|>", "<|im_user|>"], special=[*markup, "<|im_middle|>"])
+    reply = KIMI_REPLY.replace("Checking.", "Check<|im_middle|>ing<|im_user|>.")
+    with scripted_server(KIMI_TEMPLATE, reply, tokenizer=tok) as s:
+        for skip, content in ((None, "Checking<|im_user|>."), (False, "Check<|im_middle|>ing<|im_user|>.")):
+            body = {"messages": ASK, "tools": TOOLS, **({} if skip is None else {"skip_special_tokens": skip})}
+            status, whole = post(s, body, CHAT)
+            assert status == 200, whole
+            message = whole["choices"][0]["message"]
+            (call,) = message.pop("tool_calls")
+            assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+            assert message == {"role": "assistant", "content": content, "reasoning_content": "Look it up."}, skip
+            deltas = [c["choices"][0]["delta"] for c in events(s, body, CHAT)[:-1]]
+            assert "".join(d.get("content", "") for d in deltas) == content
+        bare = "Look it up.Checking<|im_user|>.functions.get_weather:0" + '{"city": "Oslo", "days": 2}'
+        for skip, text in ((None, bare), (False, reply)):
+            body = {"prompt": "x", "max_tokens": 500, "return_token_ids": True,
+                    **({} if skip is None else {"skip_special_tokens": skip})}
+            status, whole = post(s, body)
+            assert status == 200 and whole["choices"][0]["text"] == text, whole
+            assert whole["choices"][0]["token_ids"] == [*tok.encode(reply), Scripted.EOS]
+            assert "".join(c["choices"][0]["text"] for c in events(s, body)[:-1]) == text
 
 
 FORCED = [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]', "tool_calls"),

@@ -14,7 +14,8 @@ import hf_reference as ref
 import mixserve
 from mixserve.request import Request, Result
 from mixserve.run import output_text
-from mixserve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer
+from mixserve.replies import GLM45, KIMI_K2, ReplyFormat, ReplyParser
+from mixserve.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, TiktokenTokenizer, text_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -139,6 +140,7 @@ def metaspace_bpe() -> HFTokenizer:
 
 class Counting:
     """A tokenizer that counts the ids it is asked to decode."""
+    special_ids = frozenset()
 
     def __init__(self, tok):
         self.tok, self.decoded = tok, 0
@@ -218,6 +220,7 @@ def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_
 class PieceTokenizer:
     """Ids are byte strings (a byte-level vocabulary in miniature): one may end a character and
     start the next, as b"!\xf0\x9f" does."""
+    special_ids = frozenset()
 
     def __init__(self, pieces):
         self.pieces = pieces
@@ -293,3 +296,59 @@ def test_the_output_text_leaves_out_what_stopped_it(model_dir, tmp_path):
     assert output_text(tok, Result(said, "ok")) == "Hello, world! The quick"  # at the length: all of it
     stopped = Result(said, "ok", stop_reason="world")  # what the completing token holds past it goes too
     assert output_text(tok, stopped) == "Hello, " and output_text(tok, stopped, include_stop_str=True) == "Hello, world"
+
+
+# --- skip_special_tokens (vLLM's, true by default) --------------------------------------------------
+def test_skip_special_tokens_leaves_out_what_tokenizers_skips(model_dir, tmp_path):
+    """A tokenizer.json's special tokens are its added tokens marked special: the text leaves them
+    out exactly as tokenizers' decode(skip_special_tokens=True) does, an added token not marked
+    (GLM marks some so) stays; kept ids (a reply's markup) stay too. Random id runs, fresh each run."""
+    reference = tokenizers.Tokenizer.from_str(byte_level_bpe_json())
+    reference.add_special_tokens(["<|user|>", "<think>"])
+    reference.add_tokens(["<arg_key>"])
+    path = checkpoint_with(model_dir, tmp_path, tokenizer__json=reference.to_str())
+    tok = mixserve.load(path, dtype="float32", progress=False).tokenizer
+    ids = {t: reference.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<think>", "<arg_key>")}
+    assert tok.special_ids == {ids["<|endoftext|>"], ids["<|user|>"], ids["<think>"]}
+    rng = np.random.default_rng()
+    for _ in range(50):
+        run = [int(rng.choice(list(ids.values()))) if rng.random() < 0.3 else int(rng.integers(0, 256))
+               for _ in range(int(rng.integers(1, 20)))]
+        assert text_tokenizer(tok, True).decode(run) == reference.decode(run, skip_special_tokens=True), run
+        assert text_tokenizer(tok, False).decode(run) == reference.decode(run, skip_special_tokens=False), run
+    hello = tok.encode("hello")
+    run = [ids["<think>"], *hello, ids["<|user|>"], ids["<arg_key>"]]
+    assert text_tokenizer(tok, True, {ids["<think>"]}).decode(run) == "<think>hello<arg_key>"
+    # A GLM reply read for reasoning keeps <think>, the special one of its markup here
+    parser = ReplyParser.for_request(ReplyFormat(True, GLM45), "<|assistant|>", [{"function": {"name": "f"}}])
+    assert parser.markup_ids(tok) == {ids["<think>"]}
+    assert ReplyParser.for_request(ReplyFormat(False, None), "", None).markup_ids(tok) == frozenset()
+
+
+KIMI_CONFIG = {"added_tokens_decoder": {**SPECIALS, "302": {"content": "<|tool_call_begin|>", "special": True},
+                                        "303": {"content": "[BOS]", "special": True}},
+               "bos_token": "[BOS]", "eos_token": {"content": "<|im_end|>", "__type": "AddedToken"},
+               "unk_token": None, "additional_special_tokens": ["<|im_user|>", "<|not_a_token|>"]}
+
+
+def test_kimi_special_tokens_are_those_its_config_names_special(model_dir, tmp_path):
+    """A Python tokenizer's (Kimi's tiktoken) special tokens in transformers are its all_special_ids:
+    the config's bos/eos/... tokens (a string or an AddedToken's content) and its
+    additional_special_tokens, with special_tokens_map.json's; not every added token (a tool-call
+    marker stays, as the reply parser needs it). A stop string is found in the text without them."""
+    pad = 256 + len(MERGES) + 5  # an unnamed reserved id, named by the map
+    files = {**tiktoken_files(), "tokenizer_config__json": json.dumps(KIMI_CONFIG),
+             "special_tokens_map__json": json.dumps({"pad_token": f"<|reserved_token_{pad}|>"})}
+    tok = mixserve.load(checkpoint_with(model_dir, tmp_path, **files), dtype="float32", progress=False).tokenizer
+    assert tok.special_ids == {300, 301, 303, pad}
+    run = [303, ID[b"hello"], 302, 301, pad, ID[b"12"], 300]
+    assert text_tokenizer(tok, True).decode(run) == "hello<|tool_call_begin|>12"
+    assert text_tokenizer(tok, False).decode(run) == tok.decode(run)
+    kimi = ReplyParser.for_request(ReplyFormat(True, KIMI_K2), "", [{"function": {"name": "f"}}])
+    assert kimi.markup_ids(tok) == frozenset()  # none of its markup is special here: nothing to keep
+    # stop strings are found in the request's text: "hello12" only once <|im_user|> is left out
+    tokens = [ID[b"hello"], 301, ID[b"12"], ord("!")]
+    assert serve(tok, tokens, ("hello12",)).stop_reason == "hello12"
+    for options in ({"skip_special_tokens": False}, {"kept_special_ids": {301}}):
+        r = serve(tok, tokens, ("hello12",), **options)
+        assert r.stop_reason is None and r.out == tokens, options
