@@ -426,9 +426,9 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     for name in ("ignore_eos", "skip_special_tokens"):
         if not isinstance(getattr(req, name), (bool, np.bool_)):
             return f"{name} must be True or False, got {getattr(req, name)!r}"
-    if not isinstance(req.kept_special_ids, (frozenset, set, list, tuple)) or not all(
+    if not isinstance(req.kept_special_ids, Collection) or isinstance(req.kept_special_ids, str) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in req.kept_special_ids):
-        return f"kept_special_ids must be a set of token ids, got {req.kept_special_ids!r}"
+        return f"kept_special_ids must be a collection of token ids, got {req.kept_special_ids!r}"
     if not isinstance(req.top_k, (int, np.integer)) or isinstance(req.top_k, bool) or req.top_k < -1:
         return f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {req.top_k!r}"
     for name in ("logprobs", "prompt_logprobs"):

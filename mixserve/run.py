@@ -386,8 +386,10 @@ def serve(args, backend: str, mesh, setup: Setup, texts: list[str]) -> dict:
         weight_sets["decode"] = (str(decode_model.plan), param_bytes(decode_model),
                                  sharding.bytes_per_device(decoder.runner.decode_model.params))
     prompts = [model.tokenizer.encode(t) for t in texts]
-    fmt = ReplyFormat.detect(list(model.chat_template.templates.values())) if args.chat else ReplyFormat()
-    kept = ReplyParser.for_request(fmt, next(iter(texts), ""), None).markup_ids(model.tokenizer)  # prompts end alike
+    kept = frozenset()  # the special tokens of the markup a --chat reply is read for stay in its text
+    if args.chat:
+        fmt = ReplyFormat.detect(list(model.chat_template.templates.values()))
+        kept = ReplyParser.for_request(fmt, texts[0], None).markup_ids(model.tokenizer)  # the prompts end alike
     text_tok = text_tokenizer(model.tokenizer, args.skip_special_tokens, kept)
     t0 = time.perf_counter()
     results = engine.generate(prompts, **request_options(args), kept_special_ids=kept)

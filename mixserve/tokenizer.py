@@ -37,7 +37,7 @@ def copy_tokenizer_files(src: str | None, dst: str, names: tuple[str, ...] = TOK
 
 class Tokenizer(Protocol):
     # The ids that vLLM's skip_special_tokens leaves out of a text: the tokenizer's own notion of
-    # special (each format's below), not every added token.
+    # special (each format's below), not every added token. A tokenizer without it has none.
     special_ids: frozenset[int]
 
     def encode(self, text: str) -> list[int]: ...
@@ -114,18 +114,18 @@ KIMI_PATTERN = "|".join([
 
 
 RESERVED_SPECIALS = 256  # Kimi's tiktoken specials (tokenization_kimi.py's num_reserved_special_tokens)
-# A Python tokenizer's special tokens in transformers (its all_special_ids): these config keys' tokens
-# and the lists of extra ones. Kimi's tool-call markers are added tokens, but not among them.
-NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-SPECIAL_LISTS = ("additional_special_tokens", "extra_special_tokens")
 
 
 def named_special_tokens(config: dict) -> set[str]:
-    """The special tokens' texts a tokenizer_config.json (or special_tokens_map.json) names, each a
-    string or an AddedToken's {"content": ...}."""
+    """The special tokens' texts a tokenizer_config.json (or special_tokens_map.json) names, as
+    transformers 5 reads a Python tokenizer's all_special_ids from it: each `*_token` key's token
+    (bos_token, eos_token, ..., and model-specific ones) and the extra_special_tokens (or the older
+    additional_special_tokens), a list or a dict; each a string or an AddedToken's {"content": ...}.
+    Not every added token: Kimi's tool-call markers are added tokens, but not among them."""
     text = lambda token: token.get("content") if isinstance(token, dict) else token
-    named = {text(config.get(key)) for key in NAMED_SPECIALS}
-    named |= {text(token) for key in SPECIAL_LISTS if isinstance(config.get(key), list) for token in config[key]}
+    named = {text(value) for key, value in config.items() if key.endswith("_token")}
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    named |= {text(token) for token in (extra.values() if isinstance(extra, dict) else extra)}
     return {t for t in named if isinstance(t, str)}
 
 
@@ -143,7 +143,7 @@ class TiktokenTokenizer:
             named = {int(i): entry["content"] for i, entry in config.get("added_tokens_decoder", {}).items()}
             special_texts = named_special_tokens(config)
         map_path = os.path.join(os.path.dirname(model_path), "special_tokens_map.json")
-        if os.path.exists(map_path):  # transformers reads it too, beside the config
+        if not named and os.path.exists(map_path):  # transformers 5 reads it only for a config without added tokens
             with open(map_path) as f:
                 special_texts |= named_special_tokens(json.load(f))
         # Moonshot's rule: the RESERVED_SPECIALS ids after the ranks are all special, named by the
@@ -211,7 +211,8 @@ def text_tokenizer(tokenizer: Tokenizer, skip_special_tokens: bool, kept: Collec
     """The tokenizer a request's text is decoded with: skip_special_tokens (vLLM's, true by default)
     leaves the tokenizer's special tokens out of it, but those in kept (a chat reply's markup, which
     its parser reads)."""
-    left_out = tokenizer.special_ids - frozenset(kept) if skip_special_tokens else frozenset()
+    special = getattr(tokenizer, "special_ids", frozenset())  # a tokenizer of the caller's own may not say
+    left_out = special - frozenset(kept) if skip_special_tokens else frozenset()
     return LeavingOut(tokenizer, left_out) if left_out else tokenizer
 
 
@@ -238,7 +239,13 @@ class IncrementalDecoder:
     MAX_HELD = 16  # tokens; a character spans at most 4 that hold bytes
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+        # A LeavingOut tokenizer's ids are dropped here, before a window is chosen: a context of
+        # left-out ids alone would decode to nothing, and a SentencePiece decoder (Metaspace) would
+        # then strip the next word's space as the text's first.
+        self._left_out = tokenizer.left_out if isinstance(tokenizer, LeavingOut) else frozenset()
+        self.tokenizer = tokenizer.tokenizer if isinstance(tokenizer, LeavingOut) else tokenizer
+        self._ids: list[int] = []  # the ids added so far, less those left out
+        self._seen = 0  # ids added so far
         self._pieces: list[str] = []  # the committed text, as added (joined only on request)
         self._committed = 0  # its length
         self.held = ""  # complete characters after the committed text, in front of an unfinished one
@@ -270,6 +277,11 @@ class IncrementalDecoder:
 
     def add(self, ids: list[int]) -> None:
         """Extend by the tokens of ids (every token so far: those of the last call and more)."""
+        known = len(self._ids)
+        self._ids += [t for t in ids[self._seen:] if t not in self._left_out]
+        self._seen, ids = len(ids), self._ids
+        if len(ids) == known:  # only left-out ids: the text is as it was (and so is the context)
+            return
         before = self.tokenizer.decode(ids[self._prefix:self._read])
         new = self.tokenizer.decode(ids[self._prefix:])[len(before):]
         if not new.endswith("\ufffd"):

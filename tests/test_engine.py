@@ -274,8 +274,9 @@ def test_bad_requests_are_rejected_per_request(model):
         res = e.generate([good], max_new_tokens=2, temperature=1.0, min_p=min_p)[0]
         assert res.status == "rejected" and why in res.reason, min_p
     for options, why in (({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False"),
-                         ({"kept_special_ids": 5}, "kept_special_ids must be a set of token ids"),
-                         ({"kept_special_ids": ["<think>"]}, "kept_special_ids must be a set of token ids")):
+                         ({"kept_special_ids": 5}, "kept_special_ids must be a collection of token ids"),
+                         ({"kept_special_ids": "<think>"}, "kept_special_ids must be a collection of token ids"),
+                         ({"kept_special_ids": ["<think>"]}, "kept_special_ids must be a collection of token ids")):
         res = e.generate([good], max_new_tokens=2, **options)[0]
         assert res.status == "rejected" and why in res.reason, options
     for top_k in (-2, 2.0, True, "3"):
@@ -842,7 +843,6 @@ def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt():
 
 class LetterTokenizer:
     """Each id decodes to one letter (id mod 26): stop strings over known token boundaries."""
-    special_ids = frozenset()
 
     def encode(self, text):
         return [ord(c) - 97 for c in text]

@@ -140,7 +140,6 @@ def metaspace_bpe() -> HFTokenizer:
 
 class Counting:
     """A tokenizer that counts the ids it is asked to decode."""
-    special_ids = frozenset()
 
     def __init__(self, tok):
         self.tok, self.decoded = tok, 0
@@ -220,7 +219,6 @@ def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_
 class PieceTokenizer:
     """Ids are byte strings (a byte-level vocabulary in miniature): one may end a character and
     start the next, as b"!\xf0\x9f" does."""
-    special_ids = frozenset()
 
     def __init__(self, pieces):
         self.pieces = pieces
@@ -327,28 +325,56 @@ def test_skip_special_tokens_leaves_out_what_tokenizers_skips(model_dir, tmp_pat
 
 KIMI_CONFIG = {"added_tokens_decoder": {**SPECIALS, "302": {"content": "<|tool_call_begin|>", "special": True},
                                         "303": {"content": "[BOS]", "special": True}},
-               "bos_token": "[BOS]", "eos_token": {"content": "<|im_end|>", "__type": "AddedToken"},
-               "unk_token": None, "additional_special_tokens": ["<|im_user|>", "<|not_a_token|>"]}
+               "bos_token": "[BOS]", "eos_token": {"content": "<|im_end|>", "__type": "AddedToken"}, "unk_token": None,
+               "add_bos_token": False, "additional_special_tokens": ["<|im_user|>", "<|not_a_token|>"]}
 
 
 def test_kimi_special_tokens_are_those_its_config_names_special(model_dir, tmp_path):
-    """A Python tokenizer's (Kimi's tiktoken) special tokens in transformers are its all_special_ids:
-    the config's bos/eos/... tokens (a string or an AddedToken's content) and its
-    additional_special_tokens, with special_tokens_map.json's; not every added token (a tool-call
-    marker stays, as the reply parser needs it). A stop string is found in the text without them."""
-    pad = 256 + len(MERGES) + 5  # an unnamed reserved id, named by the map
-    files = {**tiktoken_files(), "tokenizer_config__json": json.dumps(KIMI_CONFIG),
-             "special_tokens_map__json": json.dumps({"pad_token": f"<|reserved_token_{pad}|>"})}
-    tok = mixserve.load(checkpoint_with(model_dir, tmp_path, **files), dtype="float32", progress=False).tokenizer
-    assert tok.special_ids == {300, 301, 303, pad}
-    run = [303, ID[b"hello"], 302, 301, pad, ID[b"12"], 300]
+    """A Python tokenizer's (Kimi's tiktoken) special tokens, as transformers 5 reads its
+    all_special_ids: the config's `*_token` keys' tokens (a string or an AddedToken's content;
+    model-specific keys too) and its additional (extra) special tokens; special_tokens_map.json
+    only for a config without added tokens. Not every added token: a tool-call marker stays (the
+    reply parser reads it). A stop string is found in the text without them."""
+    media = 256 + len(MERGES) + 5  # an unnamed reserved id, named special by a model-specific key
+    config = {**KIMI_CONFIG, "media_placeholder_token": f"<|reserved_token_{media}|>"}
+    files = {**tiktoken_files(), "tokenizer_config__json": json.dumps(config),
+             "special_tokens_map__json": json.dumps({"sep_token": "<|tool_call_begin|>"})}  # not read
+    tok = mixserve.load(checkpoint_with(model_dir, tmp_path / "kimi", **files), dtype="float32",
+                        progress=False).tokenizer
+    assert tok.special_ids == {300, 301, 303, media}
+    run = [303, ID[b"hello"], 302, 301, media, ID[b"12"], 300]
     assert text_tokenizer(tok, True).decode(run) == "hello<|tool_call_begin|>12"
     assert text_tokenizer(tok, False).decode(run) == tok.decode(run)
     kimi = ReplyParser.for_request(ReplyFormat(True, KIMI_K2), "", [{"function": {"name": "f"}}])
     assert kimi.markup_ids(tok) == frozenset()  # none of its markup is special here: nothing to keep
+    files = {**tiktoken_files(), "tokenizer_config__json": json.dumps({"bos_token": None}),
+             "special_tokens_map__json": json.dumps({"eos_token": f"<|reserved_token_{media}|>"})}
+    legacy = mixserve.load(checkpoint_with(model_dir, tmp_path / "legacy", **files), dtype="float32",
+                           progress=False).tokenizer
+    assert legacy.special_ids == {media}
     # stop strings are found in the request's text: "hello12" only once <|im_user|> is left out
     tokens = [ID[b"hello"], 301, ID[b"12"], ord("!")]
     assert serve(tok, tokens, ("hello12",)).stop_reason == "hello12"
     for options in ({"skip_special_tokens": False}, {"kept_special_ids": {301}}):
         r = serve(tok, tokens, ("hello12",), **options)
         assert r.stop_reason is None and r.out == tokens, options
+
+
+def test_a_left_out_token_keeps_the_next_words_space_as_tokenizers_does(tmp_path):
+    """A SentencePiece-style decoder (Metaspace) strips the text's first space: the incremental text
+    and the stop strings must see a left-out special token as absent, not as the text's start
+    ("Hi there", not "Hithere"), as tokenizers' decode(skip_special_tokens=True) and run.output_text do."""
+    reference = tokenizers.Tokenizer(models.WordLevel({"▁Hi": 0, "▁there": 1, "!": 2}, unk_token="!"))
+    reference.decoder = decoders.Metaspace()
+    reference.add_special_tokens(["<x>"])
+    (tmp_path / "tokenizer.json").write_text(reference.to_str())
+    tok = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    ids = [0, reference.token_to_id("<x>"), 1, 2]
+    text = text_tokenizer(tok, True)
+    decoder = IncrementalDecoder(text)
+    for n in range(1, len(ids) + 1):
+        decoder.add(ids[:n])
+        assert decoder.visible == text.decode(ids[:n]) == reference.decode(ids[:n], skip_special_tokens=True)
+    assert decoder.visible == "Hi there!"
+    r = serve(tok, ids, ("i t",))
+    assert r.stop_reason == "i t" and r.out == ids[:3]
