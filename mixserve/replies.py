@@ -199,7 +199,8 @@ class ReplyParser:
         skip_special_tokens) keeps these, for the parser to read and take out."""
         markup = ((THINK, END_THINK) if self.reasoning else ()) + (self.calls.markup if self.calls else ())
         ids = [tokenizer.encode(m) for m in markup]
-        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in tokenizer.special_ids)
+        special = getattr(tokenizer, "special_ids", frozenset())  # a tokenizer of the caller's own may not say
+        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in special)
 
     def hold_answer(self, structured: StructuredOutput, tokenizer) -> StructuredOutput:
         """`structured`, held to the answer only (as vLLM holds a thinking model's answer, not its

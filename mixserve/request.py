@@ -284,7 +284,7 @@ class Request:
         """The stop string that the text of the newest token(s) completes (the earliest to start, if
         several). Only the end of the text is searched: an earlier occurrence would have stopped
         the request when it was completed."""
-        if self.output_text is None:  # a request handed over between engines starts a new one
+        if self.output_text is None:  # made at the first check (its tokenizer is the engine's)
             text_tok = text_tokenizer(tokenizer, self.skip_special_tokens, self.kept_special_ids)
             self.output_text = IncrementalDecoder(text_tok)
         searched = len(self.output_text)

@@ -216,6 +216,16 @@ def test_incremental_decoder_text_is_the_whole_decode(model_dir, tmp_path, kimi_
             assert_incremental_text_follows_decode(tok, [int(t) for t in rng.integers(0, vocab + 10, 40)])
 
 
+class LetterCodes:
+    """A tokenizer without special_ids (the attribute is newer than the protocol's first users)."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
 class PieceTokenizer:
     """Ids are byte strings (a byte-level vocabulary in miniature): one may end a character and
     start the next, as b"!\xf0\x9f" does."""
@@ -321,6 +331,8 @@ def test_skip_special_tokens_leaves_out_what_tokenizers_skips(model_dir, tmp_pat
     parser = ReplyParser.for_request(ReplyFormat(True, GLM45), "<|assistant|>", [{"function": {"name": "f"}}])
     assert parser.markup_ids(tok) == {ids["<think>"]}
     assert ReplyParser.for_request(ReplyFormat(False, None), "", None).markup_ids(tok) == frozenset()
+    bare = LetterCodes()  # a tokenizer of the caller's own, which does not say its special tokens
+    assert parser.markup_ids(bare) == frozenset() and text_tokenizer(bare, True) is bare
 
 
 KIMI_CONFIG = {"added_tokens_decoder": {**SPECIALS, "302": {"content": "<|tool_call_begin|>", "special": True},
