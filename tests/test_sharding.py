@@ -164,8 +164,8 @@ with pytest.raises(ValueError, match="needs a 'model' axis"):
     Engine(model, mesh=jax.make_mesh((8,), ("data",)), **kw)
 # What 3 devices do not divide stays whole on each, and is named (the flattened widths of the axes).
 import warnings
-with pytest.warns(UserWarning, match=r"over 3 devices replicates .* heads \(64, 128\), mlp \(32, 128\), "
-                                     r"moe_mlp \(32\), vocab \(320\)$"):
+with pytest.warns(UserWarning, match=r"over 3 devices replicates .* heads \\(64, 128\\), mlp \\(32, 128\\), "
+                                     r"moe_mlp \\(32\\), vocab \\(320\\)$"):
     sharding.shard_model(model, sharding.tp_mesh(3))
 with warnings.catch_warnings():
     warnings.simplefilter("error")
