@@ -76,7 +76,7 @@ SAMPLING_FIELDS = {
 # The other fields both take, and the JSON types they take.
 COMMON_FIELDS = {"model": (str,), "n": None, "stream": (bool,), "stream_options": (dict,), "user": (str,),
                  "return_token_ids": (bool,), "return_tokens_as_token_ids": (bool,), "include_stop_str_in_output": (bool,),
-                 "response_format": (dict,), "structured_outputs": (dict,)}
+                 "response_format": (dict,), "structured_outputs": (dict,), "truncate_prompt_tokens": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +410,8 @@ class Completion:
         top, asked = options["logprobs"], options["prompt_logprobs"]
         if body.get("echo") and top is not None:  # the prompt's logprobs too: the engine computes the most asked
             options["prompt_logprobs"] = top if asked is None else max(top, asked) if counts(top, asked) else asked
-        return cls(prompts_of(body["prompt"], served.tokenizer), options, choices_per_prompt(body), *answer_form(body))
+        prompts = [truncated(p, body, served) for p in prompts_of(body["prompt"], served.tokenizer)]
+        return cls(prompts, options, choices_per_prompt(body), *answer_form(body))
 
     @classmethod
     def parse_chat(cls, body: dict, served: Served) -> Completion:
@@ -420,7 +421,7 @@ class Completion:
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true")
         text, tools = rendered_chat(body, served)
-        prompt = served.tokenizer.encode(text)
+        prompt = truncated(served.tokenizer.encode(text), body, served)
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
                      max(1, served.max_model_len - len(prompt)))
         options = {**Endpoint.sampling(body, served.sampling_defaults), "max_new_tokens": limit,
@@ -621,6 +622,18 @@ def template_tool_calls(where: str, calls) -> list[dict]:
                 arguments = parsed if isinstance(parsed, dict) else arguments
         out.append({**call, "function": {**call["function"], "arguments": arguments}})
     return out
+
+
+def truncated(prompt: list[int], body: dict, served: Served) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (vLLM's left truncation; -1: the context
+    limit); the whole prompt without the field."""
+    keep = body.get("truncate_prompt_tokens")
+    if keep is None:
+        return prompt
+    if not counts(keep) or not (keep == -1 or 1 <= keep <= served.max_model_len):
+        raise BadRequest(f"truncate_prompt_tokens must be -1 (the context limit) or an integer from 1 to the "
+                         f"context limit, max_model_len ({served.max_model_len}), got {keep!r}")
+    return prompt[-(served.max_model_len if keep == -1 else keep):]
 
 
 def prompts_of(prompt, tokenizer: Tokenizer) -> list[list[int]]:

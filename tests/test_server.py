@@ -561,6 +561,27 @@ def test_special_tokens_leave_the_text_but_the_markup_its_reply_is_read_for():
             assert "".join(c["choices"][0]["text"] for c in events(s, body)[:-1]) == text
 
 
+def test_truncate_prompt_tokens_keeps_a_prompts_last_tokens():
+    """vLLM's truncate_prompt_tokens: each prompt (text, ids, a chat's rendering) keeps its last k
+    tokens, which usage and echo count and show; -1 is the context limit; past it, 0, or not an
+    integer is a 400 that names the field."""
+    with scripted_server(KIMI_TEMPLATE, "ok") as s:
+        body = {"prompt": ["abcdefgh", [1, 2, 3]], "max_tokens": 4, "return_token_ids": True, "echo": True}
+        for keep, kept in ((3, ["fgh", "\x01\x02\x03"]), (-1, ["abcdefgh", "\x01\x02\x03"])):
+            status, whole = post(s, {**body, "truncate_prompt_tokens": keep})
+            assert status == 200, whole
+            assert [c["prompt_token_ids"] for c in whole["choices"]] == [list(k.encode()) for k in kept]
+            assert [c["text"] for c in whole["choices"]] == [k + "ok" for k in kept]  # echo: the prompt kept
+            assert whole["usage"]["prompt_tokens"] == sum(map(len, kept))
+        status, whole = post(s, {"messages": ASK, "truncate_prompt_tokens": 5, "return_token_ids": True}, CHAT)
+        assert status == 200 and whole["prompt_token_ids"] == list(b"ant|>"), whole  # the rendering's last 5
+        for keep in (0, -2, 4097, "3", True, 2.0):
+            for path, request in (("/v1/completions", {"prompt": "abc", "truncate_prompt_tokens": keep}),
+                                  (CHAT, {"messages": ASK, "truncate_prompt_tokens": keep})):
+                status, error = post(s, request, path)
+                assert status == 400 and "truncate_prompt_tokens must be -1" in error["error"]["message"], keep
+
+
 FORCED = [("required", '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}]', "tool_calls"),
           ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo", "days": 2}', "stop")]
 
