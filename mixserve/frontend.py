@@ -48,7 +48,8 @@ class Frontend:
                top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop_token_ids: tuple[int, ...] = (),
                stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False, min_tokens: int = 0,
                logprobs: int | None = None, prompt_logprobs: int | None = None, logit_bias: dict[int, float] | None = None,
-               repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+               allowed_token_ids: tuple[int, ...] | None = None, repetition_penalty: float = 1.0,
+               frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
                priority: int = 0, skip_special_tokens: bool = True, kept_special_ids: Collection[int] = ()) -> int:
         """Queue one request and return its id; `step` runs it. A request that can never be served
@@ -68,6 +69,8 @@ class Frontend:
         computes it (the request then shares no cached prefix), in its first Update and Result.
         logit_bias: token id -> a number in [-100, 100] added to its logit before sampling, greedy
         included (OpenAI's; at most MAX_LOGIT_BIAS ids); logprobs stay the model's own.
+        allowed_token_ids: the only tokens it may sample, greedy included (vLLM's; the end token
+        too only if listed), applied as a structured output's mask is (not both).
         Then the penalties, as vLLM applies them, greedy included: a token of the prompt or output
         has its logit divided by repetition_penalty (> 0; 1: off) where positive, multiplied
         where not; a token of the output loses frequency_penalty (in [-2, 2]) per occurrence and
@@ -85,7 +88,7 @@ class Frontend:
         return self._submit(prompt, 0, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, seed=self._seed(seed), stop_token_ids=stop_token_ids,
                             stop=stop_strings(stop), ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias,
+                            prompt_logprobs=prompt_logprobs, logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, structured_output=structured_output,
                             cache_salt=cache_salt, priority=priority, skip_special_tokens=skip_special_tokens,
@@ -142,7 +145,8 @@ class Frontend:
                  top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] | None = (), ignore_eos: bool = False,
                  min_tokens: int = 0, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 logit_bias: dict[int, float] | None = None, repetition_penalty: float = 1.0,
+                 logit_bias: dict[int, float] | None = None, allowed_token_ids: tuple[int, ...] | None = None,
+                 repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  structured_output: StructuredOutput | None = None, cache_salt: str | None = None,
                  priority: int = 0, skip_special_tokens: bool = True,
@@ -158,7 +162,7 @@ class Frontend:
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=self._seed(seed), stop_token_ids=stop_token_ids, stop=stop_strings(stop),
                        ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                       logit_bias=logit_bias,
+                       logit_bias=logit_bias, allowed_token_ids=allowed_token_ids,
                        repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, structured_output=structured_output, cache_salt=cache_salt,
                        priority=priority, skip_special_tokens=skip_special_tokens,

@@ -28,6 +28,14 @@ from mixserve.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, To
 ALL_ALLOWED = -1  # a mask word whose 32 bits are set
 
 
+def token_mask(ids, words: int) -> np.ndarray:
+    """A mask of `words` int32 words (bit v % 32 of word v // 32, as llguidance writes them) that
+    allows exactly the tokens ids."""
+    bits = np.zeros(words * 32, bool)
+    bits[np.asarray(ids, np.int64)] = True
+    return np.packbits(bits.reshape(words, 32), axis=1, bitorder="little").view(np.int32).reshape(words)
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must match: exactly one of a JSON schema (a dict or its text),

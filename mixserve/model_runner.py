@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve import page_table as pt
 from mixserve import kv_transfer, sharding, speculative
-from mixserve.grammar import Grammars
+from mixserve.grammar import Grammars, token_mask
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs
@@ -359,10 +359,10 @@ class ModelRunner:
         the token counts they read (as many columns as the most distinct tokens a penalized request
         holds, a power of two: `penalty_width`), the stop tokens its min_tokens holds back (while
         it is short of them; as many columns, a power of two, as the most a short request holds),
-        and the tokens its structured output allows (speculative: drafts[i] are reqs[i]'s drafts,
-        and its row gets a mask per verified position; kept[i] false: the call samples reqs[i] a
-        token that is not kept, a prefill chunk short of the prompt's end, and its mask is not
-        computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
+        and the tokens its structured output or allowed_token_ids allows (speculative: drafts[i]
+        are reqs[i]'s drafts, and its row gets a mask per verified position; kept[i] false: the
+        call samples reqs[i] a token that is not kept, a prefill chunk short of the prompt's end,
+        and its grammar's mask is not computed). reqs[i] goes to row rows[i] of `batch` rows; other rows are greedy."""
         counts = [r.token_counts() if r.penalized else () for r in reqs]
         held = [r.held_stops(self.cfg.stop_tokens) for r in reqs]
         most_held = max(map(len, held), default=0)
@@ -391,9 +391,13 @@ class ModelRunner:
                 for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
         openers = [(r.matcher if r.matcher_alive else None, row, token) for i, (r, row) in enumerate(zip(reqs, rows))
                    if (kept is None or kept[i]) and (token := r.opener()) is not None]
-        if held or openers:
+        listed = [(row, r.allowed_token_ids) for r, row in zip(reqs, rows) if r.allowed_token_ids is not None]
+        if held or openers or listed:
             positions = 1 + self.cfg.speculative_tokens if drafts else 1
-            s = s._replace(allowed_BW=self.grammars.allowed(held, batch, positions, openers))
+            allowed = self.grammars.allowed(held, batch, positions, openers)  # every token where no grammar
+            for row, ids in listed:  # allowed_token_ids: the same mask at each verified position
+                allowed[row] &= np.tile(token_mask(ids, self.grammars.words), positions)
+            s = s._replace(allowed_BW=allowed)
         return Sampling(*(jnp.asarray(a) for a in s))
 
     def _width(self, table: pt.PageTable, end_B: np.ndarray) -> int:

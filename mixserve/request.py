@@ -125,6 +125,7 @@ class Request:
     logprobs: int | None = None  # None: none; n: each token's log-probability, rank and the n likeliest
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: dict | None = None  # token id -> a number added to its logit before sampling (greedy too)
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens it may sample (vLLM's; greedy too)
     repetition_penalty: float = 1.0  # > 0: prompt and output tokens' logits divided (> 0) or multiplied (<= 0) by it
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted from a token's logit for each time it is in the output
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from the logit of a token in the output
@@ -437,6 +438,12 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
             return f"{name} must be None or an integer in [0, max_logprobs={max_logprobs}], got {n!r}"
     if why := logit_bias_reason(req.logit_bias, vocab_size):
         return why
+    ids = req.allowed_token_ids
+    if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
+        return f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size}), got {ids!r}"
+    if ids is not None and req.structured_output is not None:
+        return "give allowed_token_ids or a structured output, not both (the grammar's tokens are the allowed ones)"
     if req.repetition_penalty <= 0 or not -2 <= req.frequency_penalty <= 2 or not -2 <= req.presence_penalty <= 2:
         return (f"need repetition_penalty > 0 and frequency_penalty, presence_penalty in [-2, 2] (vLLM's and "
                 f"OpenAI's ranges), got {req.repetition_penalty}, {req.frequency_penalty}, {req.presence_penalty}")

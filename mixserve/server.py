@@ -68,8 +68,9 @@ SAMPLING_FIELDS = {
     "temperature": ("temperature", 1.0), "top_p": ("top_p", 1.0), "top_k": ("top_k", 0), "min_p": ("min_p", 0.0),
     "seed": ("seed", None), "stop": ("stop", None), "stop_token_ids": ("stop_token_ids", ()),
     "ignore_eos": ("ignore_eos", False), "min_tokens": ("min_tokens", 0), "prompt_logprobs": ("prompt_logprobs", None),
-    "logit_bias": ("logit_bias", None), "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0), "repetition_penalty": ("repetition_penalty", 1.0),
+    "logit_bias": ("logit_bias", None), "allowed_token_ids": ("allowed_token_ids", None),
+    "presence_penalty": ("presence_penalty", 0.0), "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
     "cache_salt": ("cache_salt", None), "priority": ("priority", 0),
     "skip_special_tokens": ("skip_special_tokens", True),
 }
@@ -115,8 +116,9 @@ class Endpoint:
         """submit's sampling keywords: the body's fields, else `defaults` (the served model's), else ours."""
         options = {keyword: defaults.get(name, default) if body.get(name) is None else body[name]
                    for name, (keyword, default) in SAMPLING_FIELDS.items()}
-        if isinstance(options["stop_token_ids"], list):
-            options["stop_token_ids"] = tuple(options["stop_token_ids"])
+        for keyword in ("stop_token_ids", "allowed_token_ids"):
+            if isinstance(options[keyword], list):
+                options[keyword] = tuple(options[keyword])
         if isinstance(bias := options["logit_bias"], dict):  # JSON keys are strings: the token ids as text
             options["logit_bias"] = {int(k) if k.isdecimal() else k: v for k, v in bias.items()}
         options["structured_output"] = structured_output_of(body)

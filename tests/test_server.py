@@ -265,7 +265,8 @@ def test_penalties_are_served_as_mixserve_run_serves_them(srv, reference, capsys
     for bad, name in (({"repetition_penalty": 0}, "repetition_penalty > 0"), ({"frequency_penalty": 2.5}, "[-2, 2]"),
                       ({"presence_penalty": "high"}, "presence_penalty must be a finite number"),
                       ({"min_tokens": 17}, "min_tokens must be an integer from 0 to max_tokens ("),
-                      ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False")):
+                      ({"skip_special_tokens": "no"}, "skip_special_tokens must be True or False"),
+                      ({"allowed_token_ids": []}, "allowed_token_ids must be None or a non-empty list")):
         for path, request in (("/v1/completions", greedy(**bad)), (CHAT, chat(**bad))):
             status, error = post(srv, request, path)
             assert status == 400 and name in error["error"]["message"], (bad, error)

@@ -149,6 +149,36 @@ def test_speculative_verification_keeps_only_drafts_the_grammar_allows():
     assert [r.tokens for r in engine(speculative_tokens=2).generate(prompts, **request)] == [r.tokens for r in plain]
 
 
+def test_allowed_token_ids_leave_only_those_tokens_plain_and_speculative():
+    """vLLM's allowed_token_ids, through the masks structured outputs use: prefill's first token
+    and every decode step sample among them only. Greedy, the tokens of a +100 logit bias on them
+    (the tiny models' logits span far less); sampled, none outside them; speculative verification
+    of oracle drafts, right or with one moved outside the set, keeps the plain tokens. Refused per
+    request: empty, outside the vocabulary, or beside a structured output."""
+    model = byte_model("tiny-glm4", mtp=True)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(0, 256, 5 + 7 * i)] for i in range(3)]
+    allowed = (10, 65, 67, 69, 120)  # each id + 1 (the oracle's wrong draft) is outside: no end token
+    request = dict(max_new_tokens=10, allowed_token_ids=allowed)
+    engine = lambda **kw: Engine(model, num_pages=64, page_size=8, max_batch=4, **ONE_STEP_SHAPE, **kw)
+    plain_engine = engine()
+    plain = plain_engine.generate(prompts, **request)
+    biased = plain_engine.generate(prompts, max_new_tokens=10, logit_bias={t: 100 for t in allowed})
+    assert [r.tokens for r in plain] == [r.tokens for r in biased]
+    assert all(r.status == "ok" and len(r.tokens) == 10 and set(r.tokens) <= set(allowed) for r in plain), plain
+    sampled = plain_engine.generate(prompts, temperature=1.0, seed=3, **request)
+    tokens = [t for r in sampled for t in r.tokens]
+    assert set(tokens) <= set(allowed) and len(set(tokens)) > 1, tokens
+    for wrong_at in (None, 1):
+        got = _run_with_oracle(engine(speculative_tokens=3), prompts, plain, 3, wrong_at, **request)
+        assert [r.tokens for r in got] == [r.tokens for r in plain], wrong_at
+    for options, why in (({"allowed_token_ids": ()}, "non-empty list of token ids"),
+                         ({"allowed_token_ids": (1, model.config.vocab_size)}, "non-empty list of token ids"),
+                         ({"allowed_token_ids": [65], "structured_output": StructuredOutput(choice=["A"])},
+                          "not both")):
+        r = plain_engine.generate(prompts[:1], max_new_tokens=2, **options)[0]
+        assert r.status == "rejected" and why in r.reason, (options, r.reason)
+
+
 def test_a_grammar_after_a_free_part_starts_at_its_end_plain_and_speculative():
     """StructuredOutput.after (a thinking model's `</think>`): take the first token after the
     first that plain greedy decoding emits for the first time as the end of the free part (so it
