@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mixserve import page_table as pt
 from mixserve import kv_transfer, sharding, speculative
-from mixserve.grammar import Grammars, token_mask
+from mixserve.grammar import Grammars
 from mixserve.kv_cache import KVFormat, PagedKV, StepInputs, init_pools
 from mixserve.model import Model
 from mixserve.request import INDEXER_TOPK, ROUTED_EXPERTS, Request, TokenLogprobs
@@ -391,12 +391,12 @@ class ModelRunner:
                 for i, (r, row, first) in enumerate(zip(reqs, rows, starts)) if first is not None]
         openers = [(r.matcher if r.matcher_alive else None, row, token) for i, (r, row) in enumerate(zip(reqs, rows))
                    if (kept is None or kept[i]) and (token := r.opener()) is not None]
-        listed = [(row, r.allowed_token_ids) for r, row in zip(reqs, rows) if r.allowed_token_ids is not None]
+        listed = [(row, r) for r, row in zip(reqs, rows) if r.allowed_token_ids is not None]
         if held or openers or listed:
             positions = 1 + self.cfg.speculative_tokens if drafts else 1
             allowed = self.grammars.allowed(held, batch, positions, openers)  # every token where no grammar
-            for row, ids in listed:  # allowed_token_ids: the same mask at each verified position
-                allowed[row] &= np.tile(token_mask(ids, self.grammars.words), positions)
+            for row, r in listed:  # allowed_token_ids: the same mask at each verified position
+                allowed[row] &= np.tile(r.allowed_mask(self.grammars.words), positions)
             s = s._replace(allowed_BW=allowed)
         return Sampling(*(jnp.asarray(a) for a in s))
 

@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from mixserve.grammar import StructuredOutput
+from mixserve.grammar import StructuredOutput, token_mask
 from mixserve.tokenizer import IncrementalDecoder, Tokenizer, text_tokenizer
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias: the sampling argument of the steps has this fixed width
@@ -169,10 +169,17 @@ class Request:
     # (Frontend.submit makes it, with no row, for an engine that returns them)
     replay_rows: np.ndarray | None = dataclasses.field(default=None, repr=False)
     replay_end: int = 0
+    _allowed_mask: np.ndarray | None = dataclasses.field(default=None, repr=False)  # allowed_mask's
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.out
+
+    def allowed_mask(self, words: int) -> np.ndarray:
+        """allowed_token_ids as a token mask of `words` int32 words, made once (a step reads it per row)."""
+        if self._allowed_mask is None:
+            self._allowed_mask = token_mask(self.allowed_token_ids, words)
+        return self._allowed_mask
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -441,7 +448,7 @@ def reject_reason(req: Request, *, vocab_size: int, max_seq_len: int, page_size:
     ids = req.allowed_token_ids
     if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)):
-        return f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size}), got {ids!r}"
+        return f"allowed_token_ids must be None or a non-empty list of token ids in [0, {vocab_size}), got {ids!r:.200}"
     if ids is not None and req.structured_output is not None:
         return "give allowed_token_ids or a structured output, not both (the grammar's tokens are the allowed ones)"
     if req.repetition_penalty <= 0 or not -2 <= req.frequency_penalty <= 2 or not -2 <= req.presence_penalty <= 2:

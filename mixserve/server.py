@@ -423,7 +423,10 @@ class Completion:
         if body.get("top_logprobs") is not None and not body.get("logprobs"):
             raise BadRequest("top_logprobs needs logprobs: true")
         text, tools = rendered_chat(body, served)
-        prompt = truncated(served.tokenizer.encode(text), body, served)
+        encoded = served.tokenizer.encode(text)
+        prompt = truncated(encoded, body, served)
+        if len(prompt) < len(encoded):  # its reply is read against what the model sees (an open <think>)
+            text = served.tokenizer.decode(prompt)
         limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
                      max(1, served.max_model_len - len(prompt)))
         options = {**Endpoint.sampling(body, served.sampling_defaults), "max_new_tokens": limit,
