@@ -274,3 +274,12 @@ def test_host_kv_memory_brings_back_an_evicted_prompt():
     assert plain["requests"][-1]["cached_tokens"] == 0 and plain["counters"]["evicted_pages"] > 0
     full_pages = (len(ByteTokenizer().encode(prompts[0])) - 1) // 16
     assert hosted["requests"][-1]["cached_tokens"] == hosted["counters"]["host_restored_tokens"] == 16 * full_pages
+
+
+def test_skip_special_tokens_is_on_unless_the_flag_turns_it_off():
+    """--no-skip-special-tokens keeps the tokenizer's special tokens in the text (vLLM's default
+    leaves them out); the text path itself is tested through the server and Request."""
+    for flags, skip in (((), True), (("--no-skip-special-tokens",), False)):
+        args = run.build_parser().parse_args(list(flags))
+        args.structured_output = None  # main sets it from the structured-output flags
+        assert run.request_options(args)["skip_special_tokens"] is skip, flags
