@@ -35,6 +35,7 @@ import uuid
 from typing import Callable
 
 from mixserve.grammar import StructuredOutput
+from mixserve.tokenizer import special_ids_of
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -199,8 +200,7 @@ class ReplyParser:
         skip_special_tokens) keeps these, for the parser to read and take out."""
         markup = ((THINK, END_THINK) if self.reasoning else ()) + (self.calls.markup if self.calls else ())
         ids = [tokenizer.encode(m) for m in markup]
-        special = getattr(tokenizer, "special_ids", frozenset())  # a tokenizer of the caller's own may not say
-        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in special)
+        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in special_ids_of(tokenizer))
 
     def hold_answer(self, structured: StructuredOutput, tokenizer) -> StructuredOutput:
         """`structured`, held to the answer only (as vLLM holds a thinking model's answer, not its

@@ -60,7 +60,7 @@ from mixserve.grammar import StructuredOutput
 from mixserve.metrics import RequestMetrics, prometheus
 from mixserve.replies import TOOL_CALL_FORMATS, ReplyFormat, ReplyParser, ReplyStream, forced_calls_schema
 from mixserve.request import Result, TokenLogprobs, Update
-from mixserve.tokenizer import IncrementalDecoder, Tokenizer, text_tokenizer
+from mixserve.tokenizer import IncrementalDecoder, LeavingOut, Tokenizer, text_tokenizer
 
 # The sampling fields of both endpoints (vLLM's extensions among them) -> Frontend.submit's keywords,
 # with the value a missing or null field takes.
@@ -661,9 +661,10 @@ class Choice:
     (a text completion's, or with chat: an assistant message's, streamed as deltas)."""
 
     def __init__(self, index: int, prompt: list[int], tokenizer: Tokenizer, stop, returned: Returned,
-                 chat: bool = False, reply: ReplyStream | None = None, stop_token_ids=(), text: Tokenizer | None = None):
+                 chat: bool = False, reply: ReplyStream | None = None, stop_token_ids=(),
+                 text: Tokenizer | LeavingOut | None = None):
         self.index, self.prompt, self.tokenizer, self.returned, self.chat = index, prompt, tokenizer, returned, chat
-        # the completion's text is decoded with `text` (skip_special_tokens: tokenizer.text_tokenizer);
+        # the completion's text is decoded with `text` (skip_special_tokens: tokenizer.text_tokenizer's);
         # logprobs name tokens, and echo gives the prompt, by the tokenizer's own decoding
         self.text_tokenizer = text or tokenizer
         self.stop_token_ids = stop_token_ids  # the request's own (its stop_reason names them, not the model's end)

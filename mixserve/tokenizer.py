@@ -185,34 +185,29 @@ class ByteTokenizer:
         return bytes([token]) if 0 <= token < 256 else b""
 
 
+def special_ids_of(tokenizer) -> frozenset[int]:
+    """tokenizer.special_ids; none for a tokenizer of the caller's own that does not say."""
+    return getattr(tokenizer, "special_ids", frozenset())
+
+
 @dataclasses.dataclass(frozen=True)
 class LeavingOut:
-    """`tokenizer` whose text leaves out the ids `left_out` (vLLM's skip_special_tokens): they decode
-    to nothing, as tokenizers' own skipping does (it drops them before its decoders run). A token's
-    own bytes (logprobs) stay the tokenizer's."""
+    """`tokenizer`'s decoding, leaving out the ids `left_out` (vLLM's skip_special_tokens): they decode
+    to nothing, as tokenizers' own skipping does (it drops them before its decoders run). Only a
+    request's text is decoded so; its tokens' own names and bytes (logprobs) stay the tokenizer's."""
     tokenizer: Tokenizer
     left_out: frozenset[int]
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return self.tokenizer.special_ids
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.left_out])
 
-    def token_bytes(self, token: int) -> bytes:
-        return self.tokenizer.token_bytes(token)
 
-
-def text_tokenizer(tokenizer: Tokenizer, skip_special_tokens: bool, kept: Collection[int] = ()) -> Tokenizer:
-    """The tokenizer a request's text is decoded with: skip_special_tokens (vLLM's, true by default)
-    leaves the tokenizer's special tokens out of it, but those in kept (a chat reply's markup, which
-    its parser reads)."""
-    special = getattr(tokenizer, "special_ids", frozenset())  # a tokenizer of the caller's own may not say
-    left_out = special - frozenset(kept) if skip_special_tokens else frozenset()
+def text_tokenizer(tokenizer: Tokenizer, skip_special_tokens: bool,
+                   kept: Collection[int] = ()) -> Tokenizer | LeavingOut:
+    """What a request's text is decoded with: skip_special_tokens (vLLM's, true by default) leaves
+    the tokenizer's special tokens out of it, but those in kept (a chat reply's markup, which its
+    parser reads)."""
+    left_out = special_ids_of(tokenizer) - frozenset(kept) if skip_special_tokens else frozenset()
     return LeavingOut(tokenizer, left_out) if left_out else tokenizer
 
 
@@ -238,8 +233,8 @@ class IncrementalDecoder:
 
     MAX_HELD = 16  # tokens; a character spans at most 4 that hold bytes
 
-    def __init__(self, tokenizer: Tokenizer):
-        # A LeavingOut tokenizer's ids are dropped here, before a window is chosen: a context of
+    def __init__(self, tokenizer: Tokenizer | LeavingOut):
+        # A LeavingOut's ids are dropped here, before a window is chosen: a context of
         # left-out ids alone would decode to nothing, and a SentencePiece decoder (Metaspace) would
         # then strip the next word's space as the text's first.
         self._left_out = tokenizer.left_out if isinstance(tokenizer, LeavingOut) else frozenset()
